@@ -1,0 +1,1 @@
+"""resilient: checkpoint-first, fault-tolerant training runtime."""
