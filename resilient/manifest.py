@@ -1,0 +1,141 @@
+"""The manifest: the JSON document whose existence *is* a committed step (format version 1).
+
+It names every array (FQN, path, shape, dtype, chunking, regions with their writers and data
+checksums), the save-time layout, and the non-tensor state as plain JSON. No pickle: loading an
+untrusted checkpoint executes no code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.errors import IntegrityError
+
+FORMAT_NAME = "resilient"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def array_path(fqn: str) -> str:
+    """Where a tensor's array lives inside an attempt: its FQN with '.' -> '/'."""
+    return fqn.replace(".", "/")
+
+
+@dataclass(slots=True)
+class ArrayEntry:
+    fqn: str
+    path: str
+    shape: list[int]
+    dtype: str
+    shard_shape: list[int]
+    inner_shape: list[int]
+    nbytes: int
+    placements: list[str]
+    mesh_shape: list[int]
+    mesh_dim_names: list[str]
+    regions: list[dict]  # {"offsets", "sizes", "writer", "crc32c"}
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__ if k != "fqn"}
+
+    @staticmethod
+    def from_json(fqn: str, d: dict) -> ArrayEntry:
+        return ArrayEntry(fqn=fqn, **d)
+
+
+@dataclass(slots=True)
+class Manifest:
+    step: int
+    attempt: str
+    world_size: int
+    arrays: dict[str, ArrayEntry]
+    values: dict[str, dict]  # fqn -> {"value": v} or {"per_rank": [v0, v1, ...]}
+    metadata: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    created_unix: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "step": self.step,
+            "attempt": self.attempt,
+            "created_unix": self.created_unix,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_unix)),
+            "versions": self.versions,
+            "world_size": self.world_size,
+            "total_bytes": self.total_bytes,
+            "arrays": {fqn: a.to_json() for fqn, a in sorted(self.arrays.items())},
+            "values": self.values,
+            "metadata": self.metadata,
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+
+    @staticmethod
+    def loads(data: bytes, *, where: str) -> Manifest:
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise IntegrityError(f"manifest {where} is not valid JSON ({e}); the step is damaged") from e
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise IntegrityError(f"{where} is not a resilient manifest (format={d.get('format')!r})")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise IntegrityError(
+                f"manifest {where} has format version {d.get('format_version')}; this resilient "
+                f"reads version {FORMAT_VERSION}: upgrade resilient"
+            )
+        return Manifest(
+            step=d["step"],
+            attempt=d["attempt"],
+            world_size=d["world_size"],
+            arrays={fqn: ArrayEntry.from_json(fqn, a) for fqn, a in d["arrays"].items()},
+            values=d["values"],
+            metadata=d.get("metadata", {}),
+            versions=d.get("versions", {}),
+            created_unix=d.get("created_unix", 0.0),
+        )
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in ("resilient", "torch", "tensorstore"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "unknown"
+    return out
+
+
+def encode_values(per_rank: list[dict[str, Any]]) -> dict[str, dict]:
+    """JSON leaves of every rank: one value when all ranks agree, else one per rank."""
+    out: dict[str, dict] = {}
+    for fqn in per_rank[0]:
+        vals = [r.get(fqn) for r in per_rank]
+        same = all(json.dumps(v, sort_keys=True) == json.dumps(vals[0], sort_keys=True) for v in vals)
+        out[fqn] = {"value": vals[0]} if same else {"per_rank": vals}
+    return out

@@ -1,0 +1,60 @@
+"""Metrics as dataclasses, written by a sink as one JSON object per line."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class SaveStats:
+    step: int
+    rank: int
+    bytes_total: int = 0  # the whole checkpoint (all ranks)
+    bytes_written: int = 0  # by this rank
+    snapshot_s: float = 0.0  # training blocked for this
+    persist_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+    outcome: str = "committed"  # committed | failed | skipped | waited
+    waited_s: float = 0.0  # time save() waited for an earlier persist (policy "wait")
+
+    @property
+    def throughput_gib_s(self) -> float:
+        busy = self.persist_s + self.commit_s
+        return self.bytes_total / busy / 2**30 if busy > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"event": "save", **asdict(self), "throughput_gib_s": round(self.throughput_gib_s, 4)}
+
+
+@dataclass(slots=True)
+class RestoreStats:
+    step: int
+    rank: int
+    source: str = "persistent"
+    bytes_read: int = 0
+    seconds: float = 0.0
+    storage_reads: int = 0
+
+    def to_json(self) -> dict:
+        return {"event": "restore", **asdict(self)}
+
+
+@dataclass(slots=True)
+class JsonlSink:
+    """Appends one JSON line per record to ``path`` (thread-safe; None path = keep in memory)."""
+
+    path: str | None = None
+    records: list[dict] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def write(self, record: dict) -> None:
+        with self._lock:
+            self.records.append(record)
+            if self.path:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")

@@ -1,0 +1,125 @@
+"""The state model: a nested dict flattened into FQN-keyed leaves, and written back in place.
+
+Leaves are tensors (plain or DTensor) or JSON-able values. Keys join with '.', like the FQNs of
+``get_state_dict`` ("model.layers.0.attn.wq.weight", "optim.state.<param fqn>.exp_avg"), and the
+FQN with '.' replaced by '/' is the array's path in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, MutableMapping, MutableSequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from resilient.errors import StateError
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+@dataclass(slots=True)
+class Leaf:
+    """One leaf of a state tree and where it hangs, so a load can replace it in place."""
+
+    fqn: str
+    path: tuple[str, ...]
+    value: Any
+    parent: Any  # the dict or list that holds the leaf
+    key: Any  # the leaf's key (str) or index (int) in ``parent``
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.value, torch.Tensor)
+
+
+def _check_component(part: str, path: tuple[str, ...]) -> None:
+    if part == "" or "/" in part:
+        where = ".".join(path) or "<root>"
+        raise StateError(
+            f"state key {part!r} under {where!r} cannot name a checkpoint array: keys must be "
+            "non-empty and must not contain '/'; rename the key"
+        )
+
+
+def _contains_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_contains_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_contains_tensor(v) for v in value)
+    return False
+
+
+def check_json_value(value: Any, fqn: str) -> None:
+    """Raise :class:`StateError` unless ``value`` survives a JSON round trip."""
+    if isinstance(value, _JSON_SCALARS):
+        if isinstance(value, float) and not math.isfinite(value):
+            return  # written as NaN/Infinity, which Python's json reads back
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_json_value(item, f"{fqn}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise StateError(
+                    f"state value {fqn!r} has a dict key {k!r} of type {type(k).__name__}; JSON "
+                    "values need string keys: convert the key or store the dict differently"
+                )
+            check_json_value(v, f"{fqn}.{k}")
+        return
+    raise StateError(
+        f"state leaf {fqn!r} is a {type(value).__module__}.{type(value).__qualname__}, which is "
+        "neither a tensor nor JSON-able (str, int, float, bool, None, list, dict); convert it "
+        "(e.g. call .state_dict(), or use resilient.rng.capture_rng_state for RNG states)"
+    )
+
+
+def flatten_state(state: MutableMapping[str, Any]) -> dict[str, Leaf]:
+    """Flatten ``state`` into {fqn: Leaf}, rejecting anything that cannot be stored."""
+    if not isinstance(state, MutableMapping):
+        raise StateError(f"state must be a dict, got {type(state).__name__}")
+    leaves: dict[str, Leaf] = {}
+    for leaf in _walk(state, ()):
+        if leaf.fqn in leaves:
+            raise StateError(
+                f"two state entries flatten to the same name {leaf.fqn!r} (paths "
+                f"{leaves[leaf.fqn].path} and {leaf.path}); rename one of them"
+            )
+        if not leaf.is_tensor:
+            check_json_value(leaf.value, leaf.fqn)
+        leaves[leaf.fqn] = leaf
+    return leaves
+
+
+def _walk(container: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
+    items = container.items() if isinstance(container, MutableMapping) else enumerate(container)
+    for key, value in items:
+        part = str(key)
+        _check_component(part, path)
+        child = (*path, part)
+        if isinstance(value, MutableMapping) and value:
+            yield from _walk(value, child)
+        elif isinstance(value, (list, tuple)) and _contains_tensor(value):
+            if isinstance(value, tuple):
+                raise StateError(
+                    f"state entry {'.'.join(child)!r} is a tuple holding tensors; tuples cannot be "
+                    "restored in place: use a list or a dict"
+                )
+            yield from _walk(value, child)
+        else:
+            yield Leaf(".".join(child), child, value, container, key)
+
+
+def set_leaf(leaf: Leaf, value: Any) -> None:
+    """Replace a JSON leaf in its parent, keeping tuples tuples (JSON turns them into lists)."""
+    if isinstance(leaf.value, tuple) and isinstance(value, list):
+        value = tuple(value)
+    if isinstance(leaf.parent, (MutableMapping, MutableSequence)):
+        leaf.parent[leaf.key] = value
+    else:
+        raise StateError(f"cannot restore {leaf.fqn!r} in place: its container is immutable")

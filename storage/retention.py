@@ -1,0 +1,90 @@
+"""Which steps exist, which are committed, and what retention may delete.
+
+A step is committed iff its ``manifest.json`` exists. Everything else under a step directory that
+the manifest does not name — attempts of killed or failed saves — is an orphan. Retention runs
+only after a newer commit, deletes a step's manifest before its data (so a half-deleted step is
+simply uncommitted), and never touches the newest committed step or anything newer than it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from resilient.storage.objects import ObjectStore
+
+from resilient.errors import ConfigError
+from resilient.manifest import MANIFEST, parse_step_dir, step_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KeepLast:
+    """Keep the ``n`` newest committed steps (None: keep every step)."""
+
+    n: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n is not None and (not isinstance(self.n, int) or self.n < 1):
+            raise ConfigError(f"keep_last must be a positive integer or None, got {self.n!r}")
+
+
+@dataclass(slots=True)
+class StepListing:
+    committed: list[int] = field(default_factory=list)
+    uncommitted: list[int] = field(default_factory=list)  # a step dir with no manifest
+
+
+def list_steps(store: ObjectStore) -> StepListing:
+    listing = StepListing()
+    for name in store.list_children(""):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        (listing.committed if store.exists(f"{name}/{MANIFEST}") else listing.uncommitted).append(step)
+    listing.committed.sort()
+    listing.uncommitted.sort()
+    return listing
+
+
+def committed_attempt(store: ObjectStore, step: int) -> str | None:
+    data = store.read(f"{step_dir(step)}/{MANIFEST}")
+    return json.loads(data)["attempt"] if data is not None else None
+
+
+def plan_retention(store: ObjectStore, policy: KeepLast) -> list[str]:
+    """Keys (relative to the root) that retention would delete, oldest first."""
+    listing = list_steps(store)
+    if not listing.committed:
+        return []
+    newest = listing.committed[-1]
+    doomed: list[str] = []
+    if policy.n is not None:
+        for step in listing.committed[: -policy.n]:
+            doomed.append(step_dir(step))
+    kept = set(listing.committed[-policy.n :] if policy.n is not None else listing.committed)
+    for step in listing.uncommitted:
+        if step < newest:  # a newer uncommitted step may be a save still in flight
+            doomed.append(step_dir(step))
+    for step in sorted(kept):
+        attempt = committed_attempt(store, step)
+        for name in store.list_children(step_dir(step)):
+            if name.startswith("attempt-") and name != attempt:
+                doomed.append(f"{step_dir(step)}/{name}")
+    return doomed
+
+
+def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:
+    for key in keys:
+        if "/" not in key:  # a whole step: drop the commit marker first
+            store.delete_prefix(f"{key}/{MANIFEST}")
+        store.delete_prefix(key)
+        log.info("retention deleted %s/%s", store.location.url, key)
+
+
+def apply_retention(store: ObjectStore, policy: KeepLast) -> list[str]:
+    doomed = plan_retention(store, policy)
+    delete_step_keys(store, doomed)
+    return doomed

@@ -1,0 +1,136 @@
+"""S3 (or any S3-compatible store) through boto3: small objects, listings, deletes, commit markers.
+
+The commit point is a conditional PUT (``If-None-Match: *``): of two writers of the same manifest
+exactly one succeeds, with no lock service.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from resilient.storage.url import Location
+
+from resilient.errors import StorageError
+
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+def s3_client(location: Location):
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"max_attempts": 8, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=120,
+        max_pool_connections=64,
+    )
+    return boto3.client("s3", endpoint_url=location.endpoint, region_name=location.region, config=config)
+
+
+def _code(err: Exception) -> str:
+    return str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+
+
+class S3ObjectStore:
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self.bucket = location.bucket
+        self._client = s3_client(location)
+
+    def _key(self, key: str) -> str:
+        return self.location.join(key)
+
+    def _fail(self, op: str, key: str, err: Exception) -> StorageError:
+        where = f"s3://{self.bucket}/{self._key(key)}"
+        endpoint = f" at endpoint {self.location.endpoint}" if self.location.endpoint else ""
+        return StorageError(f"{op} {where}{endpoint} failed: {err}; check the bucket, credentials and endpoint")
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except Exception as e:
+            if _code(e) in _MISSING_CODES:
+                return None
+            raise self._fail("reading", key, e) from e
+
+    def write(self, key: str, data: bytes) -> None:
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        except Exception as e:
+            raise self._fail("writing", key, e) from e
+
+    def write_if_absent(self, key: str, data: bytes) -> bool:
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            return True
+        except Exception as e:
+            if _code(e) in _PRECONDITION_CODES:
+                return False
+            raise self._fail("creating", key, e) from e
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except Exception as e:
+            if _code(e) in _MISSING_CODES:
+                return False
+            raise self._fail("checking", key, e) from e
+
+    def _pages(self, key: str, delimiter: str | None):
+        prefix = self._key(key)
+        prefix = prefix + "/" if prefix else ""
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(**kwargs):
+                yield prefix, page
+        except Exception as e:
+            raise self._fail("listing", key, e) from e
+
+    def list_children(self, key: str) -> list[str]:
+        names = set()
+        for prefix, page in self._pages(key, "/"):
+            names.update(p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+            names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []))
+        return sorted(names)
+
+    def list_keys(self, key: str) -> list[str]:
+        out = []
+        for prefix, page in self._pages(key, None):
+            out.extend(o["Key"][len(prefix) :] for o in page.get("Contents", []))
+        return sorted(out)
+
+    def delete_prefix(self, key: str) -> None:
+        keys = [self.location.join(key, k) for k in self.list_keys(key)]
+        if self.exists(key):
+            keys.append(self._key(key))
+        batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
+
+        def delete(batch: list[str]) -> None:
+            objects = [{"Key": k} for k in batch]
+            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+
+        try:
+            with ThreadPoolExecutor(max_workers=8, thread_name_prefix="resilient-s3-delete") as pool:
+                list(pool.map(delete, batches))
+        except Exception as e:
+            raise self._fail("deleting", key, e) from e
+
+    def check_root(self, *, create: bool) -> None:
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            endpoint = self.location.endpoint or "the default AWS endpoint"
+            if _code(e) in _MISSING_CODES | {"NoSuchBucket"}:
+                raise StorageError(
+                    f"bucket {self.bucket!r} does not exist at {endpoint} (URL {self.location.url}); "
+                    "create it or fix the URL"
+                ) from e
+            raise StorageError(
+                f"cannot reach bucket {self.bucket!r} at {endpoint} (URL {self.location.url}): {e}; "
+                "check the endpoint (AWS_ENDPOINT_URL) and credentials"
+            ) from e
