@@ -9,6 +9,7 @@ atomic create-if-absent. A kill at any instant before that leaves the previous s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -38,10 +39,9 @@ def write_receipt(store: ObjectStore, attempt_key: str, rank: int, receipt: dict
 
 def write_failure(store: ObjectStore, attempt_key: str, rank: int, error: BaseException) -> None:
     """Best effort: tells the coordinator to stop waiting for this rank's receipt."""
-    try:
+    # The failure we report matters more than this one; the commit timeout still applies.
+    with contextlib.suppress(Exception):
         store.write(failure_key(attempt_key, rank), json.dumps({"rank": rank, "error": repr(error)}).encode())
-    except Exception:  # the failure we report matters more than this one; the timeout still applies
-        pass
 
 
 def wait_for_receipts(

@@ -62,7 +62,8 @@ class FileObjectStore:
         return os.path.join(self.root, key) if key else self.root
 
     def _fail(self, op: str, key: str, err: OSError) -> StorageError:
-        return StorageError(f"{op} {self._path(key)!r} failed: {err.strerror or err}; check the path and its permissions")
+        reason = err.strerror or err
+        return StorageError(f"{op} {self._path(key)!r} failed: {reason}; check the path and its permissions")
 
     def read(self, key: str) -> bytes | None:
         try:

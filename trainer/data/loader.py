@@ -1,0 +1,105 @@
+"""Prefetching with a torch DataLoader, keyed by the step's first global row.
+
+The dataset is indexed by the cursor (RowKey) of a global batch and returns this share's rows of
+it, so what a worker builds is a pure function of its index: the stream is the same for any
+``num_workers`` (0 builds in the calling thread). The sampler walks cursors forward from a start,
+one global batch at a time, without end; prefetching runs ahead of the trainer but never moves
+the pipeline's cursor (only ``OmniPipeline.commit_step`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from resilient.trainer.data.stream import Batch, RowKey, RowStream
+
+
+class _ShareOfStep(Dataset):
+    """Index: the cursor of a global batch. Item: (cursor, this share's rows as a Batch)."""
+
+    def __init__(self, stream: RowStream, share: int, num_shares: int) -> None:
+        self._stream = stream
+        self._share = share
+        self._num_shares = num_shares
+
+    def __getitem__(self, cursor: RowKey) -> tuple[RowKey, Batch]:
+        cursor = RowKey(*cursor)
+        keys = self._stream.rows_for_step(cursor, self._share, self._num_shares)
+        return cursor, self._stream.batch(keys)
+
+
+class _StepCursors(Sampler):
+    """Cursors of consecutive global batches from start on (an endless stream)."""
+
+    def __init__(self, stream: RowStream, start: RowKey) -> None:
+        self._stream = stream
+        self._start = start
+
+    def __iter__(self) -> Iterator[RowKey]:
+        cursor = self._start
+        while True:
+            yield cursor
+            cursor = self._stream.advance(cursor, self._stream.config.global_rows)
+
+
+def _as_is(item: tuple[RowKey, Batch]) -> tuple[RowKey, Batch]:
+    # The dataset already returns a whole batch; module-level so worker processes can pickle it.
+    return item
+
+
+class PrefetchLoader:
+    """Batches of consecutive steps, built ahead by DataLoader workers.
+
+    ``batch_at(cursor)`` returns the batch of the step starting at cursor. Asking again for the
+    same cursor (the trainer retries a step it did not commit) returns the same batch without
+    consuming the prefetch queue; asking for any cursor other than the next one (after a restore)
+    restarts the workers from there.
+    """
+
+    def __init__(self, stream: RowStream, share: int, num_shares: int) -> None:
+        self._stream = stream
+        self._dataset = _ShareOfStep(stream, share, num_shares)
+        self._iterator: Iterator[tuple[RowKey, Batch]] | None = None
+        self._expected: RowKey | None = None
+        self._last: tuple[RowKey, Batch] | None = None
+
+    def batch_at(self, cursor: RowKey) -> Batch:
+        if self._last is not None and self._last[0] == cursor:
+            return self._last[1]
+        if self._iterator is None or self._expected != cursor:
+            self._restart(cursor)
+        assert self._iterator is not None
+        got, batch = next(self._iterator)
+        if got != cursor:  # the sampler and the dataset disagree: a bug, not a user error
+            raise AssertionError(f"loader produced the batch of {got}, expected {cursor}")
+        self._last = (cursor, batch)
+        self._expected = self._stream.advance(cursor, self._stream.config.global_rows)
+        return batch
+
+    def _restart(self, start: RowKey) -> None:
+        self.close()
+        cfg = self._stream.config
+        workers = cfg.num_workers
+        loader = DataLoader(
+            self._dataset,
+            sampler=_StepCursors(self._stream, start),
+            batch_size=None,
+            collate_fn=_as_is,
+            num_workers=workers,
+            prefetch_factor=cfg.prefetch_factor if workers else None,
+            timeout=cfg.worker_timeout_s if workers else 0,
+        )
+        self._iterator = iter(loader)
+
+    def close(self) -> None:
+        """Stop the worker processes now; a later batch_at starts new ones."""
+        # Dropping the iterator would also stop them, but only when it is garbage-collected;
+        # torch has no public call for it, hence the private one (absent when num_workers is 0).
+        shutdown = getattr(self._iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._iterator = None
+        self._expected = None
+        self._last = None

@@ -1,0 +1,211 @@
+"""Hybrid parallelism for the omni model: tensor parallel inside a node, FSDP2 across data-parallel ranks.
+
+Order as in torchtitan: tensor parallelism first (it turns parameters into DTensors on the ``tp`` mesh),
+then activation checkpointing, then FSDP2 (``fully_shard``), which shards those DTensors further on the
+``dp_shard`` mesh. Both go through parameters by module name only; the names this file relies on are
+listed in the docstring of :mod:`resilient.trainer.model.omni` ("Parallelization surface").
+
+Resulting parameter placements on the ("dp_shard", "tp") mesh:
+
+- attention/MLP matrices: sharded on tp (rows of wq/wk/wv/w1/w3, columns of wo/w2) and on dp_shard;
+  when both shard dim 0 the dp placement is ``_StridedShard`` (never derive offsets from rank math);
+- text embedding (vocabulary rows) and text head (vocabulary columns): sharded on tp and dp_shard;
+- every other parameter (norms, modality embedding, audio/video projections and heads):
+  ``(Shard(0), Replicate())``, so every parameter is a DTensor on the full mesh and a checkpoint can
+  see from placements alone which ranks hold the same bytes.
+With ``tp == 1`` no tensor parallelism is applied and parameters are 1-D DTensors on ``dp_shard``.
+
+Gradients are SUMMED (not averaged) over dp_shard: the model divides its summed loss by a
+normalizer the trainer passes in (the global token count), which makes the sum the gradient of the
+global mean loss even when ranks hold different numbers of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from resilient.errors import ConfigError
+
+MESH_DIM_NAMES = ("dp_shard", "tp")
+ACTIVATION_CHECKPOINTING = ("none", "full")
+MIXED_PRECISION = ("off", "bf16")
+
+# Per-block tensor-parallel plan (Megatron-LM, Shoeybi et al. 2019): column-parallel into the heads /
+# hidden units, row-parallel out of them, so each block needs one all-reduce after attention and one
+# after the MLP, and each rank holds n_heads / tp whole heads.
+_BLOCK_PLAN: dict[str, ParallelStyle] = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How one replica group splits the model over its ``dp_shard × tp`` ranks."""
+
+    dp_shard: int = 1
+    """FSDP2 degree: ranks that each hold 1/dp_shard of every parameter and see different data."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split heads / hidden units and see the same data."""
+    activation_checkpointing: str = "none"
+    """'none', or 'full': recompute each transformer block in backward instead of storing activations."""
+    mixed_precision: str = "off"
+    """'off' (compute in the parameters' dtype) or 'bf16' (bf16 compute, fp32 master weights and
+    fp32 gradient reduction, via FSDP2's MixedPrecisionPolicy)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_shard", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ParallelConfig.{name}={value!r} must be an integer >= 1")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(
+                f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} "
+                f"must be one of {list(ACTIVATION_CHECKPOINTING)}"
+            )
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ConfigError(
+                f"ParallelConfig.mixed_precision={self.mixed_precision!r} must be one of {list(MIXED_PRECISION)}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_shard * self.tp
+
+
+def check_model_compatible(config: ParallelConfig, model_config: object) -> None:
+    """Raise ConfigError unless tp divides every dimension it splits (heads, MLP width, vocabulary).
+
+    ``model_config`` needs ``n_heads``, ``n_kv_heads``, ``ffn_hidden_dim`` and ``vocab_size``.
+    """
+    for field in ("n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size"):
+        size = getattr(model_config, field)
+        if size % config.tp:
+            divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise ConfigError(
+                f"ParallelConfig.tp={config.tp} must divide ModelConfig.{field}={size} "
+                f"(tensor parallelism splits it evenly); tp values that fit: {divisors}"
+            )
+
+
+def build_mesh(dp_shard: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A 2-D DeviceMesh named ("dp_shard", "tp") over the default process group; tp is the inner dim.
+
+    tp innermost: consecutive ranks (one node's GPUs under torchrun) share the tp groups, whose
+    per-block all-reduces are the most latency-bound traffic.
+    """
+    if not dist.is_initialized():
+        raise ConfigError("build_mesh needs an initialized default process group (dist.init_process_group)")
+    world = dist.get_world_size()
+    if dp_shard * tp != world:
+        raise ConfigError(f"dp_shard={dp_shard} × tp={tp} = {dp_shard * tp} must equal the world size {world}")
+    return init_device_mesh(device_type, (dp_shard, tp), mesh_dim_names=MESH_DIM_NAMES)
+
+
+def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> nn.Module:
+    """Apply TP, activation checkpointing and FSDP2 to ``model`` in place; returns it.
+
+    Call on the fully initialized, unsharded model, built identically (same seed) on every rank:
+    shards are cut locally, nothing is broadcast. Afterwards call the model only through
+    ``forward`` (FSDP2 gathers parameters in hooks around it), build the optimizer over
+    ``model.parameters()``, and normalize the loss globally (see the module docstring).
+    """
+    if tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
+        raise ConfigError(f"mesh dims are {mesh.mesh_dim_names}, parallelize_model needs {MESH_DIM_NAMES}")
+    if tuple(mesh.shape) != (config.dp_shard, config.tp):
+        raise ConfigError(
+            f"mesh shape {tuple(mesh.shape)} does not match ParallelConfig (dp_shard={config.dp_shard}, "
+            f"tp={config.tp})"
+        )
+    check_model_compatible(config, model.config)
+    if config.tp > 1:
+        _apply_tensor_parallel(model, mesh["tp"])
+    if config.activation_checkpointing == "full":
+        for block in model.layers.values():
+            # The composable API keeps parameter FQNs unchanged (checkpoint_wrapper would insert
+            # "_checkpoint_wrapped_module." into every name the checkpoint stores).
+            checkpoint(block, preserve_rng_state=False)
+    _apply_fsdp(model, mesh["dp_shard"], config)
+    return model
+
+
+def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    # src_data_rank=None: each rank cuts its shard from its own full copy (identical by the seeded
+    # init), as fully_shard does, instead of broadcasting every weight from tp rank 0.
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _BLOCK_PLAN, src_data_rank=None)
+    root_plan: dict[str, ParallelStyle] = {
+        # Vocabulary-sharded lookup, summed across tp (a row lives on one rank; the others add 0).
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # Vocabulary-sharded logits, gathered so the loss runs unchanged on every tp rank.
+        "text_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, root_plan, src_data_rank=None)
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and not all(isinstance(p, DTensor) for p in own):
+            if any(isinstance(p, DTensor) for p in own):
+                raise ConfigError(f"module {name!r} mixes tensor-parallel and plain parameters")
+            parallelize_module(module, tp_mesh, _ReplicateOnTP(), src_data_rank=None)
+
+
+class _ReplicateOnTP(ParallelStyle):
+    """Compute a small module redundantly on every tp rank, its parameters Replicate() DTensors.
+
+    Like torchtitan's ``NoParallel``. Inputs arrive as plain tensors holding the same values on every
+    tp rank (the outputs of row-parallel layers are all-reduced); wrapping them as Replicate costs no
+    communication, and their gradients come out identical on every tp rank too.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, self._wrap_inputs, self._unwrap_output)
+
+    @staticmethod
+    def _wrap_inputs(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    @staticmethod
+    def _unwrap_output(module: nn.Module, output: object, device_mesh: DeviceMesh) -> object:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, config: ParallelConfig) -> None:
+    if config.mixed_precision == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    # One FSDP unit per block (its all-gather overlaps the previous block's compute), and the root
+    # unit for embeddings, projections, final norm and heads.
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, not mean, over dp_shard (see the module docstring). Forcing plain SUM also avoids
+            # AVG/PREMUL_SUM, which gloo does not implement.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
