@@ -1,8 +1,10 @@
 """The state model: a nested dict flattened into FQN-keyed leaves, and written back in place.
 
-Leaves are tensors (plain or DTensor) or JSON-able values. Keys join with '.', like the FQNs of
-``get_state_dict`` ("model.layers.0.attn.wq.weight", "optim.state.<param fqn>.exp_avg"), and the
-FQN with '.' replaced by '/' is the array's path in a checkpoint.
+Leaves are tensors (plain or DTensor) or JSON-able values; a dict or list that holds no tensor
+at any depth is one JSON leaf (so an RNG or data-pipeline state loads whole, whatever its keys).
+Keys join with '.', like the FQNs of ``get_state_dict`` ("model.layers.0.attn.wq.weight",
+"optim.state.<param fqn>.exp_avg"); the FQN with '.' replaced by '/' is the array's path in a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def _walk(container: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
         part = str(key)
         _check_component(part, path)
         child = (*path, part)
-        if isinstance(value, MutableMapping) and value:
+        if isinstance(value, MutableMapping) and _contains_tensor(value):
             yield from _walk(value, child)
         elif isinstance(value, (list, tuple)) and _contains_tensor(value):
             if isinstance(value, tuple):
@@ -115,10 +117,19 @@ def _walk(container: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
             yield Leaf(".".join(child), child, value, container, key)
 
 
+def _like(template: Any, value: Any) -> Any:
+    """``value`` with the tuples that ``template`` had where JSON gave back lists."""
+    if isinstance(value, list) and isinstance(template, (list, tuple)):
+        items = [_like(t, v) for t, v in zip(template, value, strict=False)] + value[len(template):]
+        return tuple(items) if isinstance(template, tuple) else items
+    if isinstance(value, dict) and isinstance(template, dict):
+        return {k: _like(template[k], v) if k in template else v for k, v in value.items()}
+    return value
+
+
 def set_leaf(leaf: Leaf, value: Any) -> None:
     """Replace a JSON leaf in its parent, keeping tuples tuples (JSON turns them into lists)."""
-    if isinstance(leaf.value, tuple) and isinstance(value, list):
-        value = tuple(value)
+    value = _like(leaf.value, value)
     if isinstance(leaf.parent, (MutableMapping, MutableSequence)):
         leaf.parent[leaf.key] = value
     else:

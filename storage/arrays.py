@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import re
 
-from resilient.storage.objects import memory_context
-from resilient.storage.url import Location
-
 from resilient.errors import IntegrityError, StorageError
 from resilient.layout import ArrayPlan
+from resilient.storage.objects import memory_context
+from resilient.storage.url import Location
 
 _CHECKSUMMED = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 

@@ -14,22 +14,6 @@ import uuid
 from typing import Any
 
 import torch
-from resilient.storage.arrays import make_context
-from resilient.storage.commit import (
-    check_coverage,
-    commit_manifest,
-    wait_for_receipts,
-    write_failure,
-    write_receipt,
-)
-from resilient.storage.config import CheckpointerConfig
-from resilient.storage.handle import SaveHandle
-from resilient.storage.match import match_state
-from resilient.storage.objects import open_store
-from resilient.storage.reader import ReadTarget, read_into
-from resilient.storage.retention import KeepLast, apply_retention, list_steps
-from resilient.storage.url import parse_url
-from resilient.storage.writer import RegionData, now, region_view, write_regions, write_zarr_documents
 
 from resilient import dist
 from resilient.dtypes import to_numpy
@@ -54,6 +38,22 @@ from resilient.manifest import (
 )
 from resilient.metrics import RestoreStats, SaveStats
 from resilient.state import flatten_state
+from resilient.storage.arrays import make_context
+from resilient.storage.commit import (
+    check_coverage,
+    commit_manifest,
+    wait_for_receipts,
+    write_failure,
+    write_receipt,
+)
+from resilient.storage.config import CheckpointerConfig
+from resilient.storage.handle import SaveHandle
+from resilient.storage.match import match_state
+from resilient.storage.objects import open_store
+from resilient.storage.reader import ReadTarget, read_into
+from resilient.storage.retention import KeepLast, apply_retention, list_steps
+from resilient.storage.url import parse_url
+from resilient.storage.writer import RegionData, now, region_view, write_regions, write_zarr_documents
 
 log = logging.getLogger(__name__)
 

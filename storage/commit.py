@@ -15,11 +15,11 @@ import math
 import time
 
 import numpy as np
-from resilient.storage.objects import ObjectStore
 
 from resilient.errors import CommitError
 from resilient.layout import ArrayPlan, Box
 from resilient.manifest import LATEST, MANIFEST, Manifest, step_dir
+from resilient.storage.objects import ObjectStore
 
 RECEIPTS = "receipts"
 FAILURES = "failures"

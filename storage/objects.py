@@ -15,9 +15,8 @@ import threading
 import uuid
 from typing import Protocol
 
-from resilient.storage.url import Location
-
 from resilient.errors import StorageError
+from resilient.storage.url import Location
 
 
 class ObjectStore(Protocol):

@@ -10,12 +10,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from resilient.storage.arrays import array_metadata, open_array, read_error
-from resilient.storage.url import Location
 
 from resilient.dtypes import from_numpy, itemsize, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
+from resilient.storage.arrays import array_metadata, open_array, read_error
+from resilient.storage.url import Location
 
 
 @dataclass(slots=True)

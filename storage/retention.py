@@ -12,10 +12,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from resilient.storage.objects import ObjectStore
-
 from resilient.errors import ConfigError
 from resilient.manifest import MANIFEST, parse_step_dir, step_dir
+from resilient.storage.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from resilient.storage.url import Location
-
 from resilient.errors import StorageError
+from resilient.storage.url import Location
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}

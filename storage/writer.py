@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import crc32c
 import numpy as np
+
+from resilient.faults import fault_point
+from resilient.layout import ArrayPlan, Region
+from resilient.manifest import array_path
 from resilient.storage.arrays import (
     kvstore_spec,
     open_array,
@@ -20,10 +24,6 @@ from resilient.storage.arrays import (
     zarr_group_document,
 )
 from resilient.storage.url import Location
-
-from resilient.faults import fault_point
-from resilient.layout import ArrayPlan, Region
-from resilient.manifest import array_path
 
 
 @dataclass(slots=True)

@@ -133,8 +133,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig
         raise ConfigError(f"mesh dims are {mesh.mesh_dim_names}, parallelize_model needs {MESH_DIM_NAMES}")
     if tuple(mesh.shape) != (config.dp_shard, config.tp):
         raise ConfigError(
-            f"mesh shape {tuple(mesh.shape)} does not match ParallelConfig (dp_shard={config.dp_shard}, "
-            f"tp={config.tp})"
+            f"mesh shape {tuple(mesh.shape)} does not match ParallelConfig (dp_shard={config.dp_shard}, tp={config.tp})"
         )
     check_model_compatible(config, model.config)
     if config.tp > 1:

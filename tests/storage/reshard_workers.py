@@ -83,7 +83,7 @@ def write_reference(state: dict, path: str) -> None:
         if leaf.is_tensor:
             full = _full(leaf.value).detach().cpu()
             dtypes[fqn] = str(full.dtype)
-            arrays[fqn] = to_numpy(full).view(np.uint8).reshape(-1) if full.dim() else to_numpy(full.reshape(1)).view(np.uint8)
+            arrays[fqn] = to_numpy(full.reshape(-1)).view(np.uint8)
             arrays[fqn + ".shape"] = np.array(full.shape, dtype=np.int64)
     np.savez(path, **{k.replace("/", "|"): v for k, v in arrays.items()})
     with open(path + ".json", "w") as f:
@@ -96,7 +96,8 @@ def compare_to_reference(state: dict, path: str) -> int:
     from resilient.state import flatten_state
 
     ref = np.load(path if path.endswith(".npz") else path + ".npz", allow_pickle=False)
-    dtypes = json.load(open(path + ".json"))
+    with open(path + ".json") as f:
+        dtypes = json.load(f)
     checked = 0
     for fqn, leaf in flatten_state(state).items():
         if not leaf.is_tensor:
@@ -123,8 +124,6 @@ def save_world(rank: int, world: int, url: str, ref_path: str, layout: str) -> d
     model, opt = build(layout, seed=0)
     train_one_step(model, opt)
     state = state_of(model, opt)
-    if rank == 0:
-        pass
     write_reference(state, f"{ref_path}.rank{rank}")  # every rank: full_tensor() is collective
     ckpt = Checkpointer(url)
     ckpt.save(7, state).wait()

@@ -110,8 +110,7 @@ def synthetic_batch(
     positions.clamp_(max=config.max_positions - 1)
     is_text = modality == Modality.TEXT
     return {
-        "text_tokens": torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator)
-        * is_text,
+        "text_tokens": torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator) * is_text,
         "audio_frames": torch.randn(batch_size, seq_len, config.audio_dim, generator=generator)
         * (modality == Modality.AUDIO).unsqueeze(-1),
         "video_patches": torch.randn(batch_size, seq_len, config.video_dim, generator=generator)

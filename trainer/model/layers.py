@@ -64,9 +64,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False, dtype=dtype)
         self.wo = nn.Linear(config.n_heads * head_dim, dim, bias=False, dtype=dtype)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.wq(x).view(batch, length, -1, self.head_dim)
         k = self.wk(x).view(batch, length, -1, self.head_dim)
@@ -105,8 +103,6 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, dtype)
         self.feed_forward = FeedForward(config)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))

@@ -106,7 +106,7 @@ class OmniModel(nn.Module):
         ``loss_normalizer``: what the summed loss is divided by. Default: the local count of
         contributing tokens (a per-rank mean). A data-parallel trainer passes the global count over
         all data-parallel ranks instead, so that summing gradients across ranks gives the gradient of
-        the global mean loss whatever each rank's share of tokens.
+        the global mean loss whatever each rank's share of tokens. Values below 1 are taken as 1.
         """
         hidden = self.features(batch)
         return self._loss(hidden, batch, loss_normalizer)
@@ -147,11 +147,10 @@ class OmniModel(nn.Module):
         num_text = targets.text.sum()
         num_media = targets.audio.sum() + targets.video.sum()
         num_tokens = num_text + num_media
-        if loss_normalizer is None:
-            loss_normalizer = num_tokens.clamp(min=1).float()
-        elif isinstance(loss_normalizer, torch.Tensor):
-            loss_normalizer = loss_normalizer.detach().float()
-        loss = (text_sum + self.config.media_loss_weight * media_sum) / loss_normalizer
+        # A token count, at least 1: a batch (or a whole global step) without targets gives 0, not NaN.
+        normalizer = torch.as_tensor(num_tokens if loss_normalizer is None else loss_normalizer)
+        normalizer = normalizer.detach().float().clamp(min=1)
+        loss = (text_sum + self.config.media_loss_weight * media_sum) / normalizer
         text_sum, media_sum = text_sum.detach(), media_sum.detach()
         return OmniOutput(
             loss=loss,

@@ -26,8 +26,7 @@ def _batch(modality: list[int], doc_ids: list[int], positions: list[int], seed: 
     length = len(modality)
     return {
         "text_tokens": torch.randint(1, CONFIG.vocab_size, (1, length), generator=generator) * (modality_t == T),
-        "audio_frames": torch.randn(1, length, CONFIG.audio_dim, generator=generator)
-        * (modality_t == A).unsqueeze(-1),
+        "audio_frames": torch.randn(1, length, CONFIG.audio_dim, generator=generator) * (modality_t == A).unsqueeze(-1),
         "video_patches": torch.randn(1, length, CONFIG.video_dim, generator=generator)
         * (modality_t == V).unsqueeze(-1),
         "modality": modality_t,
@@ -69,9 +68,7 @@ def test_loss_on_a_hand_built_row_matches_a_direct_computation(model: OmniModel)
     assert (int(out.num_text_tokens), int(out.num_media_tokens), int(out.num_loss_tokens)) == (3, 4, 7)
     hidden = model.features(batch)[0]
     text_in, text_out = [0, 4, 8], [1, 5, 9]
-    text_sum = F.cross_entropy(
-        model.text_head(hidden[text_in]), batch["text_tokens"][0, text_out], reduction="sum"
-    )
+    text_sum = F.cross_entropy(model.text_head(hidden[text_in]), batch["text_tokens"][0, text_out], reduction="sum")
     audio_mse = (model.audio_head(hidden[[2, 3]]) - batch["audio_frames"][0, [3, 4]]).pow(2).mean(-1)
     video_mse = (model.video_head(hidden[[6, 7]]) - batch["video_patches"][0, [7, 8]]).pow(2).mean(-1)
     media_sum = audio_mse.sum() + video_mse.sum()
@@ -119,6 +116,10 @@ def test_padding_produces_no_nan_and_no_influence(model: OmniModel) -> None:
     alone = model({key: value[:1] for key, value in batch.items()})
     torch.testing.assert_close(model(batch).loss, alone.loss)
     assert int(model(batch).num_loss_tokens) == int(alone.num_loss_tokens)
+    # Nothing to learn anywhere (normalizer 0): the loss is 0, not 0/0.
+    padding_only = {key: value[1:] for key, value in batch.items()}
+    assert float(model(padding_only).loss.detach()) == 0.0
+    assert float(model(padding_only, loss_normalizer=0).loss.detach()) == 0.0
 
 
 @pytest.mark.timeout(60)

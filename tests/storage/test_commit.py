@@ -1,0 +1,71 @@
+"""The commit protocol's checks: coverage, a single commit per step, failed persists never commit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resilient import Checkpointer, CommitError
+from resilient.layout import Box, plan_arrays
+from resilient.manifest import Manifest
+from resilient.storage.commit import check_coverage, commit_manifest
+from resilient.storage.objects import FileObjectStore
+from resilient.storage.retention import KeepLast, plan_retention
+from resilient.storage.url import parse_url
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _plans():
+    info = lambda box: {"fqn": "w", "shape": [8, 2], "dtype": "float32", "box": box.to_json(),  # noqa: E731
+                        "placements": [], "mesh_shape": [], "mesh_dim_names": []}
+    return plan_arrays([[info(Box((0, 0), (4, 2)))], [info(Box((4, 0), (4, 2)))]])
+
+
+def _receipt(rank, *boxes):
+    return {"rank": rank, "regions": [{"fqn": "w", **b.to_json(), "nbytes": 0, "crc32c": 0} for b in boxes]}
+
+
+def test_coverage_check_catches_missing_and_duplicate_shards():
+    plans = _plans()
+    check_coverage(plans, [_receipt(0, Box((0, 0), (4, 2))), _receipt(1, Box((4, 0), (4, 2)))], step=3)
+    with pytest.raises(CommitError, match="'w' has 1 shard.s. never written and 0 written more than once"):
+        check_coverage(plans, [_receipt(0, Box((0, 0), (4, 2))), _receipt(1)], step=3)
+    with pytest.raises(CommitError, match="0 shard.s. never written and 1 written more than once"):
+        check_coverage(plans, [_receipt(0, Box((0, 0), (4, 2))), _receipt(1, Box((4, 0), (4, 2)),
+                                                                            Box((4, 0), (4, 2)))], step=3)
+
+
+def test_manifest_is_created_exactly_once(tmp_path):
+    store = FileObjectStore(parse_url(str(tmp_path)))
+    manifest = Manifest(step=4, attempt="attempt-a", world_size=1, arrays={}, values={})
+    commit_manifest(store, manifest)
+    with pytest.raises(CommitError, match="step 4 is already committed"):
+        commit_manifest(store, Manifest(step=4, attempt="attempt-b", world_size=1, arrays={}, values={}))
+    assert Manifest.loads(store.read("step-000000004/manifest.json"), where="x").attempt == "attempt-a"
+
+
+def test_failed_persist_never_commits_and_next_save_works(tmp_path, monkeypatch):
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, {"w": torch.ones(4)}).wait()
+    monkeypatch.setenv("RESILIENT_FAULTS", "persist.regions_written=raise")
+    with pytest.raises(Exception, match="injected fault at persist.regions_written"):
+        ckpt.save(2, {"w": torch.zeros(4)})
+    assert ckpt.steps() == [1]
+    assert (tmp_path / "latest").read_text() == '{"step": 1}'
+    monkeypatch.delenv("RESILIENT_FAULTS")
+    ckpt.save(2, {"w": torch.full((4,), 2.0)}).wait()
+    target = {"w": torch.zeros(4)}
+    assert ckpt.load(target) == 2 and torch.equal(target["w"], torch.full((4,), 2.0))
+
+
+def test_retention_never_deletes_newest_or_newer_uncommitted(tmp_path):
+    ckpt = Checkpointer(str(tmp_path))
+    for s in (1, 2, 3):
+        ckpt.save(s, {"w": torch.ones(2)}).wait()
+    (tmp_path / "step-000000004" / "attempt-inflight").mkdir(parents=True)  # a save in flight
+    (tmp_path / "step-000000002" / "attempt-orphan").mkdir()
+    doomed = plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(2))
+    assert doomed == ["step-000000001", "step-000000002/attempt-orphan"]
+    assert plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(None)) == [
+        "step-000000002/attempt-orphan"]

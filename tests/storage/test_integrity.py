@@ -1,0 +1,65 @@
+"""Corrupted, truncated or missing chunks: load names the tensor, step and chunk; other steps load."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient import Checkpointer, IntegrityError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _chunk_files(root, step: int, fqn_path: str) -> list[str]:
+    manifest = json.loads((Path(root) / f"step-{step:09d}" / "manifest.json").read_text())
+    base = os.path.join(root, f"step-{step:09d}", manifest["attempt"], fqn_path, "c")
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs)
+
+
+def _save_two_steps(root) -> tuple[Checkpointer, dict, dict]:
+    ckpt = Checkpointer(str(root), config=None)
+    s1 = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "v": torch.ones(8)}
+    s2 = {"w": s1["w"] + 1, "v": s1["v"] * 2}
+    ckpt.save(1, s1).wait()
+    ckpt.save(2, s2).wait()
+    return ckpt, s1, s2
+
+
+def test_flipped_byte_names_tensor_step_and_chunk(tmp_path):
+    ckpt, s1, _ = _save_two_steps(tmp_path)
+    (chunk,) = _chunk_files(tmp_path, 2, "w")
+    data = bytearray(Path(chunk).read_bytes())
+    data[100] ^= 0xFF
+    Path(chunk).write_bytes(bytes(data))
+    target = {"w": torch.zeros(64, 64), "v": torch.zeros(8)}
+    with pytest.raises(IntegrityError) as info:
+        ckpt.load(target)
+    msg = str(info.value)
+    assert "'w'" in msg and "step 2" in msg and "inner chunk {0, 0}" in msg and "c/0/0" in msg
+    assert ckpt.load(target, step=1) == 1  # the other step still loads, exactly
+    assert torch.equal(target["w"], s1["w"]) and torch.equal(target["v"], s1["v"])
+
+
+def test_truncated_and_missing_chunk_objects_are_integrity_errors(tmp_path):
+    ckpt, _, _ = _save_two_steps(tmp_path)
+    (w_chunk,) = _chunk_files(tmp_path, 2, "w")
+    data = Path(w_chunk).read_bytes()
+    Path(w_chunk).write_bytes(data[: len(data) // 2])
+    target = {"w": torch.zeros(64, 64), "v": torch.zeros(8)}
+    with pytest.raises(IntegrityError, match=r"tensor 'w' at step 2"):
+        ckpt.load(target)
+    (v_chunk,) = _chunk_files(tmp_path, 1, "v")
+    os.remove(v_chunk)
+    with pytest.raises(IntegrityError, match=r"tensor 'v' at step 1 is missing data"):
+        ckpt.load(target, step=1)
+
+
+def test_damaged_manifest_is_an_integrity_error(tmp_path):
+    ckpt, _, _ = _save_two_steps(tmp_path)
+    (tmp_path / "step-000000002" / "manifest.json").write_text("{not json")
+    with pytest.raises(IntegrityError, match="manifest .*step-000000002.* is not valid JSON"):
+        ckpt.load({"w": torch.zeros(64, 64), "v": torch.zeros(8)})
