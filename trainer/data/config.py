@@ -141,6 +141,11 @@ class DataConfig:
         """Tokens of the longest possible sample; longer than row_len means truncation."""
         return int(self.sample_tokens(np.asarray(self.max_audio_frames)))
 
+    @property
+    def max_positions(self) -> int:
+        """Largest temporal position + 1 in any batch (prompt + one per 40 ms + caption), for RoPE."""
+        return TEXT_TOKENS_PER_SAMPLE + self.max_audio_frames
+
     def video_frames(self, audio_frames: np.ndarray) -> np.ndarray:
         """Video frames of clips with these audio frame counts.
 

@@ -80,6 +80,7 @@ class PrefetchLoader:
 
     def _restart(self, start: RowKey) -> None:
         self.close()
+        self._stream.plan(start.epoch)  # built once here, inherited by forked workers
         cfg = self._stream.config
         workers = cfg.num_workers
         loader = DataLoader(

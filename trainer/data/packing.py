@@ -83,9 +83,7 @@ class EpochPlan:
         return float(self.row_tokens.sum()) / (self.num_rows * self.row_len)
 
 
-def plan_epoch(
-    token_counts: np.ndarray, *, seed: int, epoch: int, row_len: int, packing_window: int
-) -> EpochPlan:
+def plan_epoch(token_counts: np.ndarray, *, seed: int, epoch: int, row_len: int, packing_window: int) -> EpochPlan:
     """Pack one epoch; token_counts[i] is the length of sample i (all samples of the epoch)."""
     order = epoch_order(seed, epoch, len(token_counts))
     kept = np.minimum(token_counts, row_len)

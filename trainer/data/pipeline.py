@@ -63,6 +63,10 @@ class OmniPipeline:
         return self.config.vocab_size
 
     @property
+    def max_positions(self) -> int:
+        return self.config.max_positions
+
+    @property
     def rows_per_share(self) -> int:
         """B of this pipeline's batches."""
         return self.config.global_rows // self.num_shares

@@ -12,6 +12,7 @@ the epoch, the order of rendering, the worker, or num_samples.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,17 @@ class Clip:
     video: np.ndarray
     """float32 [video_frames, frame_size, frame_size, 3] RGB in [0, 1]; frame j is at j / fps s."""
     caption: list[str]
+
+
+@functools.cache
+def _loudness_period(tempo: str) -> np.ndarray:
+    """Amplitude over one beat at 16 kHz (tempos divide 16000, so it tiles exactly).
+
+    A lookup table instead of exp(mod(t, period)) per sample: same values, a fraction of the cost.
+    """
+    period = np.arange(round(SAMPLE_RATE / TEMPOS[tempo])) / SAMPLE_RATE
+    beat = np.exp(-period / (_DECAY_BEATS / TEMPOS[tempo]))
+    return (0.5 * (_ENVELOPE_FLOOR + (1.0 - _ENVELOPE_FLOOR) * beat)).astype(np.float32)
 
 
 def object_left(params: ClipParams, t: np.ndarray, frame_size: int) -> np.ndarray:
@@ -151,12 +163,19 @@ class OmniSource:
         return Clip(params=params, audio=self._audio(params), video=self._video(params), caption=caption)
 
     def _audio(self, params: ClipParams) -> np.ndarray:
-        t = np.arange(params.audio_frames * SAMPLE_RATE // FRAMES_PER_SECOND) / SAMPLE_RATE
+        t = np.arange(params.audio_frames * SAMPLE_RATE // FRAMES_PER_SECOND, dtype=np.float64)
+        t *= 1.0 / SAMPLE_RATE
         sign = 1.0 if params.rising else -1.0
-        # Phase is the integral of the instantaneous frequency start + sign * rate * t.
-        phase = 2.0 * np.pi * (params.start_hz * t + 0.5 * sign * params.rate_hz_per_s * t * t)
-        loudness = _ENVELOPE_FLOOR + (1.0 - _ENVELOPE_FLOOR) * params.beat(t)
-        return (0.5 * loudness * np.sin(phase)).astype(np.float32)
+        # Phase is the integral of the instantaneous frequency start + sign * rate * t. Audio
+        # synthesis dominates the cost of a row, so: in place, and the sine in float32 (15x faster
+        # than float64) after wrapping the phase to [-pi, pi] in float64, so no precision is lost.
+        phase = np.pi * sign * params.rate_hz_per_s * t
+        phase += 2.0 * np.pi * params.start_hz
+        phase *= t
+        phase -= (2.0 * np.pi) * np.round(phase * (0.5 / np.pi))
+        wave = np.sin(phase.astype(np.float32))
+        wave *= np.resize(_loudness_period(params.tempo), len(wave))
+        return wave
 
     def _video(self, params: ClipParams) -> np.ndarray:
         cfg = self._config

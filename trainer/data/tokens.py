@@ -60,10 +60,14 @@ class TokenizedSample:
         return len(self.modality)
 
 
+_HANN = np.hanning(AUDIO_FRAME_SAMPLES).astype(np.float32)
+
+
 def audio_features(audio: np.ndarray, bands: int) -> np.ndarray:
     """[frames, bands] float32: log band powers of each 40 ms frame."""
-    frames = audio.reshape(-1, AUDIO_FRAME_SAMPLES).astype(np.float64) * np.hanning(AUDIO_FRAME_SAMPLES)
-    power = np.abs(np.fft.rfft(frames, axis=-1)[:, : AUDIO_FRAME_SAMPLES // 2]) ** 2
+    frames = audio.reshape(-1, AUDIO_FRAME_SAMPLES) * _HANN
+    spectrum = np.fft.rfft(frames, axis=-1)[:, : AUDIO_FRAME_SAMPLES // 2]
+    power = spectrum.real**2 + spectrum.imag**2
     banded = power.reshape(len(frames), bands, -1).sum(axis=-1)
     return (np.log1p(banded) / AUDIO_LOG_SCALE).astype(np.float32)
 

@@ -9,5 +9,6 @@ from resilient.trainer.data import DataConfig
 
 @pytest.fixture
 def small_config() -> DataConfig:
-    """Short epochs (about 20 rows) so rollover and whole-epoch checks run in well under a second."""
-    return DataConfig(seed=7, num_samples=60, global_rows=4, packing_window=16, num_workers=0)
+    """Epochs of 21 rows: a 4-row global batch straddles each epoch end, and whole epochs take
+    well under a second."""
+    return DataConfig(seed=7, num_samples=51, global_rows=4, packing_window=16, num_workers=0)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -100,13 +101,13 @@ def test_epoch_rollover(small_config: DataConfig) -> None:
 @pytest.mark.timeout(30)
 def test_fingerprint_mismatch_raises(small_config: DataConfig) -> None:
     state = OmniPipeline(small_config).state_dict()
-    other_seed = OmniPipeline(DataConfig(seed=8, num_samples=60, global_rows=4, packing_window=16))
+    other_seed = OmniPipeline(dataclasses.replace(small_config, seed=8))
     with pytest.raises(RestoreError) as caught:
         other_seed.load_state_dict(state)
     message = str(caught.value)
     assert state["fingerprint"] in message and other_seed.fingerprint in message
     assert "seed: checkpoint 7, pipeline 8" in message
-    longer_rows = OmniPipeline(DataConfig(seed=7, num_samples=60, global_rows=4, packing_window=16, row_len=1024))
+    longer_rows = OmniPipeline(dataclasses.replace(small_config, row_len=1024))
     with pytest.raises(RestoreError, match="row_len"):
         longer_rows.load_state_dict(state)
     with pytest.raises(RestoreError, match="lacks"):
@@ -116,7 +117,7 @@ def test_fingerprint_mismatch_raises(small_config: DataConfig) -> None:
 @pytest.mark.timeout(30)
 def test_batching_settings_do_not_change_the_fingerprint(small_config: DataConfig) -> None:
     state = OmniPipeline(small_config).state_dict()
-    other = DataConfig(seed=7, num_samples=60, global_rows=8, packing_window=16, num_workers=3)
+    other = dataclasses.replace(small_config, global_rows=8, num_workers=3, prefetch_factor=4)
     OmniPipeline(other).load_state_dict(state)  # global_rows and workers may change on resume
 
 
@@ -129,3 +130,21 @@ def test_shares_must_divide_the_global_batch(small_config: DataConfig) -> None:
         pipe.rows_for_step(RowKey(0, 0), 2, 2)
     with pytest.raises(ConfigError, match="num_shares"):
         OmniPipeline(small_config, share=0, num_shares=3)
+
+
+@pytest.mark.timeout(30)
+def test_batches_meet_the_model_contract() -> None:
+    """The model's own check of the batch contract accepts what the pipeline delivers."""
+    model_batch = pytest.importorskip("resilient.trainer.model.batch")
+    model_config = pytest.importorskip("resilient.trainer.model.config")
+    with OmniPipeline(DataConfig(num_workers=0), share=1, num_shares=2) as pipe:
+        batch = pipe.next_batch()
+        config = model_config.ModelConfig(
+            audio_dim=pipe.audio_dim,
+            video_dim=pipe.video_dim,
+            vocab_size=pipe.vocab_size,
+            max_positions=pipe.max_positions,
+        )
+        model_batch.validate_batch(batch, config)
+    assert batch["modality"].shape == (4, 512) and len(batch["sample_ids"]) == 4
+    assert int(batch["positions"].max()) < pipe.max_positions == 219

@@ -34,7 +34,7 @@ def test_clip_shapes_ranges_and_caption() -> None:
         frames = -(-p.audio_frames * 2 // 25)  # ceil: frames at 0, 0.5, 1.0 ... s inside the clip
         assert clip.video.shape == (frames, 16, 16, 3)
         pitch = p.pitch_hz(np.asarray([0.0, p.seconds]))
-        assert LOW_HZ <= pitch.min() and pitch.max() <= HIGH_HZ
+        assert pitch.min() >= LOW_HZ and pitch.max() <= HIGH_HZ
         assert clip.caption[1:3] == [p.size, p.color]
         assert clip.caption[5] == ("right" if p.rising else "left")
         assert len(tokenize(clip, config)) == source.token_counts(np.asarray([index]))[0]
