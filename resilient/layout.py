@@ -300,3 +300,20 @@ def describe_json(local: LocalTensor) -> dict:
         "mesh_shape": list(local.mesh_shape),
         "mesh_dim_names": list(local.mesh_dim_names),
     }
+
+
+def plan_to_json(plan: ArrayPlan) -> dict:
+    return {
+        "fqn": plan.fqn, "shape": list(plan.shape), "dtype": plan.dtype, "shard_shape": list(plan.shard_shape),
+        "inner_shape": list(plan.inner_shape), "placements": list(plan.placements),
+        "mesh_shape": list(plan.mesh_shape), "mesh_dim_names": list(plan.mesh_dim_names),
+        "regions": [{**r.box.to_json(), "writer": r.writer} for r in plan.regions],
+    }
+
+
+def plan_from_json(d: dict) -> ArrayPlan:
+    return ArrayPlan(
+        d["fqn"], tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["inner_shape"]),
+        tuple(d["placements"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
+        [Region(Box.from_json(r), r["writer"]) for r in d["regions"]],
+    )

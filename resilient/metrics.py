@@ -18,8 +18,9 @@ class SaveStats:
     persist_s: float = 0.0
     commit_s: float = 0.0
     total_s: float = 0.0
-    outcome: str = "committed"  # committed | failed | skipped | waited
-    waited_s: float = 0.0  # time save() waited for an earlier persist (policy "wait")
+    outcome: str = "committed"  # committed | failed | skipped
+    policy: str = "none"  # what max_inflight did to this save: none | waited | skipped
+    waited_s: float = 0.0  # time save() waited for an earlier persist (if_busy="wait")
 
     @property
     def throughput_gib_s(self) -> float:

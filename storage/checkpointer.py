@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from resilient import dist
-from resilient.dtypes import to_numpy
 from resilient.errors import (
     CommitError,
     ConfigError,
@@ -29,31 +28,24 @@ from resilient.errors import (
 from resilient.layout import ArrayPlan, LocalTensor, describe_json, describe_local, plan_arrays
 from resilient.manifest import (
     MANIFEST,
-    ArrayEntry,
     Manifest,
-    array_path,
-    encode_values,
-    library_versions,
     step_dir,
 )
-from resilient.metrics import RestoreStats, SaveStats
+from resilient.metrics import JsonlSink, RestoreStats, SaveStats
 from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
-from resilient.storage.commit import (
-    check_coverage,
-    commit_manifest,
-    wait_for_receipts,
-    write_failure,
-    write_receipt,
-)
+from resilient.storage.background import ProcessWriter, ThreadWriter
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
 from resilient.storage.objects import open_store
+from resilient.storage.persist import PersistJob
 from resilient.storage.reader import ReadTarget, read_into
-from resilient.storage.retention import KeepLast, apply_retention, list_steps
+from resilient.storage.retention import list_steps
+from resilient.storage.snapshot import take_snapshot
+from resilient.storage.staging import StagingPool
 from resilient.storage.url import parse_url
-from resilient.storage.writer import RegionData, now, region_view, write_regions, write_zarr_documents
+from resilient.storage.writer import now
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +91,17 @@ class Checkpointer:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._context = make_context(self.location)
-        self._last: SaveHandle | None = None
         self.save_stats: list[SaveStats] = []
+        self._inflight: list[SaveHandle] = []  # saves whose persist may still be running
+        self._all_handles: list[SaveHandle] = []  # not yet known to be finished (for error latching)
+        self._pool = StagingPool(budget_bytes=config.staging_bytes, pin_memory=torch.cuda.is_available(),
+                                 shared_memory=config.writer == "process")
+        self._writer = None
+        self._stream = None
+        self._plan_key: str | None = None
+        self._plan_cache: dict[str, ArrayPlan] = {}
+        self._gathered: list[dict] = []
+        self._sink = JsonlSink(config.metrics_path)
         self.restore_stats: list[RestoreStats] = []
 
     # -- public API --------------------------------------------------------------------------
@@ -111,20 +112,33 @@ class Checkpointer:
         return list_steps(self.store).committed
 
     def save(self, step: int, state: dict, *, metadata: dict | None = None) -> SaveHandle:
-        """Save ``state`` as ``step``. Returns a handle; ``handle.wait()`` raises if the save failed."""
+        """Snapshot ``state`` as ``step`` and persist it in the background. Returns once the state
+        is staged (CPU: copied; CUDA: copies enqueued, see ``handle.wait_staged``); ``handle.wait()``
+        returns when the step is committed and raises if the save failed."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        stats = SaveStats(step=step, rank=self.rank)
         start = now()
-        locals_, values, attempt = self._prepare(step, state, metadata)
-        plans = self._plan(locals_, values, attempt)
-        items = self._snapshot(plans, locals_)
+        stats = SaveStats(step=step, rank=self.rank)
+        busy = self._make_room(stats)
+        locals_, attempt = self._prepare(step, state, metadata, busy)
+        if attempt is None:  # some rank was busy under if_busy="skip": every rank skips together
+            stats.outcome = stats.policy = "skipped"
+            self._record(stats)
+            return SaveHandle.skipped(stats)
+        plans = self._plan()
+        snap = take_snapshot(plans, locals_, self.rank, self._pool, timeout_s=self.config.commit_timeout_s,
+                             stream=self._side_stream(locals_))
         stats.snapshot_s = now() - start
-        handle = SaveHandle(step)
-        self._persist_and_commit(step, attempt, plans, items, values, metadata or {}, stats, handle)
-        stats.total_s = now() - start
-        self.save_stats.append(stats)
-        self._last = handle
+        job = PersistJob(
+            step=step, attempt=attempt, rank=self.rank, world_size=self.world_size, plans=plans,
+            regions=snap.regions, values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
+            metadata=metadata or {}, commit_timeout_s=self.config.commit_timeout_s, keep_last=self.config.keep_last,
+        )
+        handle = SaveHandle(step, staged=snap.staged)
+        handle.stats = stats
+        self._inflight.append(handle)
+        self._all_handles.append(handle)
+        self._writer_for().submit(job, snap.buffer, snap.staged, handle)
         return handle
 
     def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
@@ -151,11 +165,22 @@ class Checkpointer:
         return chosen
 
     def wait(self) -> None:
-        if self._last is not None:
-            self._last.wait()
+        """Block until every save in flight is committed; raise the first error not yet raised."""
+        deadline = now() + self.config.close_timeout_s
+        for handle in list(self._inflight):
+            if not handle._done.wait(max(0.0, deadline - now())):
+                raise CommitError(f"save of step {handle.step} did not finish within "
+                                  f"{self.config.close_timeout_s:.0f} s (close_timeout_s)")
+        self._raise_latched()
 
     def close(self) -> None:
-        self.wait()
+        """Flush saves in flight (they commit), stop the writer; raise a background error."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.close(self.config.close_timeout_s)
+                self._writer = None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -165,27 +190,42 @@ class Checkpointer:
 
     # -- save stages -------------------------------------------------------------------------
 
-    def _prepare(self, step: int, state: dict, metadata: dict | None) -> tuple[dict[str, LocalTensor], dict, str]:
-        """Describe local state; rank 0 also checks storage and the step. One all-gather; an error
-        on any rank is raised on every rank (no rank is left waiting in a collective)."""
-        payload: dict = {"error": None, "tensors": [], "values": {}}
+    def _make_room(self, stats: SaveStats) -> bool:
+        """Apply the max_inflight policy locally; returns True if this rank is still busy ("skip")."""
+        self._inflight = [h for h in self._inflight if not h.done()]
+        if len(self._inflight) < self.config.max_inflight:
+            return False
+        if self.config.if_busy == "skip":
+            return True
+        t0 = now()
+        oldest = self._inflight.pop(0)
+        if not oldest._done.wait(self.config.commit_timeout_s):
+            raise CommitError(f"save of step {oldest.step} still persisting after {self.config.commit_timeout_s:.0f} s")
+        stats.waited_s = now() - t0
+        stats.policy = "waited"
+        return False
+
+    def _prepare(
+        self, step: int, state: dict, metadata: dict | None, busy: bool
+    ) -> tuple[dict[str, LocalTensor], str | None]:
+        """Describe local state; rank 0 also checks storage and the step. One all-gather carries it
+        all, plus each rank's busy flag and background error, so every rank decides the same:
+        raise together, skip together, or save together (no rank is left waiting in a collective)."""
+        payload: dict = {"error": None, "tensors": [], "values": {}, "busy": busy}
         locals_: dict[str, LocalTensor] = {}
+        latched = self._take_latched()
         try:
+            if latched is not None:
+                raise latched
             for fqn, leaf in flatten_state(state).items():
                 if leaf.is_tensor:
                     locals_[fqn] = describe_local(fqn, leaf.value.detach())
                 else:
                     payload["values"][fqn] = leaf.value
-            if metadata is not None:
-                json.dumps(metadata)
+            json.dumps(metadata)
             payload["tensors"] = [describe_json(t) for t in locals_.values()]
             if self.rank == 0:
-                self.store.check_root(create=True)
-                if self.store.exists(f"{step_dir(step)}/{MANIFEST}"):
-                    raise CommitError(
-                        f"step {step} is already committed at {self.url}; a step is written once: "
-                        "save under a new step number (or delete it with resilient-ckpt prune)"
-                    )
+                self._precheck(step)
                 payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
         except (ResilientError, TypeError, ValueError) as e:
             if not isinstance(e, ResilientError):
@@ -194,99 +234,81 @@ class Checkpointer:
         gathered = [json.loads(p) for p in dist.all_gather_object(json.dumps(payload), self.group)]
         _raise_gathered([(r, p["error"]) for r, p in enumerate(gathered) if p["error"]])
         self._gathered = gathered
-        return locals_, payload["values"], gathered[0]["attempt"]
+        if any(p["busy"] for p in gathered):
+            return locals_, None
+        return locals_, gathered[0]["attempt"]
 
-    def _plan(self, locals_: dict[str, LocalTensor], values: dict, attempt: str) -> dict[str, ArrayPlan]:
-        return plan_arrays(
-            [p["tensors"] for p in self._gathered],
-            inner_chunk_bytes=self.config.inner_chunk_bytes,
-            max_shard_bytes=self.config.max_shard_bytes,
-        )
+    def _precheck(self, step: int) -> None:
+        self.store.check_root(create=True)
+        if self.store.exists(f"{step_dir(step)}/{MANIFEST}"):
+            raise CommitError(
+                f"step {step} is already committed at {self.url}; a step is written once: "
+                "save under a new step number (or delete it with resilient-ckpt prune)"
+            )
 
-    def _snapshot(self, plans: dict[str, ArrayPlan], locals_: dict[str, LocalTensor]) -> list[RegionData]:
-        """This rank's regions in host memory. (Synchronous save: views of the live tensors.)"""
-        items = []
-        for fqn, plan in plans.items():
-            local = locals_[fqn]
-            mine = [r for r in plan.regions if r.writer == self.rank]
-            if not mine:
-                continue
-            host = to_numpy(local.data.to("cpu").contiguous())
-            for region in mine:
-                items.append(RegionData(plan, region, region_view(host, local.box.offsets, region)))
-        return items
+    def _plan(self) -> dict[str, ArrayPlan]:
+        """The save plan, recomputed only when some rank's tensor layout changed."""
+        key = json.dumps([p["tensors"] for p in self._gathered])
+        if key != self._plan_key:
+            self._plan_cache = plan_arrays(
+                [p["tensors"] for p in self._gathered],
+                inner_chunk_bytes=self.config.inner_chunk_bytes,
+                max_shard_bytes=self.config.max_shard_bytes,
+            )
+            self._plan_key = key
+        return self._plan_cache
 
-    def _persist_and_commit(
-        self, step: int, attempt: str, plans: dict[str, ArrayPlan], items: list[RegionData],
-        values: dict, metadata: dict, stats: SaveStats, handle: SaveHandle,
-    ) -> None:
-        attempt_key = f"{step_dir(step)}/{attempt}"
-        t0 = now()
-        error: BaseException | None = None
-        try:
-            if self.rank == 0:
-                write_zarr_documents(self.location, attempt_key, plans, self._context, step)
-            regions = write_regions(self.location, attempt_key, items, self._context)
-            stats.bytes_written = sum(r["nbytes"] for r in regions)
-            write_receipt(self.store, attempt_key, self.rank, {"rank": self.rank, "regions": regions})
-        except Exception as e:  # latched: every rank still joins the outcome broadcast below
-            error = e
-            write_failure(self.store, attempt_key, self.rank, e)
-        stats.persist_s = now() - t0
-        t1 = now()
-        outcome = None
-        if self.rank == 0:
-            outcome = {"ok": False, "error": _encode_error(StorageError(f"rank 0 failed to write: {error}"))}
-            if error is None:
-                try:
-                    self._commit(step, attempt, attempt_key, plans, metadata)
-                    outcome = {"ok": True}
-                except Exception as e:
-                    outcome = {"ok": False, "error": _encode_error(e)}
-        outcome = dist.broadcast_object(outcome, 0, self.group)
-        stats.commit_s = now() - t1
-        stats.bytes_total = sum(p.nbytes for p in plans.values())
-        if error is not None or not outcome["ok"]:
-            stats.outcome = "failed"
-            err = error if error is not None else _ERRORS.get(outcome["error"]["type"], CommitError)(
-                outcome["error"]["message"])
-            if not isinstance(err, ResilientError):
-                err = StorageError(f"saving step {step} to {self.url} failed on rank {self.rank}: {err}")
-            handle.fail(err)
-            raise err
+    def _side_stream(self, locals_: dict[str, LocalTensor]):
+        if not any(t.data.is_cuda for t in locals_.values()):
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _writer_for(self):
+        if self._writer is None:
+            if self.config.writer == "process":
+                self._writer = ProcessWriter(self.location, self._on_done)
+            else:
+                self._writer = ThreadWriter(self.location, self.store, self._context, self._on_done)
+        return self._writer
+
+    def _on_done(self, handle: SaveHandle, buffer, stats: SaveStats | None, error: BaseException | None) -> None:
+        """Called on a background thread when a persist ends: free the buffer, record, latch."""
+        self._pool.release(buffer)
+        if error is not None:
+            handle.stats.outcome = "failed"
+            self._record(handle.stats)
+            log.error("[rank %d] save of step %d failed: %s", self.rank, handle.step, error,
+                      extra={"event": "save_failed", "step": handle.step})
+            handle.fail(error)
+            return
+        blocked = handle.stats  # what save() measured in the foreground
+        stats.snapshot_s, stats.waited_s, stats.policy = blocked.snapshot_s, blocked.waited_s, blocked.policy
+        stats.total_s = stats.snapshot_s + stats.persist_s + stats.commit_s
+        self._record(stats)
         handle.finish(stats)
 
-    def _commit(self, step: int, attempt: str, attempt_key: str, plans: dict[str, ArrayPlan], metadata: dict) -> None:
-        receipts = wait_for_receipts(
-            self.store, attempt_key, self.world_size, timeout_s=self.config.commit_timeout_s, step=step
-        )
-        check_coverage(plans, receipts, step)
-        crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
-        arrays = {
-            fqn: ArrayEntry(
-                fqn=fqn, path=array_path(fqn), shape=list(p.shape), dtype=p.dtype,
-                shard_shape=list(p.shard_shape), inner_shape=list(p.inner_shape), nbytes=p.nbytes,
-                placements=list(p.placements), mesh_shape=list(p.mesh_shape),
-                mesh_dim_names=list(p.mesh_dim_names),
-                regions=[
-                    {**r.box.to_json(), "writer": r.writer, "crc32c": crcs[(fqn, r.box.offsets)]}
-                    for r in p.regions
-                ],
-            )
-            for fqn, p in plans.items()
-        }
-        manifest = Manifest(
-            step=step, attempt=attempt, world_size=self.world_size, arrays=arrays,
-            values=encode_values([p["values"] for p in self._gathered]), metadata=metadata,
-            versions=library_versions(),
-        )
-        commit_manifest(self.store, manifest)
-        log.info("[rank 0] committed step %d to %s (%d arrays, %d bytes)", step, self.url, len(arrays),
-                 manifest.total_bytes, extra={"event": "commit", "step": step})
-        try:
-            apply_retention(self.store, KeepLast(self.config.keep_last))
-        except ResilientError as e:  # the step is committed; a failed cleanup is retried next time
-            log.warning("[rank 0] retention after step %d failed: %s", step, e)
+    def _record(self, stats: SaveStats) -> None:
+        self.save_stats.append(stats)
+        self._sink.write(stats.to_json())
+
+    def _take_latched(self) -> BaseException | None:
+        """The first background error the user has not seen yet (it is raised once, then cleared)."""
+        for handle in self._finished_with_errors():
+            handle.observed = True
+            return handle.error
+        return None
+
+    def _finished_with_errors(self) -> list[SaveHandle]:
+        done = [h for h in self._all_handles if h.done()]
+        self._all_handles = [h for h in self._all_handles if not h.done()]
+        return [h for h in done if h.error is not None and not h.observed]
+
+    def _raise_latched(self) -> None:
+        error = self._take_latched()
+        if error is not None:
+            raise error
 
     # -- load --------------------------------------------------------------------------------
 
@@ -323,6 +345,3 @@ class Checkpointer:
             )
         return step
 
-
-def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

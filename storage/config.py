@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from resilient.errors import ConfigError
 from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, DEFAULT_MAX_SHARD_BYTES
+
+
+def _default_staging_bytes() -> int:
+    """Half of this node's RAM, shared by the ranks on it (LOCAL_WORLD_SIZE under torchrun)."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        ram = 16 << 30
+    return ram // 2 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -17,9 +27,21 @@ class CheckpointerConfig:
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest shard object, 1 MiB .. 4 GiB (S3 PUTs one object whole, up to 5 GiB)."""
     commit_timeout_s: float = 600.0
-    """How long the coordinator waits for every rank's receipt before giving up on a save."""
+    """How long the coordinator waits for every rank's receipt (and the others for the commit)."""
     load_budget_bytes: int = 1 << 30
     """Bytes of reads kept in flight during load (bounds the extra memory a load needs)."""
+    max_inflight: int = 1
+    """Saves persisting in the background at once (each holds one staging buffer), 1 .. 8."""
+    if_busy: str = "wait"
+    """When save() finds max_inflight persists running: "wait" for the oldest, or "skip" this save."""
+    staging_bytes: int = 0
+    """Host memory budget for staging buffers (0: half the node's RAM / local ranks)."""
+    writer: str = "thread"
+    """Background persist in a "thread" or a spawned "process" (measured: benchmarks/ckpt_bench.py)."""
+    metrics_path: str | None = None
+    """Append one JSON line of SaveStats per save to this file."""
+    close_timeout_s: float = 600.0
+    """How long close() waits for saves in flight to commit."""
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -30,7 +52,18 @@ class CheckpointerConfig:
             raise ConfigError(f"max_shard_bytes must be in [1 MiB, 4 GiB], got {self.max_shard_bytes}")
         if self.max_shard_bytes < self.inner_chunk_bytes:
             raise ConfigError("max_shard_bytes must be >= inner_chunk_bytes")
-        if not self.commit_timeout_s > 0:
-            raise ConfigError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        for name in ("commit_timeout_s", "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.load_budget_bytes < 1 << 20:
             raise ConfigError(f"load_budget_bytes must be >= 1 MiB, got {self.load_budget_bytes}")
+        if not isinstance(self.max_inflight, int) or not 1 <= self.max_inflight <= 8:
+            raise ConfigError(f"max_inflight must be an integer in [1, 8], got {self.max_inflight!r}")
+        if self.if_busy not in ("wait", "skip"):
+            raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.writer not in ("thread", "process"):
+            raise ConfigError(f"writer must be 'thread' or 'process', got {self.writer!r}")
+        if self.staging_bytes < 0:
+            raise ConfigError(f"staging_bytes must be >= 0 (0 = automatic), got {self.staging_bytes}")
+        if self.staging_bytes == 0:
+            self.staging_bytes = _default_staging_bytes()

@@ -1,4 +1,4 @@
-"""The handle ``Checkpointer.save`` returns: wait for the save, get its stats or its error."""
+"""The handle ``Checkpointer.save`` returns: staged (safe to mutate the state), then committed."""
 
 from __future__ import annotations
 
@@ -9,27 +9,42 @@ from resilient.metrics import SaveStats
 
 
 class SaveHandle:
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, staged=None) -> None:
         self.step = step
         self.stats: SaveStats | None = None
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None
+        self.observed = False  # the error reached the user through wait(): do not raise it twice
+        self._staged = staged  # a CUDA event, or None when the snapshot copy already completed
         self._done = threading.Event()
+
+    @classmethod
+    def skipped(cls, stats: SaveStats) -> SaveHandle:
+        handle = cls(stats.step)
+        handle.finish(stats)
+        return handle
 
     def finish(self, stats: SaveStats) -> None:
         self.stats = stats
         self._done.set()
 
     def fail(self, error: BaseException) -> None:
-        self._error = error
+        self.error = error
         self._done.set()
 
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait_staged(self) -> None:
+        """Block until the snapshot copy is complete: the state may be modified after this.
+        (Under CUDA the copy runs on a side stream; call this right before optimizer.step().)"""
+        if self._staged is not None:
+            self._staged.synchronize()
+
     def wait(self, timeout: float | None = None) -> SaveStats | None:
         """Block until the step is committed (returns its stats) or failed (raises its error)."""
         if not self._done.wait(timeout):
             raise CommitError(f"save of step {self.step} still in progress after {timeout} s")
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            self.observed = True
+            raise self.error
         return self.stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient import Checkpointer, CommitError
+from resilient import Checkpointer, CommitError, StorageError
 from resilient.layout import Box, plan_arrays
 from resilient.manifest import Manifest
 from resilient.storage.commit import check_coverage, commit_manifest
@@ -49,8 +49,8 @@ def test_failed_persist_never_commits_and_next_save_works(tmp_path, monkeypatch)
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(1, {"w": torch.ones(4)}).wait()
     monkeypatch.setenv("RESILIENT_FAULTS", "persist.regions_written=raise")
-    with pytest.raises(Exception, match="injected fault at persist.regions_written"):
-        ckpt.save(2, {"w": torch.zeros(4)})
+    with pytest.raises(StorageError, match="injected fault at persist.regions_written"):
+        ckpt.save(2, {"w": torch.zeros(4)}).wait()
     assert ckpt.steps() == [1]
     assert (tmp_path / "latest").read_text() == '{"step": 1}'
     monkeypatch.delenv("RESILIENT_FAULTS")
