@@ -98,8 +98,9 @@ class Checkpointer:
                                  shared_memory=config.writer == "process")
         self._writer = None
         self._stream = None
-        self._plan_key: str | None = None
-        self._plan_cache: dict[str, ArrayPlan] = {}
+        self._plan_cache: dict[str, ArrayPlan] | None = None
+        self._sent_tensors: list[dict] | None = None  # this rank's layout as last sent to its peers
+        self._peer_tensors: dict[int, list[dict]] = {}  # every rank's layout as last received
         self._gathered: list[dict] = []
         self._sink = JsonlSink(config.metrics_path)
         self.restore_stats: list[RestoreStats] = []
@@ -223,7 +224,11 @@ class Checkpointer:
                 else:
                     payload["values"][fqn] = leaf.value
             json.dumps(metadata)
-            payload["tensors"] = [describe_json(t) for t in locals_.values()]
+            described = [describe_json(t) for t in locals_.values()]
+            # Layouts rarely change between saves: send ours only when it did (the all-gather is on
+            # the training thread's critical path).
+            payload["tensors"] = described if described != self._sent_tensors else None
+            self._sent_tensors = described
             if self.rank == 0:
                 self._precheck(step)
                 payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
@@ -232,7 +237,14 @@ class Checkpointer:
                 e = StateError(f"metadata is not JSON-able: {e}")
             payload["error"] = _encode_error(e)
         gathered = [json.loads(p) for p in dist.all_gather_object(json.dumps(payload), self.group)]
-        _raise_gathered([(r, p["error"]) for r, p in enumerate(gathered) if p["error"]])
+        errors = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"]]
+        if errors:
+            self._sent_tensors = None  # every rank resends its layout next time: none was recorded
+            _raise_gathered(errors)
+        for rank, p in enumerate(gathered):
+            if p["tensors"] is not None:
+                self._peer_tensors[rank] = p["tensors"]
+                self._plan_cache = None
         self._gathered = gathered
         if any(p["busy"] for p in gathered):
             return locals_, None
@@ -248,14 +260,12 @@ class Checkpointer:
 
     def _plan(self) -> dict[str, ArrayPlan]:
         """The save plan, recomputed only when some rank's tensor layout changed."""
-        key = json.dumps([p["tensors"] for p in self._gathered])
-        if key != self._plan_key:
+        if self._plan_cache is None:
             self._plan_cache = plan_arrays(
-                [p["tensors"] for p in self._gathered],
+                [self._peer_tensors[r] for r in range(self.world_size)],
                 inner_chunk_bytes=self.config.inner_chunk_bytes,
                 max_shard_bytes=self.config.max_shard_bytes,
             )
-            self._plan_key = key
         return self._plan_cache
 
     def _side_stream(self, locals_: dict[str, LocalTensor]):
