@@ -1,146 +1,94 @@
-"""``make demo``: the checkpoint spine end to end, on CPU.
+"""``make demo``: train the omni model, stop, and resume it on a different mesh, on CPU.
 
-4 gloo ranks hold an omni model + AdamW state sharded FSDP2 x TP on a 2x2 mesh; they save it to
-``runs/demo/ckpt``. Then 3 ranks (FSDP only, uneven shards) load that checkpoint and check every
-tensor against a digest of the saved full tensors. Prints what happened and where the files are.
+1. ``configs/demo.toml`` on 4 gloo ranks (dp_shard=2 x tp=2) for 60 steps, checkpoints every 20
+   under ``runs/demo/ckpt``;
+2. the same run resumed on 2 ranks (dp_shard=2, tp=1) for 20 more steps: the checkpoint is
+   resharded on load and the data stream continues where it stopped;
+3. a summary: losses, checkpoints, throughput, where the files are, and a check that every sample
+   was consumed at most once (exactly once per finished epoch) across the resume.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import argparse
 import os
 import shutil
-import socket
 import sys
-import time
-from datetime import timedelta
+from collections import Counter
 
-import torch
-import torch.multiprocessing as mp
+from resilient import Checkpointer
+from resilient.tools.train import run, torchrun_command
+from resilient.trainer.config import load_config
+from resilient.trainer.outputs import read_jsonl_by_step
 
+RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "demo.toml")
 RUN_DIR = os.path.abspath(os.environ.get("RESILIENT_DEMO_DIR", "runs/demo"))
-CKPT = os.path.join(RUN_DIR, "ckpt")
+FIRST_STEPS, MORE_STEPS = 60, 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _train(nproc: int, *overrides: str) -> None:
+    args = argparse.Namespace(nproc=nproc, config=RECIPE, overrides=[f"run.dir={RUN_DIR}", *overrides])
+    code = run(torchrun_command(args), grace_s=30.0)
+    if code != 0:
+        sys.exit(f"[demo] training on {nproc} ranks failed with exit code {code}")
 
 
-def _build(dp_shard: int, tp: int):
-    from resilient.trainer.model import ModelConfig, OmniModel
-    from resilient.trainer.parallelize import ParallelConfig, build_mesh, parallelize_model
-
-    config = ModelConfig(dim=128, n_layers=2, n_heads=4, vocab_size=512, audio_dim=80, video_dim=192)
-    model = OmniModel(config, seed=0)
-    parallelize_model(model, build_mesh(dp_shard, tp), ParallelConfig(dp_shard=dp_shard, tp=tp))
-    return config, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _throughput(metrics: dict[int, dict], steps: range) -> tuple[float, float]:
+    """Median step time and tokens/s over ``steps``, leaving out the first (start-up) step."""
+    records = sorted((metrics[s] for s in steps[1:] if s in metrics), key=lambda r: r["step_time_s"])
+    median = records[len(records) // 2]
+    return median["step_time_s"], median["tokens_per_s"]
 
 
-def _digests(state: dict) -> dict[str, str]:
-    """sha256 of every tensor's full bytes (full_tensor() is collective: every rank calls it)."""
-    from torch.distributed.tensor import DTensor
-
-    from resilient.dtypes import to_numpy
-    from resilient.state import flatten_state
-
-    out = {}
-    for fqn, leaf in flatten_state(state).items():
-        if leaf.is_tensor:
-            t = leaf.value.full_tensor() if isinstance(leaf.value, DTensor) else leaf.value
-            out[fqn] = hashlib.sha256(to_numpy(t.detach().cpu().contiguous().reshape(-1)).tobytes()).hexdigest()
-    return out
+def _check_samples(samples: dict[int, list[str]], num_samples: int) -> str:
+    seen = Counter(sid for ids in samples.values() for sid in ids)
+    repeated = [sid for sid, n in seen.items() if n > 1]
+    epochs = sorted({int(sid.split(":")[0]) for sid in seen})
+    incomplete = [e for e in epochs[:-1] if sum(sid.startswith(f"{e}:") for sid in seen) != num_samples]
+    if repeated or incomplete:
+        sys.exit(f"[check] FAILED: repeated samples {repeated[:5]}, incomplete epochs {incomplete}")
+    return (
+        f"[check] {len(seen)} samples over {len(samples)} steps, none repeated; "
+        f"epochs {epochs[:-1]} complete ({num_samples} samples each), epoch {epochs[-1]} in progress"
+    )
 
 
-def _state(model, opt, step: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd, "train": {"step": step}}
-
-
-def _save_rank(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    from resilient import Checkpointer
-    from resilient.trainer.model import synthetic_batch
-
-    _init(rank, world, port)
-    config, model, opt = _build(dp_shard=2, tp=2)
-    batch = synthetic_batch(config, batch_size=2, seq_len=64, seed=rank // 2)  # tp ranks share data
-    model(batch).loss.backward()
-    opt.step()
-    state = _state(model, opt, step=1)
-    digests = _digests(state)
-    start = time.perf_counter()
-    stats = Checkpointer(CKPT, keep_last=2).save(1, state).wait()
-    if rank == 0:
-        with open(os.path.join(RUN_DIR, "digests.json"), "w") as f:
-            json.dump(digests, f)
-        print(f"[save] 4 ranks (dp_shard=2 x tp=2) saved step 1: {len(digests)} tensors, "
-              f"{stats.bytes_total / 2**20:.1f} MiB in {time.perf_counter() - start:.2f} s "
-              f"(rank 0 wrote {stats.bytes_written / 2**20:.1f} MiB)", flush=True)
-    dist.destroy_process_group()
-
-
-def _load_rank(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    from resilient import Checkpointer
-
-    _init(rank, world, port)
-    _, model, opt = _build(dp_shard=3, tp=1)
-    state = _state(model, opt, step=0)
-    start = time.perf_counter()
-    step = Checkpointer(CKPT).load(state)
-    seconds = time.perf_counter() - start
-    got = _digests(state)
-    if rank == 0:
-        with open(os.path.join(RUN_DIR, "digests.json")) as f:
-            expected = json.load(f)
-        bad = sorted(k for k in expected if got.get(k) != expected[k])
-        print(f"[load] 3 ranks (dp_shard=3, uneven shards) loaded step {step} in {seconds:.2f} s; "
-              f"train.step={state['train']['step']}", flush=True)
-        print(f"[check] {len(expected) - len(bad)}/{len(expected)} tensors bit-identical to the save"
-              + (f"; MISMATCH: {bad[:5]}" if bad else ""), flush=True)
-        if bad:
-            sys.exit(1)
-    dist.destroy_process_group()
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import logging
-
-    import torch.distributed as dist
-
-    # DTensor warns on every full_tensor() of a _StridedShard; it is noise for this demo.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-
-
-def _spawn(fn, world: int) -> None:
-    mp.start_processes(fn, args=(world, _free_port()), nprocs=world, start_method="spawn", join=True)
+def _summary() -> None:
+    config = load_config(RECIPE, [f"run.dir={RUN_DIR}"])
+    group = os.path.join(RUN_DIR, "group0")
+    metrics = read_jsonl_by_step(os.path.join(group, "metrics.jsonl"))
+    samples = {s: r["sample_ids"] for s, r in read_jsonl_by_step(os.path.join(group, "samples.jsonl")).items()}
+    last = FIRST_STEPS + MORE_STEPS
+    four = _throughput(metrics, range(1, FIRST_STEPS + 1))
+    two = _throughput(metrics, range(FIRST_STEPS + 1, last + 1))
+    print("\n=== resilient demo ===")
+    print(
+        f"[loss]  step 1: {metrics[1]['loss']:.4f}  step {FIRST_STEPS}: {metrics[FIRST_STEPS]['loss']:.4f}  "
+        f"step {last}: {metrics[last]['loss']:.4f}  (text cross-entropy {metrics[1]['text_loss']:.3f} -> "
+        f"{metrics[last]['text_loss']:.3f})"
+    )
+    print(
+        f"[speed] 4 ranks (2x2): {four[0] * 1e3:.0f} ms/step, {four[1]:.0f} tokens/s; "
+        f"2 ranks (2x1): {two[0] * 1e3:.0f} ms/step, {two[1]:.0f} tokens/s (median step; "
+        f"{metrics[last]['tokens']} tokens/step)"
+    )
+    print(
+        f"[ckpt]  committed steps {Checkpointer(config.checkpoint.url).steps()} under {config.checkpoint.url} "
+        f"(keep_last={config.checkpoint.keep_last})"
+    )
+    print(f"[files] metrics: {os.path.join(group, 'metrics.jsonl')}")
+    print(f"        samples: {os.path.join(group, 'samples.jsonl')}")
+    print(f"        config:  {os.path.join(group, 'config.json')}")
+    print(_check_samples(samples, config.data.pipeline.num_samples))
 
 
 def main() -> None:
     shutil.rmtree(RUN_DIR, ignore_errors=True)
-    os.makedirs(RUN_DIR)
-    _spawn(_save_rank, 4)
-    _spawn(_load_rank, 3)
-    manifest_path = os.path.join(CKPT, "step-000000001", "manifest.json")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
-    print(f"[files] checkpoint root: {CKPT}")
-    print(f"        manifest:        {manifest_path}")
-    print(f"        arrays:          {os.path.join(CKPT, 'step-000000001', manifest['attempt'])}/<fqn>/")
-    example = next(iter(manifest["arrays"]))
-    print("[zarr]  open with plain zarr-python:")
-    print(f"        import resilient, zarr; g = zarr.open_group('{CKPT}/step-000000001/{manifest['attempt']}')")
-    print(f"        g['{manifest['arrays'][example]['path']}'][:]   # {example}, "
-          f"shape {manifest['arrays'][example]['shape']}, {manifest['arrays'][example]['dtype']}")
+    print(f"[demo] 1/2: {FIRST_STEPS} steps on 4 ranks (dp_shard=2 x tp=2) -> {RUN_DIR}", flush=True)
+    _train(4, f"run.steps={FIRST_STEPS}")
+    print(f"[demo] 2/2: resume on 2 ranks (dp_shard=2 x tp=1) for {MORE_STEPS} more steps", flush=True)
+    _train(2, "parallel.tp=1", f"run.steps={FIRST_STEPS + MORE_STEPS}")
+    _summary()
 
 
 if __name__ == "__main__":

@@ -1,1 +1,9 @@
-"""resilient.trainer"""
+"""resilient.trainer: the omni model, its parallelization, its data pipeline and the training loop.
+
+Entry point: ``torchrun --nproc-per-node N -m resilient.trainer --config configs/tiny.toml --set k=v``
+(or ``resilient-train --nproc N ...``). Modules: ``config`` (TOML recipe -> validated sections),
+``build`` (device, mesh, model, optimizer, data, checkpointer), ``loop`` (``Trainer``: resume, step,
+save, step hooks), ``state`` (what a checkpoint holds), ``schedule`` (AdamW, warmup + cosine),
+``outputs`` (metrics.jsonl, samples.jsonl), ``train`` (the CLI); ``model/``, ``parallelize``
+and ``data/`` are the components the loop drives.
+"""

@@ -1,0 +1,140 @@
+"""trainer/config.py: recipes, --set overrides and validation; the shipped recipes load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resilient.errors import ConfigError
+from resilient.trainer.config import (
+    TrainConfig,
+    allowed_keys,
+    config_from_dict,
+    load_config,
+    parse_override,
+)
+from resilient.trainer.data.state import fingerprint
+from resilient.trainer.train import CONFIG_ERROR_EXIT, main
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = str(CONFIGS / "tiny.toml")
+
+
+@pytest.mark.parametrize("recipe", ["tiny.toml", "demo.toml"])
+def test_shipped_recipes_load(recipe: str) -> None:
+    config = load_config(str(CONFIGS / recipe))
+    assert config.parallel.dp_shard * config.parallel.tp == 4
+    assert config.checkpoint.url.endswith("/ckpt")
+
+
+def test_keys_the_tools_rely_on_exist() -> None:
+    keys = {f"{s}.{k}" for s in ("run", "parallel", "data", "checkpoint") for k in allowed_keys(s)}
+    assert {
+        "run.dir", "run.steps", "run.seed", "parallel.dp_shard", "parallel.tp", "data.seed",
+        "data.global_rows", "data.row_len", "data.log_samples", "checkpoint.url",
+        "checkpoint.persist_every", "checkpoint.keep_last",
+    } <= keys  # fmt: skip
+
+
+def test_overrides_are_toml_literals() -> None:
+    config = load_config(
+        TINY,
+        ["parallel.tp=1", "data.log_samples=true", "optim.betas=[0.8, 0.9]", 'run.dir="/tmp/a b"',
+         "checkpoint.url=/tmp/ckpt", "run.peak_flops=1e12", "run.steps=7"],
+    )  # fmt: skip
+    assert config.parallel.tp == 1
+    assert config.data.log_samples is True
+    assert config.optim.betas == [0.8, 0.9]
+    assert config.run.dir == "/tmp/a b"
+    assert config.checkpoint.url == "/tmp/ckpt"  # not a TOML literal: taken as a string
+    assert config.run.peak_flops == 1e12 and config.run.steps == 7
+
+
+def test_later_override_wins_and_url_defaults_under_run_dir() -> None:
+    config = load_config(TINY, ["run.dir=/tmp/x", "run.dir=/tmp/y"])
+    assert config.checkpoint.url == "/tmp/y/ckpt"
+
+
+def test_model_input_sizes_follow_the_data() -> None:
+    config = load_config(TINY, ["data.audio_bands=32", "data.patch_size=2", "data.vocab_size=100"])
+    assert config.model.audio_dim == 32
+    assert config.model.video_dim == 2 * 2 * 3
+    assert config.model.vocab_size == 100
+    assert config.model.max_positions == config.data.pipeline.max_positions
+
+
+def test_int_for_float_does_not_change_the_data_fingerprint() -> None:
+    # The fingerprint hashes values: 1 and 1.0 must not make a resumed run refuse its checkpoint.
+    a = load_config(TINY, ["data.min_clip_seconds=1"])
+    b = load_config(TINY, ["data.min_clip_seconds=1.0"])
+    assert fingerprint(a.data.pipeline) == fingerprint(b.data.pipeline)
+
+
+def test_to_dict_round_trips() -> None:
+    config = load_config(TINY, ["data.log_samples=true", "parallel.tp=1"])
+    again = config_from_dict(config.to_dict())
+    assert again == config
+    assert isinstance(again, TrainConfig)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.stepz=3", r"unknown key run.stepz; allowed keys in \[run\]: .*'steps'"),
+        ("runn.steps=3", r"unknown section 'runn'; allowed: \['run', 'parallel'"),
+        ("run.steps=-1", r"run.steps=-1 is out of range: allowed >= 0"),
+        ("run.steps=2.5", r"run.steps=2.5 must be an integer"),
+        ("run.steps=abc", r"run.steps='abc' must be an integer"),
+        ("data.log_samples=1", r"data.log_samples=1 must be true or false"),
+        ("data.row_len=8", r"\[data\] DataConfig.row_len=8 is out of range"),
+        ("model.dim=0", r"\[model\] ModelConfig.dim=0 must be an integer >= 1"),
+        ("parallel.tp=0", r"\[parallel\] ParallelConfig.tp=0"),
+        ("parallel.tp=3", r"parallel.tp does not fit the model: ParallelConfig.tp=3 must divide"),
+        ("parallel.dp_shard=3", r"parallel.dp_shard=3 must divide data.global_rows=8 .*\[1, 2, 4, 8\]"),
+        ("model.audio_dim=80", r"model.audio_dim=80 must equal the data's audio_dim=16"),
+        ("model.max_positions=8", r"model.max_positions=8 must be >= 69"),
+        ("optim.betas=[0.9]", r"optim.betas=\[0.9\] must be a list of two numbers"),
+        ("optim.lr=0", r"optim.lr=0.0 is out of range: allowed \(0.0, 10.0\]"),
+        ("checkpoint.persist_every=0", r"checkpoint.persist_every=0 is out of range"),
+        ("checkpoint.url=3", r"checkpoint.url=3 must be a string"),
+        ("run.device='tpu'", r"run.device='tpu' must be one of"),
+        ("steps=3", r"expected section.key=value"),
+        ("run.steps", r"expected section.key=value"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [override])
+
+
+def test_bad_recipe_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(str(bad))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[trainer]\nsteps = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config section\(s\) \['trainer'\]"):
+        load_config(str(unknown))
+
+
+def test_parse_override_values() -> None:
+    assert parse_override("a.b=1") == (["a", "b"], 1)
+    assert parse_override("a.b = true") == (["a", "b"], True)
+    assert parse_override("a.b='x=y'") == (["a", "b"], "x=y")
+    assert parse_override("a.b=s3://bucket/run") == (["a", "b"], "s3://bucket/run")
+
+
+def test_world_size_mismatch_fails_before_any_collective(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--config", TINY, "--set", "run.dir=/nonexistent"]) == CONFIG_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert "parallel.dp_shard=2 x parallel.tp=2 = 4 ranks, but 2 were started" in err
+    assert main(["--config", TINY, "--set", "run.stepz=1"]) == CONFIG_ERROR_EXIT
+    assert "unknown key run.stepz" in capsys.readouterr().err

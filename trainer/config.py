@@ -1,0 +1,335 @@
+"""The run configuration: one validated dataclass per section, loaded from a TOML recipe.
+
+A recipe (``configs/tiny.toml``) has the sections ``[run]``, ``[parallel]``, ``[model]``, ``[data]``,
+``[optim]`` and ``[checkpoint]``; the command line overrides single keys with ``--set key=value``,
+the value read as a TOML literal (``--set parallel.tp=1 --set data.log_samples=true``; a value that
+is not a TOML literal, like ``--set run.dir=/tmp/x``, is taken as a string). An unknown section or
+key, or a value of the wrong type or range, raises ConfigError naming the key and what is allowed,
+before any process group or file exists.
+
+Sections reuse the components' own configs (``ParallelConfig``, ``ModelConfig``, ``DataConfig``);
+the model's input sizes (``vocab_size``, ``audio_dim``, ``video_dim``, ``max_positions``) follow from
+the data section unless the recipe sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.errors import ConfigError
+from resilient.trainer.data import DataConfig
+from resilient.trainer.model import ModelConfig
+from resilient.trainer.parallelize import ParallelConfig, check_model_compatible
+
+
+def _check_int(key: str, value: object, low: int, high: int | None = None) -> None:
+    allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer {allowed}")
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{key}={value} is out of range: allowed {allowed}")
+
+
+def _check_number(key: str, value: object, low: float, high: float, *, open_low: bool = False) -> None:
+    allowed = f"{'(' if open_low else '['}{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number in {allowed}")
+    if value < low or value > high or (open_low and value == low):
+        raise ConfigError(f"{key}={value} is out of range: allowed {allowed}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """What to run, for how long, and where its outputs go."""
+
+    dir: str = "runs/default"
+    """Run directory: metrics and samples under ``<dir>/group<G>/``, checkpoints under ``<dir>/ckpt``."""
+    steps: int = 100
+    """Train until this many optimizer steps are committed (a resumed run counts from its checkpoint)."""
+    seed: int = 0
+    """Seeds the model init (identical on every rank) and the torch/python/numpy RNGs; [0, 2**31)."""
+    log_every: int = 10
+    """Print a progress line every this many steps (metrics.jsonl gets every step); >= 1."""
+    peak_flops: float = 989e12
+    """Peak FLOP/s of ONE rank's device, the MFU denominator (989e12: H100 dense bf16)."""
+    device: str = "auto"
+    """'cpu', 'cuda', or 'auto' (cuda when available); collectives use gloo on cpu, nccl on cuda."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective of the process group (a hung peer fails the job after it)."""
+    step_hooks: list[str] = field(default_factory=list)
+    """Import paths 'package.module:factory'; each factory(trainer) returns a callable(step, trainer)
+    run after every committed step (fault injection, custom logging), or None."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ConfigError(f"run.dir={self.dir!r} must be a non-empty path")
+        _check_int("run.steps", self.steps, 0)
+        _check_int("run.seed", self.seed, 0, 2**31 - 1)
+        _check_int("run.log_every", self.log_every, 1)
+        _check_number("run.peak_flops", self.peak_flops, 0.0, 1e20, open_low=True)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"run.device={self.device!r} must be one of ['auto', 'cpu', 'cuda']")
+        _check_number("run.collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
+        if not isinstance(self.step_hooks, list) or not all(isinstance(h, str) and ":" in h for h in self.step_hooks):
+            raise ConfigError(f"run.step_hooks={self.step_hooks!r} must be a list of 'package.module:factory'")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    """The ``[data]`` section: the pipeline's settings plus what the trainer logs about them.
+
+    Kept apart from DataConfig because every DataConfig field but a few is hashed into the data
+    state's fingerprint: a logging switch there would make a resume with logging on refuse a
+    checkpoint written with it off.
+    """
+
+    pipeline: DataConfig = field(default_factory=DataConfig)
+    """The data pipeline (keys ``data.seed``, ``data.row_len``, ``data.global_rows``, ...)."""
+    log_samples: bool = False
+    """Write ``samples.jsonl``: the sample ids the whole job consumed at each committed step."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.log_samples, bool):
+            raise ConfigError(f"data.log_samples={self.log_samples!r} must be true or false")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay (LambdaLR), and gradient-norm clipping."""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup; (0, 10]."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW); [0, 10]."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam's (beta1, beta2), each in [0, 1)."""
+    eps: float = 1e-8
+    """Adam's epsilon; (0, 1]."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from lr/warmup_steps to lr; >= 0."""
+    decay_steps: int = 0
+    """Step at which the cosine reaches min_lr (constant after). 0: run.steps. Set it explicitly when
+    a run is stopped and extended (a different run.steps would otherwise change the schedule)."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine as a fraction of lr; [0, 1]."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping); >= 0."""
+
+    def __post_init__(self) -> None:
+        _check_number("optim.lr", self.lr, 0.0, 10.0, open_low=True)
+        _check_number("optim.weight_decay", self.weight_decay, 0.0, 10.0)
+        if not isinstance(self.betas, list | tuple) or len(self.betas) != 2:
+            raise ConfigError(f"optim.betas={self.betas!r} must be a list of two numbers in [0, 1)")
+        for i, beta in enumerate(self.betas):
+            _check_number(f"optim.betas[{i}]", beta, 0.0, 0.999999)
+        self.betas = [float(b) for b in self.betas]
+        _check_number("optim.eps", self.eps, 0.0, 1.0, open_low=True)
+        _check_int("optim.warmup_steps", self.warmup_steps, 0)
+        _check_int("optim.decay_steps", self.decay_steps, 0)
+        _check_number("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_number("optim.grad_clip", self.grad_clip, 0.0, 1e9)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Persistent checkpoints through ``resilient.Checkpointer``."""
+
+    url: str = ""
+    """Checkpoint root: a path, file://, s3:// or memory:// URL. Empty: ``<run.dir>/ckpt``."""
+    persist_every: int = 50
+    """Save every this many steps, and always at the end; >= 1."""
+    keep_last: int = 3
+    """Committed steps to keep (older ones are deleted after a newer commit); 0 keeps all."""
+    resume: bool = True
+    """Start from the newest committed step under ``url`` when there is one."""
+    writer: str = "thread"
+    """Background persist in a 'thread' or a spawned 'process' (see CheckpointerConfig.writer)."""
+    if_busy: str = "wait"
+    """A save due while the previous one still persists: 'wait' for it, or 'skip' this one (the
+    final save always waits)."""
+    timeout_s: float = 1800.0
+    """Longest wait for one save to commit, and for the saves in flight at the end of the run."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str):
+            raise ConfigError(f"checkpoint.url={self.url!r} must be a string (a path or a URL)")
+        _check_int("checkpoint.persist_every", self.persist_every, 1)
+        _check_int("checkpoint.keep_last", self.keep_last, 0)
+        if not isinstance(self.resume, bool):
+            raise ConfigError(f"checkpoint.resume={self.resume!r} must be true or false")
+        for name, allowed in (("writer", ("thread", "process")), ("if_busy", ("wait", "skip"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be one of {list(allowed)}")
+        _check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
+
+
+# Model fields that the data fixes: the model must accept every token the pipeline produces.
+_FROM_DATA = {
+    "vocab_size": lambda d: d.vocab_size,
+    "audio_dim": lambda d: d.audio_dim,
+    "video_dim": lambda d: d.video_dim,
+    "max_positions": lambda d: d.max_positions,
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """A whole run. Build it with :func:`load_config` (recipe + overrides) or :func:`config_from_dict`."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        data, model = self.data.pipeline, self.model
+        for name in ("audio_dim", "video_dim"):
+            if getattr(model, name) != getattr(data, name):
+                raise ConfigError(
+                    f"model.{name}={getattr(model, name)} must equal the data's {name}={getattr(data, name)}: "
+                    f"leave model.{name} unset to take it from [data]"
+                )
+        if model.vocab_size < data.vocab_size:
+            raise ConfigError(f"model.vocab_size={model.vocab_size} must be >= data.vocab_size={data.vocab_size}")
+        if model.max_positions < data.max_positions:
+            raise ConfigError(
+                f"model.max_positions={model.max_positions} must be >= {data.max_positions}, the largest "
+                "temporal position the data produces (+1)"
+            )
+        try:
+            check_model_compatible(self.parallel, model)
+        except ConfigError as e:
+            raise ConfigError(f"parallel.tp does not fit the model: {e}") from e
+        if data.global_rows % self.parallel.dp_shard:
+            divisors = [d for d in range(1, data.global_rows + 1) if data.global_rows % d == 0]
+            raise ConfigError(
+                f"parallel.dp_shard={self.parallel.dp_shard} must divide data.global_rows={data.global_rows} "
+                f"(each data-parallel rank takes an equal share of a global batch): use one of {divisors}"
+            )
+        if not self.checkpoint.url:
+            self.checkpoint.url = os.path.join(os.path.abspath(self.run.dir), "ckpt")
+
+    @property
+    def decay_steps(self) -> int:
+        """The cosine's horizon: optim.decay_steps, else run.steps."""
+        return self.optim.decay_steps or self.run.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain JSON values, in the recipe's key layout."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+        out["data"] = {**out["data"].pop("pipeline"), **out["data"]}
+        return out
+
+
+_SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "parallel": ParallelConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+}
+_DATA_SECTION_KEYS = ("log_samples",)
+
+
+def allowed_keys(section: str) -> list[str]:
+    """The keys a recipe may set in ``section``."""
+    names = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    return names + list(_DATA_SECTION_KEYS) if section == "data" else names
+
+
+def _coerce(section: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """Check keys against the dataclass and normalize numbers, so '1' and '1.0' mean the same float
+    (the data fingerprint hashes the values: 1 and 1.0 would be different streams)."""
+    allowed = allowed_keys(section)
+    out = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in allowed:
+            raise ConfigError(f"unknown key {section}.{key}; allowed keys in [{section}]: {sorted(allowed)}")
+        default = defaults.get(key)
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{section}.{key}={value!r} must be true or false")
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{section}.{key}={value!r} must be a string")
+        out[key] = value
+    return out
+
+
+def _build_section(section: str, values: dict[str, Any], data: DataConfig | None = None) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+    cls = _SECTIONS[section]
+    values = _coerce(section, cls, values)
+    if section == "model" and data is not None:
+        values = {**{k: derive(data) for k, derive in _FROM_DATA.items()}, **values}
+    extra = {k: values.pop(k) for k in _DATA_SECTION_KEYS if section == "data" and k in values}
+    try:
+        built = cls(**values)
+    except ConfigError as e:
+        raise ConfigError(f"[{section}] {e}") from e
+    except TypeError as e:  # a wrong type that the section's own checks did not catch
+        raise ConfigError(f"[{section}] {e}; allowed keys: {sorted(allowed_keys(section))}") from e
+    return DataSection(pipeline=built, **extra) if section == "data" else built
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """A validated TrainConfig from a recipe's tables (missing sections and keys take defaults)."""
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {unknown}; allowed: {list(_SECTIONS)}")
+    data = _build_section("data", raw.get("data", {}))
+    sections = {name: _build_section(name, raw.get(name, {}), data.pipeline) for name in _SECTIONS if name != "data"}
+    return TrainConfig(data=data, **sections)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'section.key=value' -> (['section', 'key'], value parsed as a TOML literal, else the string)."""
+    key, sep, text = item.partition("=")
+    path = key.strip().split(".")
+    if not sep or len(path) != 2 or not all(path):
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set parallel.tp=2")
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a bare path or word: TOML would need it quoted, the shell makes that awkward
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """``raw`` with every 'section.key=value' applied (later ones win)."""
+    merged = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        if section not in _SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; allowed: {list(_SECTIONS)}")
+        merged.setdefault(section, {})[key] = value
+    return merged
+
+
+def load_config(path: str | None, overrides: Iterable[str] = ()) -> TrainConfig:
+    """Read a TOML recipe (None: all defaults), apply ``--set`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path!r} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
+    try:
+        return config_from_dict(apply_overrides(raw, overrides))
+    except ConfigError as e:
+        where = f" (recipe {path})" if path else ""
+        raise ConfigError(f"{e}{where}") from e

@@ -1,0 +1,244 @@
+"""The training loop of one replica group: resume, step, log, checkpoint, hooks.
+
+One step on every rank: take this data-parallel share's batch (prefetched; the same batch until
+committed), all-reduce the loss-token count over dp_shard so the summed gradients are those of the
+global mean loss, forward/backward, clip, AdamW + schedule, commit the data cursor; then save if due,
+log, and run the step hooks. Gradients are summed over dp_shard by FSDP2 (divide factor 1): see
+``resilient.trainer.parallelize``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from resilient import dist as rdist
+from resilient.errors import ResilientError, StorageError
+from resilient.storage.checkpointer import Checkpointer
+from resilient.storage.handle import SaveHandle
+from resilient.trainer.build import StepHook, committed_steps, load_step_hooks
+from resilient.trainer.config import TrainConfig
+from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
+from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.state import TrainingParts, apply_state, capture_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one optimizer step reports, reduced over the data-parallel ranks."""
+
+    loss: float
+    text_loss: float
+    loss_tokens: int
+    grad_norm: float
+    lr: float
+
+
+class Trainer:
+    """Owns the run's pieces and drives them. ``step_hooks`` (callables of (step, trainer)) run on
+    every rank after each committed step: the seam for fault injection and custom monitoring."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        mesh: DeviceMesh,
+        parts: TrainingParts,
+        checkpointer: Checkpointer,
+        outputs: RunOutputs,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.parts = parts
+        self.checkpointer = checkpointer
+        self.outputs = outputs
+        self.device = device
+        self.dp_group = mesh["dp_shard"].get_group()
+        self.step = 0
+        self.tokens_seen = 0
+        self.resumed_from: int | None = None
+        self.step_hooks: list[StepHook] = []
+        self._pending_save: SaveHandle | None = None
+        self._saved_step: int | None = None
+        data = config.data.pipeline
+        self.tokens_per_step = data.global_rows * data.row_len
+        self._flops_per_step = flops_per_token(config.model, data.row_len) * self.tokens_per_step
+        self._peak_flops = config.run.peak_flops * mesh.size()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def install_configured_hooks(self) -> None:
+        self.step_hooks.extend(load_step_hooks(self.config.run.step_hooks, self))
+
+    def resume(self) -> int | None:
+        """Load the newest committed checkpoint, if any (on any mesh); returns its step."""
+        if not self.config.checkpoint.resume:
+            return None
+        steps = self._committed_steps()
+        if not steps:
+            self.outputs.message(f"no checkpoint under {self.checkpointer.url}: starting at step 0")
+            return None
+        start = time.perf_counter()
+        state = capture_state(self.parts, self.step, self.tokens_seen)
+        loaded = self.checkpointer.load(state)
+        self.step, self.tokens_seen = apply_state(self.parts, state)
+        self.resumed_from = self._saved_step = loaded
+        self.outputs.message(
+            f"resumed from step {loaded} of {self.checkpointer.url} on dp_shard={self.config.parallel.dp_shard} "
+            f"x tp={self.config.parallel.tp} in {time.perf_counter() - start:.2f} s"
+        )
+        return loaded
+
+    def _committed_steps(self) -> list[int]:
+        """Rank 0 lists the checkpoint root; every rank gets the list, or the same error (a rank
+        raising alone would leave its peers waiting in the broadcast until the collective timeout)."""
+        reply: dict[str, Any] = {}
+        if rdist.get_rank() == 0:
+            try:
+                reply = {"steps": committed_steps(self.checkpointer)}
+            except ResilientError as e:
+                reply = {"error": str(e)}
+        reply = rdist.broadcast_object(reply)
+        if "error" in reply:
+            raise StorageError(f"cannot list checkpoints to resume from: {reply['error']}")
+        return reply["steps"]
+
+    def run(self) -> None:
+        """Train until ``run.steps`` steps are committed, checkpointing on the way and at the end."""
+        self.resume()
+        if self.step >= self.config.run.steps:
+            self.outputs.message(f"step {self.step} >= run.steps={self.config.run.steps}: nothing to train")
+        while self.step < self.config.run.steps:
+            self._iteration()
+        self.finish()
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _iteration(self) -> None:
+        start = time.perf_counter()
+        batch = self.parts.pipeline.next_batch()
+        data_wait = time.perf_counter() - start
+        result = self.train_step(batch)
+        self.parts.pipeline.commit_step()
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        stall_start = time.perf_counter()
+        self.maybe_save()
+        ckpt_stall = time.perf_counter() - stall_start
+        step_time = time.perf_counter() - start
+        self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
+        if self.config.data.log_samples:
+            self.outputs.samples(self.step, self._gather_sample_ids(batch))
+        for hook in self.step_hooks:
+            hook(self.step, self)
+
+    def train_step(self, batch: dict[str, Any]) -> StepResult:
+        """Forward, backward, clip and update on this rank's share of a global batch."""
+        inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
+        global_tokens = count_loss_tokens(inputs)
+        dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
+        out = self.parts.model(inputs, loss_normalizer=global_tokens)
+        out.loss.backward()
+        grad_norm = self._clip_gradients()
+        lr = self.parts.optimizer.param_groups[0]["lr"]
+        if self._pending_save is not None:
+            # Under CUDA the last save's snapshot copy may still run on a side stream: the update
+            # must not change the parameters under it (a no-op on CPU, where the copy is done).
+            self._pending_save.wait_staged()
+        self.parts.optimizer.step()
+        self.parts.scheduler.step()
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        # Each rank's loss is its summed loss over the GLOBAL token count: the dp sum is the global mean.
+        sums = torch.stack([out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double()])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
+        loss, text_sum, text_tokens = sums.tolist()
+        return StepResult(
+            loss=loss,
+            text_loss=text_sum / max(text_tokens, 1.0),
+            loss_tokens=int(global_tokens),
+            grad_norm=grad_norm,
+            lr=lr,
+        )
+
+    def _clip_gradients(self) -> float:
+        # inf when clipping is off: still returns the norm for the metrics, and scales by exactly 1.
+        max_norm = self.config.optim.grad_clip or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.parts.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _gather_sample_ids(self, batch: dict[str, Any]) -> list[str]:
+        """Every sample id the whole group consumed this step (rank 0 gets them; tp peers repeat theirs)."""
+        local = sorted({sid for row in batch["sample_ids"] for sid in row})
+        gathered = rdist.all_gather_object(local)
+        return sort_sample_ids({sid for ids in gathered for sid in ids})
+
+    def _stats(self, result: StepResult, step_time: float, data_wait: float, ckpt_stall: float) -> StepStats:
+        return StepStats(
+            step=self.step,
+            loss=result.loss,
+            text_loss=result.text_loss,
+            tokens=self.tokens_per_step,
+            loss_tokens=result.loss_tokens,
+            lr=result.lr,
+            grad_norm=result.grad_norm,
+            step_time_s=step_time,
+            data_wait_s=data_wait,
+            ckpt_stall_s=ckpt_stall,
+            tokens_per_s=self.tokens_per_step / step_time,
+            mfu=self._flops_per_step / step_time / self._peak_flops,
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def maybe_save(self) -> None:
+        """Save every ``persist_every`` steps and at the last step (once per step)."""
+        due = self.step % self.config.checkpoint.persist_every == 0 or self.step == self.config.run.steps
+        if due and self._saved_step != self.step:
+            self.save()
+
+    def save(self) -> SaveHandle:
+        """Checkpoint the current step. Returns once the state is staged; it persists and commits in
+        the background. A background failure of an earlier save is raised here, on every rank
+        together (the Checkpointer latches it), or at the end of the run."""
+        if self.step >= self.config.run.steps:
+            # The last checkpoint must not be skipped as busy (if_busy="skip"): drain first.
+            self.checkpointer.wait()
+        state = capture_state(self.parts, self.step, self.tokens_seen)
+        metadata = {"config": self.config.to_dict(), "world_size": self.mesh.size()}
+        handle = self.checkpointer.save(self.step, state, metadata=metadata)
+        if handle.done() and handle.stats is not None and handle.stats.outcome == "skipped":
+            log.warning(
+                "[rank %d] checkpoint of step %d skipped: the previous save is still persisting",
+                rdist.get_rank(),
+                self.step,
+            )
+            return handle
+        self._pending_save = handle
+        self._saved_step = self.step
+        return handle
+
+    def finish(self) -> None:
+        """Wait (bounded by checkpoint.timeout_s) until every save in flight is committed."""
+        self.checkpointer.wait()
+        self._pending_save = None
+
+    def close(self) -> None:
+        """Stop the loader's workers and the checkpoint writer, close the output files. Raises a
+        background save error that nothing has raised yet."""
+        try:
+            self.parts.pipeline.close()
+            self.outputs.close()
+        finally:
+            self.checkpointer.close()

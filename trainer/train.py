@@ -1,0 +1,126 @@
+"""Entry point of one replica group: ``torchrun --nproc-per-node N -m resilient.trainer --config R.toml
+--set key=value ...``.
+
+Reads the recipe, checks it against the launched world, joins the process group, builds the
+pieces, resumes from the newest committed checkpoint (any mesh), trains to ``run.steps``, and leaves
+a final checkpoint. Config errors are reported before any collective, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from resilient.errors import ConfigError
+from resilient.trainer.build import (
+    build_checkpointer,
+    build_parts,
+    check_world_size,
+    resolve_device,
+    seed_everything,
+)
+from resilient.trainer.config import TrainConfig, load_config
+from resilient.trainer.loop import Trainer
+from resilient.trainer.outputs import RunOutputs, group_dir, group_id
+
+log = logging.getLogger(__name__)
+
+CONFIG_ERROR_EXIT = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m resilient.trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="TOML recipe (e.g. configs/tiny.toml); omitted: all defaults")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one key, value as a TOML literal (repeatable): --set parallel.tp=1",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def _setup_logging(rank: int) -> None:
+    # Rank 0 tells the story; the other ranks speak up only for warnings and errors.
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # DTensor warns on every full_tensor() of a _StridedShard (FSDP x TP): noise for a trainer.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(config: TrainConfig, device: torch.device) -> None:
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.run.collective_timeout_s))
+
+
+def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
+    """Every piece of the run on this rank (the process group must be up)."""
+    seed_everything(config.run.seed)
+    mesh, parts = build_parts(config, device)
+    outputs = RunOutputs(
+        group_dir(config.run.dir),
+        enabled=dist.get_rank() == 0,
+        log_samples=config.data.log_samples,
+        log_every=config.run.log_every,
+        steps=config.run.steps,
+    )
+    outputs.write_config(
+        config.to_dict(),
+        {"world_size": dist.get_world_size(), "group": group_id(), "device": str(device)},
+    )
+    saves_log = os.path.join(outputs.directory, "saves.jsonl") if outputs.enabled else None
+    trainer = Trainer(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
+    trainer.install_configured_hooks()
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = load_config(args.config, args.overrides)
+        check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+        group_id()
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    _setup_logging(rank)
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    device = resolve_device(config.run.device)
+    _init_process_group(config, device)
+    trainer = None
+    try:
+        trainer = build_trainer(config, device)
+        trainer.run()
+        trainer.close()
+    except BaseException:
+        if trainer is not None:
+            _close_quietly(trainer)
+        raise
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _close_quietly(trainer: Trainer) -> None:
+    """Close after a failure: the first error is the one to report, not a follow-up from closing."""
+    try:
+        trainer.close()
+    except Exception as e:
+        log.warning("closing the trainer after a failure raised too: %s", e)
