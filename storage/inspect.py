@@ -1,0 +1,186 @@
+"""Open a checkpoint by URL for the offline tools; list its steps; summarize a manifest.
+
+A URL names either a checkpoint root (``runs/x``, ``s3://b/run``) or one step directory in it
+(``runs/x/step-000000100``). Everything here reads manifests and listings only, never tensor data.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+
+from resilient.errors import ConfigError, IntegrityError, StorageError
+from resilient.manifest import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
+from resilient.storage.objects import ObjectStore, open_store
+from resilient.storage.retention import list_steps
+from resilient.storage.url import Location, parse_url
+
+
+@dataclass(slots=True)
+class CheckpointRef:
+    """One committed step of a checkpoint, opened for reading."""
+
+    location: Location  # the checkpoint root
+    store: ObjectStore
+    step: int
+    manifest: Manifest
+
+    @property
+    def attempt_key(self) -> str:
+        return f"{step_dir(self.step)}/{self.manifest.attempt}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.location.url}/{step_dir(self.step)}"
+
+
+def split_step_url(url: str) -> tuple[Location, int | None]:
+    """(root, step) when ``url`` names a step directory, else (root, None)."""
+    location = parse_url(url)
+    head, _, name = location.prefix.rpartition("/")
+    step = parse_step_dir(name)
+    if step is None:
+        return location, None
+    return Location(location.scheme, location.bucket, head, location.endpoint, location.region, location.options), step
+
+
+def open_root(url: str) -> tuple[Location, ObjectStore, int | None]:
+    """The root's store (checked to exist) and the step the URL names, if any."""
+    location, step = split_step_url(url)
+    store = open_store(location)
+    store.check_root(create=False)
+    return location, store, step
+
+
+def read_latest(store: ObjectStore) -> int | None:
+    data = store.read(LATEST)
+    if data is None:
+        return None
+    try:
+        return int(json.loads(data)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def read_manifest(location: Location, store: ObjectStore, step: int) -> Manifest:
+    key = f"{step_dir(step)}/{MANIFEST}"
+    data = store.read(key)
+    if data is None:
+        raise ConfigError(f"step {step} is not committed under {location.url} (no {key}); see resilient-ckpt ls")
+    return Manifest.loads(data, where=f"{location.url}/{key}")
+
+
+def open_checkpoint(url: str, step: int | None = None) -> CheckpointRef:
+    """The committed step ``step`` (or the one the URL names, or the newest) of a checkpoint."""
+    location, store, url_step = open_root(url)
+    if url_step is not None and step is not None and url_step != step:
+        raise ConfigError(f"{url} names step {url_step} but --step {step} was given; pass one of them")
+    wanted = url_step if url_step is not None else step
+    listing = list_steps(store)
+    if not listing.committed and not listing.uncommitted:
+        raise StorageError(
+            f"{location.url} is not a resilient checkpoint: no step-NNNNNNNNN directory in it; "
+            "check the URL (a root such as runs/x or s3://bucket/run, or one of its step directories)"
+        )
+    if wanted is None:
+        if not listing.committed:
+            raise ConfigError(
+                f"no committed step under {location.url} ({len(listing.uncommitted)} uncommitted: "
+                f"{listing.uncommitted[-5:]}); a save never finished there"
+            )
+        wanted = listing.committed[-1]
+    elif wanted not in listing.committed:
+        raise ConfigError(
+            f"step {wanted} is not committed under {location.url}; committed steps: "
+            f"{listing.committed[-10:] or 'none'}"
+        )
+    return CheckpointRef(location, store, wanted, read_manifest(location, store, wanted))
+
+
+def select(names: list[str], patterns: list[str] | None) -> list[str]:
+    """Names matching any glob of ``patterns`` (all names when there is none)."""
+    if not patterns:
+        return list(names)
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+# -- ls ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StepInfo:
+    step: int
+    committed: bool
+    attempt: str | None = None
+    bytes: int = 0
+    tensors: int = 0
+    created_at: str | None = None
+    orphan_attempts: list[str] = field(default_factory=list)
+    problem: str | None = None
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def list_checkpoint(url: str) -> dict:
+    """Every step directory under a root: committed steps with size, time, attempt; attempts that
+    no manifest names (orphans of killed or failed saves); steps that were never committed."""
+    location, store, _ = open_root(url)
+    listing = list_steps(store)
+    if not listing.committed and not listing.uncommitted:
+        raise StorageError(f"{location.url} is not a resilient checkpoint: no step-NNNNNNNNN directory in it")
+    steps = [_step_info(location, store, s, True) for s in listing.committed]
+    steps += [_step_info(location, store, s, False) for s in listing.uncommitted]
+    steps.sort(key=lambda s: s.step)
+    latest = read_latest(store)
+    notes = []
+    if latest is not None and latest not in listing.committed:
+        notes.append(f"latest names step {latest}, which is not committed")
+    return {"root": location.url, "latest": latest, "steps": [s.to_json() for s in steps], "notes": notes}
+
+
+def _step_info(location: Location, store: ObjectStore, step: int, committed: bool) -> StepInfo:
+    attempts = [n for n in store.list_children(step_dir(step)) if n.startswith("attempt-")]
+    info = StepInfo(step, committed)
+    if not committed:
+        info.orphan_attempts = attempts
+        info.problem = "uncommitted: a save was killed, failed, or is still running"
+        return info
+    try:
+        manifest = read_manifest(location, store, step)
+    except (IntegrityError, ValueError) as e:
+        info.problem = f"damaged manifest: {e}"
+        return info
+    info.attempt, info.bytes, info.tensors = manifest.attempt, manifest.total_bytes, len(manifest.arrays)
+    info.created_at = manifest.to_json()["created_at"]
+    info.orphan_attempts = [a for a in attempts if a != manifest.attempt]
+    if manifest.attempt not in attempts:
+        info.problem = f"the committed attempt {manifest.attempt} is missing"
+    return info
+
+
+# -- inspect ----------------------------------------------------------------------------------
+
+
+def summarize(ref: CheckpointRef, patterns: list[str] | None = None) -> dict:
+    """The manifest of one step as a JSON-able summary (tensors filtered by ``patterns``)."""
+    m = ref.manifest
+    meshes = sorted({(tuple(a.mesh_dim_names), tuple(a.mesh_shape)) for a in m.arrays.values() if a.mesh_shape})
+    tensors = []
+    for fqn in select(sorted(m.arrays), patterns):
+        a = m.arrays[fqn]
+        tensors.append({
+            "fqn": fqn, "shape": a.shape, "dtype": a.dtype, "bytes": a.nbytes, "shard_shape": a.shard_shape,
+            "inner_shape": a.inner_shape, "regions": len(a.regions), "placements": a.placements,
+            "mesh_shape": a.mesh_shape, "mesh_dim_names": a.mesh_dim_names,
+        })
+    values = {k: m.values[k] for k in select(sorted(m.values), patterns)}
+    return {
+        "url": ref.url, "step": m.step, "format_version": m.format_version, "attempt": m.attempt,
+        "created_at": m.to_json()["created_at"], "world_size": m.world_size, "total_bytes": m.total_bytes,
+        "tensor_count": len(m.arrays),
+        "versions": m.versions,
+        "meshes": [{"dim_names": list(n), "shape": list(s)} for n, s in meshes],
+        "tensors": tensors, "values": values, "metadata": m.metadata,
+    }
