@@ -47,6 +47,10 @@ class ThreadWriter:
                 error = e
             self._on_done(handle, buffer, stats, error)
 
+    def stop_soon(self) -> None:
+        """Finish what is queued, then exit (used when the owner is garbage-collected)."""
+        self._queue.put(_STOP)
+
     def close(self, timeout_s: float) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
@@ -139,6 +143,9 @@ class ProcessWriter:
             pending, self._pending = self._pending, {}
         for handle, buffer in pending.values():
             self._on_done(handle, buffer, None, error)
+
+    def stop_soon(self) -> None:
+        self._jobs.put(("stop",))
 
     def close(self, timeout_s: float) -> None:
         self._jobs.put(("stop",))

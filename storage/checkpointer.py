@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -91,18 +92,19 @@ class Checkpointer:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._context = make_context(self.location)
-        self.save_stats: list[SaveStats] = []
+        self._ledger = _SaveLedger(rank=self.rank, sink=JsonlSink(config.metrics_path))
+        self.save_stats = self._ledger.stats
         self._inflight: list[SaveHandle] = []  # saves whose persist may still be running
         self._all_handles: list[SaveHandle] = []  # not yet known to be finished (for error latching)
         self._pool = StagingPool(budget_bytes=config.staging_bytes, pin_memory=torch.cuda.is_available(),
                                  shared_memory=config.writer == "process")
+        self._ledger.pool = self._pool
         self._writer = None
         self._stream = None
         self._plan_cache: dict[str, ArrayPlan] | None = None
         self._sent_tensors: list[dict] | None = None  # this rank's layout as last sent to its peers
         self._peer_tensors: dict[int, list[dict]] = {}  # every rank's layout as last received
         self._gathered: list[dict] = []
-        self._sink = JsonlSink(config.metrics_path)
         self.restore_stats: list[RestoreStats] = []
 
     # -- public API --------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class Checkpointer:
         locals_, attempt = self._prepare(step, state, metadata, busy)
         if attempt is None:  # some rank was busy under if_busy="skip": every rank skips together
             stats.outcome = stats.policy = "skipped"
-            self._record(stats)
+            self._ledger.record(stats)
             return SaveHandle.skipped(stats)
         plans = self._plan()
         snap = take_snapshot(plans, locals_, self.rank, self._pool, timeout_s=self.config.commit_timeout_s,
@@ -278,30 +280,13 @@ class Checkpointer:
     def _writer_for(self):
         if self._writer is None:
             if self.config.writer == "process":
-                self._writer = ProcessWriter(self.location, self._on_done)
+                self._writer = ProcessWriter(self.location, self._ledger.on_done)
             else:
-                self._writer = ThreadWriter(self.location, self.store, self._context, self._on_done)
+                self._writer = ThreadWriter(self.location, self.store, self._context, self._ledger.on_done)
+            # A Checkpointer dropped without close() must not leave its writer (and the staging
+            # memory it holds) behind: the writer knows only the ledger, never the Checkpointer.
+            weakref.finalize(self, self._writer.stop_soon)
         return self._writer
-
-    def _on_done(self, handle: SaveHandle, buffer, stats: SaveStats | None, error: BaseException | None) -> None:
-        """Called on a background thread when a persist ends: free the buffer, record, latch."""
-        self._pool.release(buffer)
-        if error is not None:
-            handle.stats.outcome = "failed"
-            self._record(handle.stats)
-            log.error("[rank %d] save of step %d failed: %s", self.rank, handle.step, error,
-                      extra={"event": "save_failed", "step": handle.step})
-            handle.fail(error)
-            return
-        blocked = handle.stats  # what save() measured in the foreground
-        stats.snapshot_s, stats.waited_s, stats.policy = blocked.snapshot_s, blocked.waited_s, blocked.policy
-        stats.total_s = stats.snapshot_s + stats.persist_s + stats.commit_s
-        self._record(stats)
-        handle.finish(stats)
-
-    def _record(self, stats: SaveStats) -> None:
-        self.save_stats.append(stats)
-        self._sink.write(stats.to_json())
 
     def _take_latched(self) -> BaseException | None:
         """The first background error the user has not seen yet (it is raised once, then cleared)."""
@@ -355,3 +340,33 @@ class Checkpointer:
             )
         return step
 
+
+
+class _SaveLedger:
+    """Where finished saves are accounted: frees the staging buffer, records stats, latches errors
+    on the handle. Called on a background thread; holds no reference to the Checkpointer."""
+
+    def __init__(self, *, rank: int, sink: JsonlSink) -> None:
+        self.rank = rank
+        self.sink = sink
+        self.stats: list[SaveStats] = []
+        self.pool: StagingPool | None = None
+
+    def record(self, stats: SaveStats) -> None:
+        self.stats.append(stats)
+        self.sink.write(stats.to_json())
+
+    def on_done(self, handle: SaveHandle, buffer, stats: SaveStats | None, error: BaseException | None) -> None:
+        self.pool.release(buffer)
+        if error is not None:
+            handle.stats.outcome = "failed"
+            self.record(handle.stats)
+            log.error("[rank %d] save of step %d failed: %s", self.rank, handle.step, error,
+                      extra={"event": "save_failed", "step": handle.step})
+            handle.fail(error)
+            return
+        blocked = handle.stats  # what save() measured in the foreground
+        stats.snapshot_s, stats.waited_s, stats.policy = blocked.snapshot_s, blocked.waited_s, blocked.policy
+        stats.total_s = stats.snapshot_s + stats.persist_s + stats.commit_s
+        self.record(stats)
+        handle.finish(stats)

@@ -85,9 +85,11 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     stats.bytes_total = sum(p.nbytes for p in job.plans.values())
     t0 = time.perf_counter()
     try:
-        if job.rank == 0:
-            write_zarr_documents(location, job.attempt_key, job.plans, context, job.step)
+        # zarr.json documents go out alongside the data, not before it.
+        docs = write_zarr_documents(location, job.attempt_key, job.plans, context, job.step) if job.rank == 0 else []
         written = write_regions(location, job.attempt_key, _region_data(job, buffer), context)
+        for future in docs:
+            future.result()
         stats.bytes_written = sum(r["nbytes"] for r in written)
         write_receipt(store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})
     except Exception as e:
@@ -154,14 +156,16 @@ def _wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
     """Non-coordinators: the save counts as done once the manifest names this attempt."""
     key = f"{step_dir(job.step)}/{MANIFEST}"
     deadline = time.monotonic() + job.commit_timeout_s
-    delay = 0.005
+    delay, polls = 0.002, 0
     while True:
+        polls += 1
         data = store.read(key)
         if data is not None:
             if json.loads(data).get("attempt") != job.attempt:
                 raise CommitError(f"step {job.step} was committed by another attempt; this save was discarded")
             return
-        failures = store.list_children(f"{job.attempt_key}/{FAILURES}")
+        # A listing costs more than a read: look for failure markers on every 8th poll only.
+        failures = store.list_children(f"{job.attempt_key}/{FAILURES}") if polls % 8 == 0 else []
         if failures:
             first = json.loads(store.read(f"{job.attempt_key}/{FAILURES}/{failures[0]}") or b"{}")
             who = "the commit" if first.get("rank") == COMMIT_RANK else f"rank {first.get('rank')}"
@@ -172,7 +176,7 @@ def _wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
                 f"{store.location.url}/{key}); the previous step is intact"
             )
         time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        delay = min(delay * 2, 0.02)
 
 
 __all__ = ["COMMIT_RANK", "PersistJob", "StagedRegion", "failure_key", "run_persist"]

@@ -1,7 +1,9 @@
 """Load: read each target box straight from the zarr arrays into the destination tensors.
 
-TensorStore fetches only the inner chunks that overlap a box and verifies their crc32c; reads are
-kept in flight up to a byte budget, so memory stays bounded while I/O stays parallel.
+TensorStore fetches only the inner chunks that overlap a box and verifies their crc32c, then
+decodes straight into the destination's memory when it can (dense CPU tensors), so a load makes
+no second copy. Reads are kept in flight up to a byte budget: memory stays bounded while I/O
+stays parallel.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from resilient.dtypes import from_numpy, itemsize, torch_dtype
+from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
 from resilient.storage.arrays import array_metadata, open_array, read_error
@@ -23,6 +25,15 @@ class ReadTarget:
     entry: ArrayEntry
     box: Box
     dest: torch.Tensor  # the local tensor to fill, shape == box.sizes
+
+
+def _direct_view(dest: torch.Tensor):
+    """A TensorStore view of ``dest``'s own memory, when TensorStore can write there (CPU, dense)."""
+    import tensorstore as ts
+
+    if dest.device.type != "cpu" or not dest.is_contiguous():
+        return None
+    return ts.array(to_numpy(dest), copy=False, write=True)
 
 
 def read_into(
@@ -40,14 +51,18 @@ def read_into(
     total = 0
     url = f"{location.url}/{attempt_key}"
 
+    def fail(target: ReadTarget, err: Exception) -> Exception:
+        return read_error(err, fqn=target.entry.fqn, step=step, url=f"{url}/{target.entry.path}")
+
     def drain_one() -> None:
         nonlocal inflight_bytes, total
-        target, future, nbytes = inflight.popleft()
+        target, future, nbytes, direct = inflight.popleft()
         try:
-            array = future.result()
+            result = future.result()
         except Exception as err:
-            raise read_error(err, fqn=target.entry.fqn, step=step, url=f"{url}/{target.entry.path}") from err
-        target.dest.copy_(from_numpy(array, torch_dtype(target.entry.dtype)).reshape(target.dest.shape))
+            raise fail(target, err) from err
+        if not direct:
+            target.dest.copy_(from_numpy(result, torch_dtype(target.entry.dtype)).reshape(target.dest.shape))
         inflight_bytes -= nbytes
         total += nbytes
 
@@ -58,8 +73,13 @@ def read_into(
         try:
             store = opened[t.entry.fqn].result()
         except Exception as err:
-            raise read_error(err, fqn=t.entry.fqn, step=step, url=f"{url}/{t.entry.path}") from err
-        inflight.append((t, store[t.box.slices()].read(), nbytes))
+            raise fail(t, err) from err
+        source = store[t.box.slices()].translate_to[0] if t.box.sizes else store
+        direct = _direct_view(t.dest)
+        if direct is not None:
+            inflight.append((t, direct.write(source), nbytes, True))
+        else:
+            inflight.append((t, source.read(), nbytes, False))
         inflight_bytes += nbytes
     while inflight:
         drain_one()

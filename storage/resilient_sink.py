@@ -135,7 +135,8 @@ class ResilientSink:
         return _Write(store[box.slices()].write(data), data)
 
     def finish(self) -> Manifest:
-        write_zarr_documents(self.location, self.attempt_key, self.plans, self._context, self.step)
+        for future in write_zarr_documents(self.location, self.attempt_key, self.plans, self._context, self.step):
+            future.result()
         manifest = Manifest(
             step=self.step, attempt=self.attempt, world_size=self._state.world_size,
             arrays={fqn: self._entry(p) for fqn, p in self.plans.items()},

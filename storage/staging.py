@@ -96,7 +96,6 @@ class StagingPool:
         data = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
         if self.shared_memory:
             data.share_memory_()
-        data.fill_(0)  # touch every page now, not during the first (timed) snapshot copy
         buf = StagingBuffer(data)
         self._buffers.append(buf)
         self.allocations += 1

@@ -61,9 +61,9 @@ def write_regions(location: Location, attempt_key: str, items: list[RegionData],
     return receipt
 
 
-def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, ArrayPlan], context, step: int) -> None:
-    """``zarr.json`` for the attempt group, every intermediate group and every array, so that
-    ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python."""
+def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, ArrayPlan], context, step: int) -> list:
+    """Start writing ``zarr.json`` for the attempt group, every intermediate group and every array
+    (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python); returns the futures."""
     import tensorstore as ts
 
     kv = ts.KvStore.open(kvstore_spec(location, attempt_key), context=context).result()
@@ -73,9 +73,7 @@ def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, 
         for depth in range(1, len(parts)):
             docs.setdefault("/".join(parts[:depth]) + "/zarr.json", zarr_group_document())
         docs["/".join(parts) + "/zarr.json"] = zarr_array_document(plan_metadata(plan), {"fqn": fqn})
-    futures = [kv.write(key, json.dumps(doc).encode()) for key, doc in docs.items()]
-    for f in futures:
-        f.result()
+    return [kv.write(key, json.dumps(doc).encode()) for key, doc in docs.items()]
 
 
 def region_view(local_data: np.ndarray, local_offsets: tuple[int, ...], region: Region) -> np.ndarray:

@@ -157,3 +157,22 @@ def test_sigkill_during_background_persist_leaves_previous_step(tmp_path):
     assert ckpt.steps() == [1]
     target = {"w": torch.zeros(512, 512)}
     assert ckpt.load(target) == 1 and torch.equal(target["w"], torch.full((512, 512), 1.0))
+
+
+def test_checkpointer_dropped_without_close_stops_its_writer(tmp_path):
+    import gc
+    import threading
+
+    def writers() -> int:
+        return sum(t.name == "resilient-ckpt-writer" for t in threading.enumerate())
+
+    before = writers()
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, _state(1.0)).wait()
+    assert writers() == before + 1
+    del ckpt
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while writers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writers() == before  # the thread (and the staging memory it pinned) is gone
