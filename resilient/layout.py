@@ -141,7 +141,7 @@ def _smallest_divisor_at_least(n: int, need: int) -> int:
     return min((d for d in _divisors(n) if d >= need), default=n)
 
 
-def _base_grid(shape: tuple[int, ...], boxes: list[Box]) -> list[int]:
+def edge_grid(shape: tuple[int, ...], boxes: list[Box]) -> list[int]:
     """Per dim, the largest chunk length that every box edge falls on (gcd of interior edges)."""
     grid = []
     for d, n in enumerate(shape):
@@ -158,7 +158,7 @@ def choose_shard_shape(
     shape: tuple[int, ...], boxes: list[Box], holders: list[int], item: int, max_shard_bytes: int
 ) -> tuple[int, ...]:
     """Shards align with every box edge; big replicated boxes split so replicas share the write."""
-    shard = _base_grid(shape, boxes)
+    shard = edge_grid(shape, boxes)
     if shard and max(holders, default=1) > 1:
         biggest = max(b.numel for b in boxes) * item
         if biggest >= MIN_SPLIT_BYTES:

@@ -257,7 +257,7 @@ class Checkpointer:
         if self.store.exists(f"{step_dir(step)}/{MANIFEST}"):
             raise CommitError(
                 f"step {step} is already committed at {self.url}; a step is written once: "
-                "save under a new step number (or delete it with resilient-ckpt prune)"
+                "save under a new step number (committed steps are never overwritten)"
             )
 
     def _plan(self) -> dict[str, ArrayPlan]:

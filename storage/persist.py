@@ -129,7 +129,7 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
     check_coverage(job.plans, receipts, job.step)
     fault_point("commit.before_manifest")
     crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
-    arrays = {fqn: _entry(p, crcs) for fqn, p in job.plans.items()}
+    arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}
     manifest = Manifest(
         step=job.step, attempt=job.attempt, world_size=job.world_size, arrays=arrays,
         values=encode_values(job.values), metadata=job.metadata, versions=library_versions(),
@@ -143,7 +143,8 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
 
 
-def _entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
+def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
+    """The manifest entry of a planned array, with each region's crc32c (keyed by (fqn, offsets))."""
     return ArrayEntry(
         fqn=p.fqn, path=array_path(p.fqn), shape=list(p.shape), dtype=p.dtype, shard_shape=list(p.shard_shape),
         inner_shape=list(p.inner_shape), nbytes=p.nbytes, placements=list(p.placements),
@@ -179,4 +180,4 @@ def _wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
         delay = min(delay * 2, 0.02)
 
 
-__all__ = ["COMMIT_RANK", "PersistJob", "StagedRegion", "failure_key", "run_persist"]
+__all__ = ["COMMIT_RANK", "PersistJob", "manifest_entry", "StagedRegion", "failure_key", "run_persist"]

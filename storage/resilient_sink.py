@@ -20,30 +20,18 @@ import numpy as np
 
 from resilient.dtypes import itemsize
 from resilient.errors import CommitError, ConfigError
-from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, ArrayPlan, Box, Region, choose_inner_shape
-from resilient.manifest import MANIFEST, ArrayEntry, Manifest, array_path, library_versions, step_dir
+from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, ArrayPlan, Box, Region, choose_inner_shape, edge_grid
+from resilient.manifest import MANIFEST, Manifest, array_path, library_versions, step_dir
 from resilient.storage.arrays import make_context, open_array, plan_metadata
 from resilient.storage.blocks import grid_boxes
 from resilient.storage.commit import commit_manifest
 from resilient.storage.objects import open_store
+from resilient.storage.persist import manifest_entry
 from resilient.storage.sources import SourceState, TensorInfo
 from resilient.storage.url import Location
 from resilient.storage.writer import write_zarr_documents
 
 Layout = Callable[[TensorInfo], tuple[tuple[int, ...], tuple[int, ...]]]  # info -> (shard, inner)
-
-
-def _edge_grid(shape: tuple[int, ...], boxes: list[Box]) -> list[int]:
-    """Per dim, the largest chunk length that every interior box edge falls on."""
-    grid = []
-    for d, n in enumerate(shape):
-        g = 0
-        for box in boxes:
-            for edge in (box.offsets[d], box.offsets[d] + box.sizes[d]):
-                if 0 < edge < n:
-                    g = math.gcd(g, edge)
-        grid.append(g or max(n, 1))
-    return grid
 
 
 def _aligned_split(n: int, need: int) -> int:
@@ -56,7 +44,7 @@ def _aligned_split(n: int, need: int) -> int:
 def output_shard_shape(shape: tuple[int, ...], boxes: list[Box], item: int, max_bytes: int) -> tuple[int, ...]:
     """Shards aligned with the source's own chunk edges, split along dim 0 first (then dim 1, ...)
     until one shard is at most ``max_bytes``: each is written whole from one block in memory."""
-    shard = _edge_grid(shape, boxes)
+    shard = edge_grid(shape, boxes)
     for d in range(len(shard)):
         nbytes = math.prod(shard) * item
         if nbytes <= max_bytes:
@@ -139,16 +127,9 @@ class ResilientSink:
             future.result()
         manifest = Manifest(
             step=self.step, attempt=self.attempt, world_size=self._state.world_size,
-            arrays={fqn: self._entry(p) for fqn, p in self.plans.items()},
+            arrays={fqn: manifest_entry(p, self._crcs) for fqn, p in self.plans.items()},
             values=self._state.values, metadata=self._metadata, versions=library_versions(),
         )
         commit_manifest(self.store, manifest)
         return manifest
 
-    def _entry(self, p: ArrayPlan) -> ArrayEntry:
-        regions = [{**r.box.to_json(), "writer": 0, "crc32c": self._crcs[(p.fqn, r.box.offsets)]} for r in p.regions]
-        return ArrayEntry(
-            fqn=p.fqn, path=array_path(p.fqn), shape=list(p.shape), dtype=p.dtype, shard_shape=list(p.shard_shape),
-            inner_shape=list(p.inner_shape), nbytes=p.nbytes, placements=list(p.placements),
-            mesh_shape=list(p.mesh_shape), mesh_dim_names=list(p.mesh_dim_names), regions=regions,
-        )
