@@ -245,6 +245,24 @@ def save_dcp(state: dict, path: str) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
 
 
+def timed_async_dcp(state: dict, path: str, mode: str) -> tuple[float, float]:
+    """DCP async_save in its thread or process mode: (seconds blocked, seconds to durable)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    dist.barrier()
+    start = time.perf_counter()
+    future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                            async_checkpointer_type=kind)
+    blocked = time.perf_counter() - start
+    future.result()
+    total = time.perf_counter() - start
+    blocked, total = max_over_ranks([blocked, total])
+    return blocked, total
+
+
 def load_dcp(state: dict, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -324,6 +342,14 @@ def save_world(rank: int, world: int, cfg: BenchConfig) -> dict:
                     times[impl].append(seconds)
                     if impl == "resilient":
                         times["resilient_blocked"].append(blocked)
+            for mode in ("thread", "process"):  # DCP's asynchronous saves, both of its modes
+                path = cfg.dcp_dir(step) + f"-async-{mode}"
+                blocked, seconds = timed_async_dcp(state, path, mode)
+                log.info("async_save dcp %s step %d: blocked %.3f s, durable %.3f s", mode, step, blocked, seconds)
+                if step > 0:
+                    times.setdefault(f"dcp_async_{mode}", []).append(seconds)
+                    times.setdefault(f"dcp_async_{mode}_blocked", []).append(blocked)
+                _remove([path])
             if step > 0:  # keep only the newest pair: it is what the load worlds read
                 _remove([cfg.resilient_step_dir(step - 1), cfg.dcp_dir(step - 1)])
     sources = [local_part(t).detach() for _, t in iter_tensors(state)]
@@ -420,7 +446,7 @@ def run_world(fn: Callable, world: int, cfg: BenchConfig, *args: Any) -> list[An
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=True)
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=False)  # DCP async_save in process mode spawns a child
              for r in range(world)]
     for p in procs:
         p.start()
@@ -501,6 +527,14 @@ def run(cfg: BenchConfig) -> None:
             "best_blocked_seconds": round(min(seconds["resilient_blocked"]), 4),
         },
         "save_dcp": result_line("save", "dcp", SAVE_WORLD, nbytes, seconds["dcp"]),
+        **{
+            f"save_dcp_async_{mode}": {
+                **result_line("save", f"dcp_async_{mode}", SAVE_WORLD, nbytes, seconds[f"dcp_async_{mode}"]),
+                "blocked_seconds": round(statistics.median(seconds[f"dcp_async_{mode}_blocked"]), 4),
+                "best_blocked_seconds": round(min(seconds[f"dcp_async_{mode}_blocked"]), 4),
+            }
+            for mode in ("thread", "process")
+        },
         "raw_fsync": result_line("limit", "raw_fsync_write", SAVE_WORLD, all_local, seconds["raw_fsync_write"]),
         "memcpy": result_line("limit", "memcpy", SAVE_WORLD, all_local, seconds["memcpy"]),
     }
@@ -514,7 +548,27 @@ def run(cfg: BenchConfig) -> None:
     emit_ratios(lines)
 
 
+def stall_ratio_lines(lines: dict[str, dict]) -> list[dict]:
+    """How long save() blocks training: ours over the memcpy floor, and over DCP async_save's
+    better mode (< 1 means ours blocks for less time)."""
+    ours = lines["save_resilient"]
+    best_dcp = min((lines[f"save_dcp_async_{m}"] for m in ("thread", "process")), key=lambda d: d["blocked_seconds"])
+    return [
+        {"bench": "ratio", "name": "stall_resilient_over_memcpy_floor",
+         "value": round(ours["blocked_seconds"] / lines["memcpy"]["seconds"], 4),
+         "best_value": round(ours["best_blocked_seconds"] / lines["memcpy"]["best_seconds"], 4)},
+        {"bench": "ratio", "name": f"stall_resilient_over_dcp_async_{best_dcp['impl'].rsplit('_', 1)[1]}",
+         "value": round(ours["blocked_seconds"] / best_dcp["blocked_seconds"], 4),
+         "best_value": round(ours["best_blocked_seconds"] / best_dcp["best_blocked_seconds"], 4)},
+        {"bench": "ratio", "name": "durable_resilient_over_dcp_async_thread",  # throughput, > 1: ours faster
+         "value": round(ours["gib_per_s"] / lines["save_dcp_async_thread"]["gib_per_s"], 4),
+         "best_value": round(ours["best_gib_per_s"] / lines["save_dcp_async_thread"]["best_gib_per_s"], 4)},
+    ]
+
+
 def emit_ratios(lines: dict[str, dict]) -> None:
+    for line in stall_ratio_lines(lines):
+        emit(line)
     emit(ratio_line("save_resilient_over_dcp", lines["save_resilient"], lines["save_dcp"]))
     emit(blocking_ratio_line(lines["save_resilient"], lines["save_dcp"]))
     for world in LOAD_WORLDS:
