@@ -446,7 +446,9 @@ def run_world(fn: Callable, world: int, cfg: BenchConfig, *args: Any) -> list[An
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=False)  # DCP async_save in process mode spawns a child
+    # Not daemonic: DCP's async_save in process mode starts a child of its own. The finally
+    # clause below kills every rank, so none outlives the run.
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -1,8 +1,8 @@
 """The run configuration: one validated dataclass per section, loaded from a TOML recipe.
 
 A recipe (``configs/tiny.toml``) has the sections ``[run]``, ``[parallel]``, ``[model]``, ``[data]``,
-``[optim]`` and ``[checkpoint]``; the command line overrides single keys with ``--set key=value``,
-the value read as a TOML literal (``--set parallel.tp=1 --set data.log_samples=true``; a value that
+``[optim]``, ``[checkpoint]`` and ``[replica]``; the command line overrides single keys with
+``--set key=value``, the value read as a TOML literal (``--set parallel.tp=1 --set data.log_samples=true``; a value that
 is not a TOML literal, like ``--set run.dir=/tmp/x``, is taken as a string). An unknown section or
 key, or a value of the wrong type or range, raises ConfigError naming the key and what is allowed,
 before any process group or file exists.
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.recovery.config import QuorumConfig, check_rows_divisible
 from resilient.trainer.data import DataConfig
 from resilient.trainer.model import ModelConfig
 from resilient.trainer.parallelize import ParallelConfig, check_model_compatible
@@ -188,6 +189,8 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    replica: QuorumConfig = field(default_factory=QuorumConfig)
+    """Replica groups under a torchft quorum (``resilient.recovery``); off by default."""
 
     def __post_init__(self) -> None:
         data, model = self.data.pipeline, self.model
@@ -214,6 +217,8 @@ class TrainConfig:
                 f"parallel.dp_shard={self.parallel.dp_shard} must divide data.global_rows={data.global_rows} "
                 f"(each data-parallel rank takes an equal share of a global batch): use one of {divisors}"
             )
+        if self.replica.enabled:
+            check_rows_divisible(data.global_rows, self.parallel.dp_shard, self.replica.groups)
         if not self.checkpoint.url:
             self.checkpoint.url = os.path.join(os.path.abspath(self.run.dir), "ckpt")
 
@@ -236,6 +241,7 @@ _SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
+    "replica": QuorumConfig,
 }
 _DATA_SECTION_KEYS = ("log_samples",)
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import ConfigError
+from resilient.recovery.events import write_pid
 from resilient.trainer.build import (
     build_checkpointer,
     build_parts,
@@ -83,7 +84,12 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
         {"world_size": dist.get_world_size(), "group": group_id(), "device": str(device)},
     )
     saves_log = os.path.join(outputs.directory, "saves.jsonl") if outputs.enabled else None
-    trainer = Trainer(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
+    trainer_class = Trainer
+    if config.replica.enabled:
+        from resilient.recovery.replicated import ReplicatedTrainer  # imports torchft: only when asked
+
+        trainer_class = ReplicatedTrainer
+    trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
     trainer.install_configured_hooks()
     return trainer
 
@@ -100,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     _setup_logging(rank)
+    if config.replica.enabled:
+        # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
+        write_pid(config.run.dir, group_id(), rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     device = resolve_device(config.run.device)

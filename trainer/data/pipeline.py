@@ -22,7 +22,7 @@ from resilient.errors import ConfigError
 from resilient.trainer.data.config import DataConfig
 from resilient.trainer.data.loader import PrefetchLoader
 from resilient.trainer.data.state import check_state, fingerprint, make_state
-from resilient.trainer.data.stream import Batch, RowKey, RowStream
+from resilient.trainer.data.stream import Batch, RowKey, RowStream, sample_id
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,12 @@ class OmniPipeline:
     def batch_for_step(self, cursor: RowKey, share: int, num_shares: int) -> Batch:
         """Any share of any step's batch, built synchronously (tests, tools, debugging)."""
         return self._stream.batch(self._stream.rows_for_step(cursor, share, num_shares))
+
+    def sample_ids_for_step(self, cursor: RowKey) -> list[str]:
+        """Ids of every sample in the whole global batch at ``cursor`` (no tensors are built): what a
+        replica group logs for a step whatever share of it the group trained."""
+        keys = self._stream.rows_for_step(cursor, 0, 1)
+        return [sample_id(key.epoch, int(i)) for key in keys for i in self._stream.plan(key.epoch).row_samples(key.row)]
 
     def next_batch(self) -> Batch:
         """This share's batch of the step at the cursor; the same batch until commit_step()."""

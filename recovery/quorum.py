@@ -1,0 +1,203 @@
+"""Cross-group synchronization through torchft: quorum, gradient all-reduce, commit vote, heal.
+
+A job is several replica groups; each is one torchrun job with ordinary process groups inside.
+Across groups only three things travel, through ``torchft.Manager`` over a ``ProcessGroupGloo``
+that the Manager rebuilds on every membership change:
+
+- the step's loss-token count and the gradients (summed: see :meth:`ReplicaGroupSync.allreduce_sum`),
+- the commit decision (``should_commit``: a step that failed anywhere in this group is discarded
+  here, never half-applied),
+- on a heal, the whole training state, fetched from a live group's rank of the same group rank.
+
+Not used, on purpose (ENV-NOTES): ``torchft.DistributedDataParallel`` (its comm hook kills the
+HEALTHY replica when a peer dies mid-all-reduce) and ``ProcessGroupBabyGloo`` (never commits).
+The quorum is synchronous: a restarted group heals inside ``start_step`` and trains that very step
+with real gradients, and the state callbacks never race the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchft.manager import Manager, WorldSizeMode
+from torchft.process_group import ProcessGroupGloo, ReduceOp
+
+from resilient.errors import QuorumTimeout
+from resilient.recovery.config import QuorumConfig, check_rows_divisible
+from resilient.recovery.transport import CountingHTTPTransport
+
+__all__ = ["QuorumConfig", "QuorumInfo", "ReplicaGroupSync", "check_rows_divisible", "replica_name"]
+
+log = logging.getLogger(__name__)
+
+
+def replica_name(group: int) -> str:
+    """Zero-padded: torchft ranks replicas by STRING sort of their ids (group10 < group2 otherwise)."""
+    return f"group{group:05d}"
+
+
+@dataclass(slots=True)
+class QuorumInfo:
+    """What one step's quorum says, the same on every rank of a group."""
+
+    step: int
+    """Committed steps so far = index of the step about to run (after a heal: the source's step)."""
+    participating_rank: int
+    """This group's rank among the participating groups."""
+    num_participants: int
+    quorum_id: int
+    members: list[str]
+    """Replica ids in the quorum ('group00001:<uuid>'; a restarted group gets a new uuid)."""
+    healed: bool
+    """This group's state was just replaced by a live peer's (bytes/seconds in heal_bytes/heal_s)."""
+    heal_bytes: int = 0
+    heal_s: float = 0.0
+    quorum_s: float = 0.0
+
+
+class _RecordingClient:
+    """Passes calls through to the Manager's gRPC client and keeps the last quorum's member list
+    (the Manager keeps it in a local only)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last_quorum: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last_quorum = self._client._quorum(*args, **kwargs)
+        return self.last_quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class ReplicaGroupSync:
+    """One rank's view of the cross-group protocol. Every rank of a group builds one, in the same
+    order, and calls ``start_step`` / ``allreduce_*`` / ``should_commit`` once per step attempt.
+
+    ``state_dict``/``load_state_dict``: the training state a healing group receives. Its JSON part
+    must be identical in every group: the ranks of one group may heal from different groups.
+    """
+
+    def __init__(
+        self,
+        config: QuorumConfig,
+        *,
+        group: int,
+        rank: int,
+        world_size: int,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.rank = rank
+        self._load_user_state = load_state_dict
+        self.transport = CountingHTTPTransport(timeout=timedelta(seconds=config.timeout_s), num_chunks=0)
+        self._healed_now = False
+        self._manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
+            load_state_dict=self._on_heal,
+            state_dict=state_dict,
+            min_replica_size=config.min_replica_size,
+            use_async_quorum=False,
+            replica_id=replica_name(group),
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=config.lighthouse_url(),
+            timeout=timedelta(seconds=config.timeout_s),
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=config.connect_timeout_s),
+            world_size_mode=WorldSizeMode.DYNAMIC,
+            checkpoint_transport=self.transport,
+            init_sync=True,
+            quorum_retries=config.quorum_retries,
+        )
+        self._client = _RecordingClient(self._manager._client)
+        self._manager._client = self._client
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def start_step(self) -> QuorumInfo:
+        """Join this step's quorum; heals this group first when it is behind (sync quorum)."""
+        self._healed_now = False
+        start = time.perf_counter()
+        try:
+            self._manager.start_quorum()
+        except TimeoutError as e:
+            raise QuorumTimeout(
+                f"[group {self.group} rank {self.rank}] no quorum from the lighthouse "
+                f"{self.config.lighthouse_url()} within replica.quorum_timeout_s={self.config.quorum_timeout_s}: "
+                "is it running and reachable?"
+            ) from e
+        prank = self._manager.participating_rank()
+        npart = self._manager.num_participants()
+        quorum = self._client.last_quorum
+        return QuorumInfo(
+            step=self._manager.current_step(),
+            # Sync mode: every group in the quorum participates (None only under async/spares).
+            participating_rank=int(prank if prank is not None else 0),
+            num_participants=int(npart),
+            quorum_id=int(quorum.quorum_id) if quorum is not None else -1,
+            members=sorted(quorum.replica_ids) if quorum is not None else [],
+            healed=self._healed_now,
+            heal_bytes=self.transport.last_recv_bytes if self._healed_now else 0,
+            heal_s=self.transport.last_recv_s if self._healed_now else 0.0,
+            quorum_s=time.perf_counter() - start,
+        )
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> bool:
+        """Sum ``tensor`` (in place) over the participating groups' same-rank peers.
+
+        torchft's default averages; the trainer's loss is normalized by the GLOBAL token count so
+        that gradients must be SUMMED over every data-parallel rank (dp_shard x groups). After the
+        first failure in a step every later call is a no-op: the step is discarded by should_commit.
+        """
+        return bool(self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait())
+
+    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Sum every parameter's local gradient shard across groups: one flat all-reduce per dtype."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        ok = True
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            ok &= self.allreduce_sum(flat)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return ok
+
+    def should_commit(self) -> bool:
+        """True when every rank of this group finished the step without a cross-group error and
+        enough groups participated; the step counter advances only then."""
+        return bool(self._manager.should_commit())
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def restore_step(self, step: int, batches_committed: int = 0) -> None:
+        """Tell the Manager where a storage restore left this group, BEFORE the first quorum:
+        otherwise it reports step 0 and is healed over (or, all groups restarted, counts from 0)."""
+        self._manager.load_state_dict({"step": step, "batches_committed": batches_committed})
+
+    def current_step(self) -> int:
+        return int(self._manager.current_step())
+
+    def _on_heal(self, state: dict[str, Any]) -> None:
+        self._load_user_state(state)
+        self._healed_now = True
+
+    def shutdown(self) -> None:
+        self._manager.shutdown(wait=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

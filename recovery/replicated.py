@@ -1,0 +1,252 @@
+"""The trainer as one replica group of several: a step commits across the groups of its quorum.
+
+Differences from the single-group ``Trainer`` (everything else is inherited):
+
+- each step starts with a torchft quorum; a group that is behind heals inside it from a live peer
+  (model, optimizer, scheduler, data cursor, step: no storage read) and trains that same step;
+- exactly-once data: the global batch at the cursor is split over the PARTICIPATING groups
+  (share = participating_rank x dp_shard + dp_rank of participants x dp_shard); the loss is
+  normalized by the token count summed over every share, and gradients are summed across groups,
+  so the update does not depend on how many groups took part;
+- the optimizer steps, and the data cursor moves, only if ``should_commit()``; a failed step is
+  retried on the same global batch with the new quorum;
+- a persistent checkpoint is written once per step, by the group of participating rank 0 (the
+  storage commit protocol makes a group dying mid-save leave no committed step);
+- ``samples.jsonl`` lists the whole job's sample ids of every step this group committed;
+- rank 0 of each group appends the step's quorum to ``<run.dir>/events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from resilient import dist as rdist
+from resilient.errors import ResilientError
+from resilient.recovery.events import EventLog
+from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
+from resilient.trainer.loop import StepResult, Trainer
+from resilient.trainer.model import BATCH_KEYS, count_loss_tokens
+from resilient.trainer.outputs import group_id, sort_sample_ids
+from resilient.trainer.schedule import load_scheduler_state, scheduler_state
+
+log = logging.getLogger(__name__)
+
+FINAL_DIGEST = "final.json"
+"""``<run.dir>/group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
+
+
+class ReplicatedTrainer(Trainer):
+    """A ``Trainer`` whose steps commit through a torchft quorum of replica groups."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group_id()
+        self.rank = rdist.get_rank()
+        self.sync: ReplicaGroupSync | None = None
+        self.events = EventLog(self.config.run.dir, enabled=self.rank == 0)
+        self.last_quorum: QuorumInfo | None = None
+        self.heals: list[dict[str, Any]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        # get_state_dict() on an optimizer without state runs a zero-lr step to create it (Adam's
+        # step becomes 1). A group serving a heal does that; do it in EVERY group up front so the
+        # numerics never depend on who served whom (a storage restore overwrites it anyway).
+        get_state_dict(self.parts.model, self.parts.optimizer)
+        self.sync = ReplicaGroupSync(
+            self.config.replica,
+            group=self.group,
+            rank=self.rank,
+            world_size=self.mesh.size(),
+            state_dict=self._heal_state,
+            load_state_dict=self._load_heal_state,
+        )
+        quorum = self._first_quorum()
+        while self.step < self.config.run.steps:
+            self._iteration(quorum)
+            quorum = None
+        self.finish()
+        self.write_final_digest()
+        self.events.write("done", group=self.group, step=self.step)
+
+    def _first_quorum(self) -> QuorumInfo | None:
+        """Where this group's state comes from: a live peer if the quorum has one ahead (healed
+        inside the first quorum, no storage read), else the newest committed checkpoint.
+
+        Every group of a step-0 quorum is fresh (a whole-job start or restart) and takes the same
+        decision from the same storage: all restore and skip the step (nobody enters its
+        collectives), then meet again at the restored step. Returns the quorum to train in, or None.
+        """
+        assert self.sync is not None
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.events.write("joining", group=self.group, attempt=attempt)
+        quorum = self.sync.start_step()
+        source = "peer" if quorum.healed and quorum.step > 0 else "fresh"
+        if quorum.step == 0 and self.resume() is not None:
+            self.sync.restore_step(self.step)
+            source, quorum = "storage", None
+        self.events.write("start", group=self.group, step=self.step, source=source, attempt=attempt,
+                          heal_bytes=self.heals[-1]["bytes"] if self.heals else 0)  # fmt: skip
+        return quorum
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.events.close()
+            if self.sync is not None:
+                self.sync.shutdown()
+
+    # -- healing state -----------------------------------------------------------------------
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a healing peer of this group rank receives. JSON parts are the same in every group
+        (per-group data positions derive from the quorum, never from this state)."""
+        model_state, optim_state = get_state_dict(self.parts.model, self.parts.optimizer)
+        return {
+            "model": model_state,
+            "optim": optim_state,
+            "scheduler": scheduler_state(self.parts.scheduler),
+            "data": self.parts.pipeline.state_dict(),
+            "train": {"step": self.step, "tokens_seen": self.tokens_seen},
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        assert self.sync is not None
+        transport = self.sync.transport
+        self.heals.append({"step": int(state["train"]["step"]), "bytes": transport.last_recv_bytes,
+                           "fetch_s": transport.last_recv_s})  # fmt: skip
+        parts = self.parts
+        set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_scheduler_state(parts.scheduler, state["scheduler"])
+        parts.pipeline.load_state_dict(state["data"])
+        self.step, self.tokens_seen = int(state["train"]["step"]), int(state["train"]["tokens_seen"])
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _iteration(self, quorum: QuorumInfo | None = None) -> None:
+        """One step attempt; ``quorum``: one already joined for it (the run's first)."""
+        assert self.sync is not None
+        start = time.perf_counter()
+        if quorum is None:
+            quorum = self.sync.start_step()
+        self.last_quorum = quorum
+        if quorum.step != self.step:
+            raise ResilientError(
+                f"[group {self.group} rank {self.rank}] torchft is at step {quorum.step} but the trainer at "
+                f"{self.step}: the heal state and the Manager disagree (a bug)"
+            )
+        if quorum.num_participants > self.config.replica.groups:
+            raise ResilientError(
+                f"{quorum.num_participants} groups in the quorum but replica.groups={self.config.replica.groups}: "
+                f"launch with --replica-groups matching the job (members: {quorum.members})"
+            )
+        dp = self.config.parallel.dp_shard
+        share = quorum.participating_rank * dp + self.mesh["dp_shard"].get_local_rank()
+        cursor = self.parts.pipeline.cursor
+        batch = self.parts.pipeline.batch_for_step(cursor, share, quorum.num_participants * dp)
+        data_wait = time.perf_counter() - start - quorum.quorum_s
+        result, committed = self._replicated_step(batch)
+        self.events.write(
+            "step", group=self.group, step=quorum.step + 1, committed=committed, quorum_id=quorum.quorum_id,
+            members=quorum.members, participants=quorum.num_participants,
+            participating_rank=quorum.participating_rank, healed=quorum.healed, heal_bytes=quorum.heal_bytes,
+            heal_s=round(quorum.heal_s, 4), quorum_s=round(quorum.quorum_s, 4),
+        )  # fmt: skip
+        if not committed:
+            log.warning("[group %d rank %d] step %d not committed; retrying it with a new quorum",
+                        self.group, self.rank, quorum.step + 1)  # fmt: skip
+            return
+        self.parts.pipeline.commit_step()
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        stall_start = time.perf_counter()
+        if quorum.participating_rank == 0:
+            self.maybe_save()
+        ckpt_stall = time.perf_counter() - stall_start
+        self.outputs.step(self._stats(result, time.perf_counter() - start, data_wait, ckpt_stall))
+        if self.config.data.log_samples:
+            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))
+        for hook in self.step_hooks:
+            hook(self.step, self)
+
+    def _replicated_step(self, batch: dict[str, Any]) -> tuple[StepResult, bool]:
+        """``Trainer.train_step`` with the cross-group sums and the commit vote."""
+        assert self.sync is not None
+        inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
+        global_tokens = count_loss_tokens(inputs).double()
+        dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self.sync.allreduce_sum(global_tokens)
+        out = self.parts.model(inputs, loss_normalizer=global_tokens)
+        out.loss.backward()
+        # FSDP2 summed the gradients over dp_shard; summing over the groups makes the gradient of
+        # the global mean loss, identical bits in every group (one reduction result, broadcast).
+        self.sync.allreduce_gradients(self.parts.model.parameters())
+        grad_norm = self._clip_gradients()
+        sums = torch.stack([out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double()])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self.sync.allreduce_sum(sums)
+        lr = self.parts.optimizer.param_groups[0]["lr"]
+        committed = self.sync.should_commit()
+        if committed:
+            if self._pending_save is not None:
+                self._pending_save.wait_staged()
+            self.parts.optimizer.step()
+            self.parts.scheduler.step()
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        loss, text_sum, text_tokens = sums.tolist()
+        result = StepResult(loss=loss, text_loss=text_sum / max(text_tokens, 1.0), loss_tokens=int(global_tokens),
+                            grad_norm=grad_norm, lr=lr)  # fmt: skip
+        return result, committed
+
+    def maybe_save(self) -> None:
+        """As the base class, but a step some other group already committed to storage is skipped
+        (a group finishing alone after its peers may reach a step they saved)."""
+        due = self.step % self.config.checkpoint.persist_every == 0 or self.step == self.config.run.steps
+        if due and self._saved_step != self.step and self.step not in self._committed_steps():
+            self.save()
+
+    # -- end of run --------------------------------------------------------------------------
+
+    def write_final_digest(self) -> dict[str, Any]:
+        """sha256 of the full parameters and optimizer state (collective within the group); rank 0
+        writes it to ``<group dir>/final.json``. Groups that ended in the same state match bit for bit."""
+        model_state, optim_state = get_state_dict(self.parts.model, self.parts.optimizer)
+        digest = {
+            "step": self.step,
+            "params_sha256": _digest(model_state),
+            "optim_sha256": _digest(optim_state["state"]),
+            "heals": self.heals,
+        }
+        if self.outputs.enabled:
+            with open(os.path.join(self.outputs.directory, FINAL_DIGEST), "w") as f:
+                json.dump(digest, f, indent=1)
+        return digest
+
+
+def _digest(state: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    for key, value in _flatten(state):
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        h.update(key.encode())
+        h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _flatten(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        return [(prefix, state)]
+    if isinstance(state, dict):
+        return [item for key in sorted(state, key=str) for item in _flatten(state[key], f"{prefix}.{key}")]
+    return []

@@ -1,0 +1,194 @@
+"""Replica groups end to end: a real lighthouse, real torchrun jobs, real SIGKILLs by pid.
+
+2 groups x 2 ranks (dp_shard=2, tp=1) of the tiny recipe, launched by ``resilient-train
+--replica-groups 2``. Faults are injected from here, by the pids the ranks publish under
+``<run.dir>/pids/``; what happened is read back from ``events.jsonl``, the groups' metrics and
+samples, their final parameter digests and the checkpoint root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from resilient import Checkpointer
+from resilient.recovery.events import read_events, read_pid
+from resilient.trainer.outputs import read_jsonl_by_step
+
+pytestmark = [pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+HOOK = "tests.recovery.replica_hooks:pace"
+RUN_TIMEOUT_S = 150
+
+
+def _launch(run_dir: Path, steps: int, env: dict[str, str]) -> subprocess.Popen:
+    sets = [
+        f'run.dir="{run_dir}"', "parallel.tp=1", f"run.steps={steps}", "data.log_samples=true",
+        "checkpoint.persist_every=4", f'run.step_hooks=["{HOOK}"]', "run.log_every=1000",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "resilient.tools.train", "--replica-groups", "2", "--nproc-per-group", "2"]
+    command += ["--config", TINY, "--max-restarts", "2", *[a for s in sets for a in ("--set", s)]]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)  # the launcher stops what it started
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"the job did not finish in {timeout_s} s\n{out[-3000:]}\n{_logs(run_dir)}")
+    assert proc.returncode == 0, f"launcher exited {proc.returncode}\n{out[-3000:]}\n{_logs(run_dir)}"
+    return out
+
+
+def _logs(run_dir: Path) -> str:
+    text = ""
+    for path in sorted((run_dir / "logs").glob("group*.log")):
+        text += f"--- {path.name}\n{path.read_text()[-4000:]}\n"
+    return text
+
+
+def _wait_for_step(run_dir: Path, group: int, step: int, proc: subprocess.Popen, timeout_s: float = 90) -> None:
+    path = run_dir / f"group{group}" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the job ended before group {group} reached step {step}\n{_logs(run_dir)}"
+        if path.exists() and read_jsonl_by_step(str(path)) and max(read_jsonl_by_step(str(path))) >= step:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"group {group} did not reach step {step} in {timeout_s} s\n{_logs(run_dir)}")
+
+
+def _kill(run_dir: Path, group: int, rank: int) -> tuple[int, float]:
+    pid = read_pid(str(run_dir), group, rank)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    return pid, time.time()
+
+
+def _check_exactly_once(run_dir: Path, steps: int, groups: int = 2) -> dict[int, list[str]]:
+    """Every step 1..steps was committed with ONE global batch (groups that committed a step agree
+    on it), and no sample appears twice within an epoch; every complete epoch is fully covered."""
+    by_step: dict[int, list[str]] = {}
+    for group in range(groups):
+        for step, record in read_jsonl_by_step(str(run_dir / f"group{group}" / "samples.jsonl")).items():
+            if step in by_step:
+                assert by_step[step] == record["sample_ids"], f"groups disagree on the samples of step {step}"
+            by_step[step] = record["sample_ids"]
+    assert sorted(by_step) == list(range(1, steps + 1))
+    seen = Counter(sid for ids in by_step.values() for sid in ids)
+    assert max(seen.values()) == 1, [sid for sid, n in seen.items() if n > 1]
+    config = json.loads((run_dir / "group0" / "config.json").read_text())
+    num_samples = config["data"]["num_samples"]
+    epochs = Counter(int(sid.split(":")[0]) for sid in seen)
+    last = max(epochs)
+    assert all(epochs[e] == num_samples for e in range(last)), epochs
+    return by_step
+
+
+def _final_digests(run_dir: Path, steps: int) -> list[dict]:
+    finals = [json.loads((run_dir / f"group{g}" / "final.json").read_text()) for g in range(2)]
+    assert [f["step"] for f in finals] == [steps, steps]
+    assert finals[0]["params_sha256"] == finals[1]["params_sha256"], "groups ended with different parameters"
+    assert finals[0]["optim_sha256"] == finals[1]["optim_sha256"], "groups ended with different optimizer state"
+    return finals
+
+
+@pytest.mark.timeout(240)
+def test_group_killed_keeps_training_heals_and_ends_identical(tmp_path: Path) -> None:
+    run_dir, steps, kill_at, hold_at = tmp_path / "run", 16, 4, 7
+    proc = _launch(run_dir, steps, {"RESILIENT_TEST_STEP_SLEEP": "0.15", "RESILIENT_TEST_HOLD_STEP": str(hold_at)})
+    _wait_for_step(run_dir, 1, kill_at, proc)
+    killed_pid, t_kill = _kill(run_dir, 1, 1)
+    _finish(proc, run_dir)
+
+    events = read_events(str(run_dir))
+    starts = Counter(e["group"] for e in events if e["event"] == "start")
+    assert starts == {0: 1, 1: 2}, "group 0 must not restart; group 1 restarts once"
+    steps_ev = [e for e in events if e["event"] == "step"]
+    g0_after = [e for e in steps_ev if e["group"] == 0 and e["t"] > t_kill]
+    g0_solo = [e for e in g0_after if e["committed"] and e["participants"] == 1]
+    assert len(g0_solo) >= 2, "group 0 kept committing on its own after the kill"
+    rejoin = next(e for e in events if e["event"] == "joining" and e["group"] == 1 and e["attempt"] > 0)
+    restart = next(e for e in events if e["event"] == "start" and e["group"] == 1 and e["attempt"] > 0)
+    assert restart["source"] == "peer" and restart["step"] > kill_at, "the restarted group healed from group 0"
+    g1_after = [e for e in steps_ev if e["group"] == 1 and e["t"] > restart["t"]]
+    healed = [e for e in g1_after if e["healed"]]
+    assert healed and healed[0]["committed"] and healed[0]["participants"] == 2, g1_after[:3]
+    assert healed[0]["heal_bytes"] > 0
+    assert read_pid(str(run_dir), 1, 1) != killed_pid, "the restarted rank rewrote its pid file"
+
+    finals = _final_digests(run_dir, steps)
+    _check_exactly_once(run_dir, steps)
+    # Steps that group 0 had to redo after the kill (discarded, never half-applied).
+    discarded = [e["step"] for e in g0_after if not e["committed"]]
+    heal = finals[1]["heals"][-1]
+    report = {
+        "kill_to_survivor_next_commit_s": round(min(e["t"] for e in g0_after if e["committed"]) - t_kill, 2),
+        "survivor_steps_discarded": discarded,
+        "kill_to_restarted_rank_pid_s": round(os.path.getmtime(run_dir / "pids" / "group1-rank1") - t_kill, 2),
+        "kill_to_rejoin_s": round(rejoin["t"] - t_kill, 2),
+        "rejoin_to_first_participating_commit_s": round(healed[0]["t"] - rejoin["t"], 2),
+        "kill_to_healed_commit_s": round(healed[0]["t"] - t_kill, 2),
+        "heal_bytes_per_rank": heal["bytes"],
+        "heal_fetch_s": round(heal["fetch_s"], 4),
+        "heal_MiB_per_s": round(heal["bytes"] / max(heal["fetch_s"], 1e-9) / 2**20, 1),
+        "solo_steps_of_group0": [e["step"] for e in g0_solo],
+    }
+    (run_dir / "measured.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+@pytest.mark.timeout(240)
+def test_every_group_killed_restores_from_storage_exactly_once(tmp_path: Path) -> None:
+    run_dir, steps, kill_after = tmp_path / "run", 14, 10
+    proc = _launch(run_dir, steps, {"RESILIENT_TEST_STEP_SLEEP": "0.15"})
+    _wait_for_step(run_dir, 0, kill_after, proc)
+    committed_before = Checkpointer(str(run_dir / "ckpt")).steps()
+    pids = [read_pid(str(run_dir), g, r) for g in range(2) for r in range(2)]
+    t_kill = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _finish(proc, run_dir)
+
+    events = read_events(str(run_dir))
+    restarts = [e for e in events if e["event"] == "start" and e["attempt"] > 0]
+    assert sorted(e["group"] for e in restarts) == [0, 1], restarts
+    restored = [e for e in restarts if e["source"] == "storage"]
+    assert restored, "at least the first group back restores from storage"
+    newest = max(committed_before)
+    assert all(e["step"] >= newest for e in restarts), (restarts, committed_before)
+    assert [e["step"] for e in restored] == [restored[0]["step"]] * len(restored)
+    _final_digests(run_dir, steps)
+    _check_exactly_once(run_dir, steps)
+    last_before = max(e["step"] for e in events if e["event"] == "step" and e["committed"] and e["t"] < t_kill)
+    first_after = min(e["t"] for e in events if e["event"] == "step" and e["committed"] and e["t"] > t_kill)
+    report = {
+        "restored_step": restored[0]["step"],
+        "last_committed_before_kill": last_before,
+        "steps_lost": last_before - restored[0]["step"],
+        "sources": {e["group"]: e["source"] for e in restarts},
+        "kill_to_first_commit_s": round(first_after - t_kill, 2),
+    }
+    (run_dir / "measured.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))

@@ -1,0 +1,248 @@
+"""``resilient-train --replica-groups G``: a lighthouse and G torchrun jobs, one per replica group.
+
+    resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml --set parallel.tp=1
+
+starts ``torchft_lighthouse`` on 127.0.0.1 (unless ``--lighthouse URL`` names a running one), then
+one torchrun per group with ``--max-restarts``, its own rendezvous port and the environment the
+group needs (``RESILIENT_GROUP``, ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE``,
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it a torchrun restart reuses the dead
+incarnation's rendezvous store and the restarted group never joins, pytorch/pytorch#135712).
+Logs go to ``<run.dir>/logs/``; ranks write their pids to ``<run.dir>/pids/``; rank 0 of each group
+appends per-step quorum events to ``<run.dir>/events.jsonl``.
+
+SIGINT / SIGTERM stop everything this launcher started: each torchrun gets SIGTERM (it stops its
+workers), then after ``--grace-s`` whatever is left is killed (torchrun's process group, and the
+workers by their pid files: they run in sessions of their own). Exit status 0 only if every group
+finished the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+
+from resilient.errors import ConfigError
+from resilient.recovery.config import LIGHTHOUSE_ENV
+from resilient.recovery.events import PIDS_DIR, EventLog
+from resilient.trainer.outputs import GROUP_ENV
+
+LIGHTHOUSE_START_TIMEOUT_S = 60.0
+"""torchft_lighthouse is a Python console script: it imports torch before it listens (1.5-6.5 s)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaLaunch:
+    """What to start: G groups of N ranks running the trainer with these arguments."""
+
+    groups: int
+    nproc_per_group: int
+    run_dir: str
+    trainer_args: list[str]
+    """--config / --set arguments for ``python -m resilient.trainer`` (replica keys added here)."""
+    lighthouse: str = ""
+    max_restarts: int = 3
+    join_timeout_ms: int = 2000
+    heartbeat_timeout_ms: int = 2000
+    grace_s: float = 40.0
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every rank (tests: pacing, fault injection)."""
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.nproc_per_group < 1:
+            raise ConfigError(
+                f"--replica-groups={self.groups} and --nproc-per-group={self.nproc_per_group} must be >= 1"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts={self.max_restarts} must be >= 0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lighthouse_binary() -> str:
+    found = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    if not os.path.exists(found):
+        raise ConfigError("torchft_lighthouse is not next to the Python interpreter nor on PATH: pip install torchft")
+    return found
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the lighthouse exited with {proc.returncode} before listening on {host}:{port}")
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s (lighthouse start)")
+
+
+def start_lighthouse(port: int, log: IO[str], *, join_timeout_ms: int, heartbeat_timeout_ms: int) -> subprocess.Popen:
+    """A lighthouse on 127.0.0.1:port, listening when this returns. ``--min_replicas 1``: a group
+    trains alone while the others are down (that is the point); the lighthouse's majority rule
+    (participants > half of the heartbeating groups) keeps two disjoint quorums from forming."""
+    command = [
+        lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+        "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port("127.0.0.1", port, LIGHTHOUSE_START_TIMEOUT_S, proc)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return proc
+
+
+def group_command(launch: ReplicaLaunch, group: int) -> list[str]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+        "--nproc-per-node", str(launch.nproc_per_group),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"group{group}",
+        "--max-restarts", str(launch.max_restarts), "--monitor-interval", "0.1",
+        "-m", "resilient.trainer", *launch.trainer_args,
+        "--set", "replica.enabled=true", "--set", f"replica.groups={launch.groups}",
+    ]  # fmt: skip
+    return command
+
+
+class ReplicaJob:
+    """The processes of one replicated job; ``stop()`` leaves none behind."""
+
+    def __init__(self, launch: ReplicaLaunch) -> None:
+        self.launch = launch
+        self.run_dir = os.path.abspath(launch.run_dir)
+        self.log_dir = os.path.join(self.run_dir, "logs")
+        self.lighthouse: subprocess.Popen | None = None
+        self.lighthouse_url = launch.lighthouse
+        self.groups: dict[int, subprocess.Popen] = {}
+        self._logs: list[IO[str]] = []
+        self.events = EventLog(self.run_dir, enabled=True)
+
+    def _log(self, name: str) -> IO[str]:
+        f = open(os.path.join(self.log_dir, name), "a")  # noqa: SIM115 (closed in stop())
+        self._logs.append(f)
+        return f
+
+    def start(self) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        os.makedirs(os.path.join(self.run_dir, PIDS_DIR), exist_ok=True)
+        if not self.lighthouse_url:
+            port = free_port()
+            start = time.monotonic()
+            self.lighthouse = start_lighthouse(
+                port, self._log("lighthouse.log"),
+                join_timeout_ms=self.launch.join_timeout_ms, heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
+            )  # fmt: skip
+            self.lighthouse_url = f"http://127.0.0.1:{port}"
+            self.events.write("lighthouse_started", url=self.lighthouse_url, pid=self.lighthouse.pid,
+                              startup_s=round(time.monotonic() - start, 2))  # fmt: skip
+        for group in range(self.launch.groups):
+            env = {
+                **os.environ,
+                **self.launch.env,
+                GROUP_ENV: str(group),
+                "REPLICA_GROUP_ID": str(group),
+                LIGHTHOUSE_ENV: self.lighthouse_url,
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+            command = group_command(self.launch, group)
+            log = self._log(f"group{group}.log")
+            self.groups[group] = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            self.events.write("group_started", group=group, pid=self.groups[group].pid)
+
+    def wait(self, poll_s: float = 0.2) -> int:
+        """Until every group's torchrun exits; 0 if all finished, else the first failure's code."""
+        while any(p.poll() is None for p in self.groups.values()):
+            time.sleep(poll_s)
+        codes = {g: _shell_code(p.returncode) for g, p in self.groups.items()}
+        for group, code in codes.items():
+            self.events.write("group_exited", group=group, code=code)
+        return next((code for code in codes.values() if code != 0), 0)
+
+    def stop(self) -> None:
+        """SIGTERM every torchrun, kill what is left after the grace period, then the lighthouse."""
+        for proc in self.groups.values():
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.launch.grace_s
+        for proc in self.groups.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+        self._kill_stray_workers()
+        if self.lighthouse is not None:
+            _kill_group(self.lighthouse)
+        self.events.close()
+        for f in self._logs:
+            f.close()
+
+    def _kill_stray_workers(self) -> None:
+        """Workers left by a torchrun that died hard (they run in sessions of their own)."""
+        pids_dir = os.path.join(self.run_dir, PIDS_DIR)
+        for name in os.listdir(pids_dir) if os.path.isdir(pids_dir) else []:
+            try:
+                with open(os.path.join(pids_dir, name)) as f:
+                    pid = int(f.read().strip())
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"resilient.trainer" not in f.read():
+                        continue  # the pid was reused by something else
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
+
+
+def _shell_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def run_replicated(launch: ReplicaLaunch) -> int:
+    """Start the job, wait for it, and stop everything on return, on error or on SIGINT/SIGTERM."""
+    job = ReplicaJob(launch)
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        job.start()
+        return job.wait()
+    except KeyboardInterrupt:
+        return 128 + (received[0] if received else signal.SIGINT)
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        job.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
