@@ -29,13 +29,11 @@ def _round_trip(url: str, tmp_path, loads: list[tuple[int, str]]) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_fsdp_tp_reshard_onto_other_layouts(tmp_path):
-    _round_trip(
-        str(tmp_path / "ckpt"),
-        tmp_path,
-        [(0, "none"), (2, "fsdp"), (3, "fsdp"), (4, "tp_b")],
-    )
+    results = _round_trip(str(tmp_path / "ckpt"), tmp_path, [(0, "none"), (2, "fsdp"), (3, "fsdp"), (4, "tp_b")])
+    assert [len(r) for r in results] == [1, 2, 3, 4]  # every rank of every world compared its tensors
 
 
 @pytest.mark.timeout(300)
 def test_fsdp_tp_reshard_through_s3(tmp_path, s3_bucket):
-    _round_trip(f"s3://{s3_bucket}/run-7", tmp_path, [(3, "fsdp")])
+    (ranks,) = _round_trip(f"s3://{s3_bucket}/run-7", tmp_path, [(3, "fsdp")])
+    assert [r["checked"] for r in ranks] == [N_TENSORS] * 3

@@ -118,7 +118,9 @@ def test_fingerprint_mismatch_raises(small_config: DataConfig) -> None:
 def test_batching_settings_do_not_change_the_fingerprint(small_config: DataConfig) -> None:
     state = OmniPipeline(small_config).state_dict()
     other = dataclasses.replace(small_config, global_rows=8, num_workers=3, prefetch_factor=4)
-    OmniPipeline(other).load_state_dict(state)  # global_rows and workers may change on resume
+    resumed = OmniPipeline(other)
+    resumed.load_state_dict(state)  # global_rows and workers may change on resume
+    assert resumed.state_dict() == state
 
 
 @pytest.mark.timeout(30)
