@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError
+from resilient.faults import fault_point
 from resilient.recovery.events import EventLog
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
 from resilient.trainer.loop import StepResult, Trainer
@@ -123,6 +124,9 @@ class ReplicatedTrainer(Trainer):
         }
 
     def _load_heal_state(self, state: dict[str, Any]) -> None:
+        # Tests: die or stall mid-heal (state fetched, nothing applied), e.g. only in the first
+        # restart: RESILIENT_FAULTS="replica.heal_load.attempt1=pause:60@rank1".
+        fault_point(f"replica.heal_load.attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         assert self.sync is not None
         transport = self.sync.transport
         self.heals.append({"step": int(state["train"]["step"]), "bytes": transport.last_recv_bytes,

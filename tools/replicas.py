@@ -10,6 +10,11 @@ incarnation's rendezvous store and the restarted group never joins, pytorch/pyto
 Logs go to ``<run.dir>/logs/``; ranks write their pids to ``<run.dir>/pids/``; rank 0 of each group
 appends per-step quorum events to ``<run.dir>/events.jsonl``.
 
+The lighthouse this launcher started is supervised: its pid is in ``<run.dir>/pids/lighthouse``,
+and if it dies the launcher starts it again on the same port (events ``lighthouse_exited`` /
+``lighthouse_restarted``). Meanwhile the groups block in ``start_quorum`` (``quorum_retries`` > 0,
+up to ``quorum_timeout_s``) and then carry on; the lighthouse keeps no state worth losing.
+
 SIGINT / SIGTERM stop everything this launcher started: each torchrun gets SIGTERM (it stops its
 workers), then after ``--grace-s`` whatever is left is killed (torchrun's process group, and the
 workers by their pid files: they run in sessions of their own). Exit status 0 only if every group
@@ -35,6 +40,8 @@ from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.recovery.events import PIDS_DIR, EventLog
 from resilient.trainer.outputs import GROUP_ENV
 
+LIGHTHOUSE_PID = "lighthouse"
+"""``<run.dir>/pids/lighthouse``: the pid of the lighthouse this launcher started (rewritten on restart)."""
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
 """torchft_lighthouse is a Python console script: it imports torch before it listens (1.5-6.5 s)."""
 
@@ -129,6 +136,7 @@ class ReplicaJob:
         self.log_dir = os.path.join(self.run_dir, "logs")
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_url = launch.lighthouse
+        self.lighthouse_port = 0
         self.groups: dict[int, subprocess.Popen] = {}
         self._logs: list[IO[str]] = []
         self.events = EventLog(self.run_dir, enabled=True)
@@ -142,13 +150,10 @@ class ReplicaJob:
         os.makedirs(self.log_dir, exist_ok=True)
         os.makedirs(os.path.join(self.run_dir, PIDS_DIR), exist_ok=True)
         if not self.lighthouse_url:
-            port = free_port()
+            self.lighthouse_port = free_port()
             start = time.monotonic()
-            self.lighthouse = start_lighthouse(
-                port, self._log("lighthouse.log"),
-                join_timeout_ms=self.launch.join_timeout_ms, heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
-            )  # fmt: skip
-            self.lighthouse_url = f"http://127.0.0.1:{port}"
+            self._start_lighthouse()
+            self.lighthouse_url = f"http://127.0.0.1:{self.lighthouse_port}"
             self.events.write("lighthouse_started", url=self.lighthouse_url, pid=self.lighthouse.pid,
                               startup_s=round(time.monotonic() - start, 2))  # fmt: skip
         for group in range(self.launch.groups):
@@ -168,9 +173,34 @@ class ReplicaJob:
             )
             self.events.write("group_started", group=group, pid=self.groups[group].pid)
 
+    def _start_lighthouse(self) -> None:
+        self.lighthouse = start_lighthouse(
+            self.lighthouse_port, self._log("lighthouse.log"),
+            join_timeout_ms=self.launch.join_timeout_ms, heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
+        )  # fmt: skip
+        path = os.path.join(self.run_dir, PIDS_DIR, LIGHTHOUSE_PID)
+        with open(f"{path}.tmp", "w") as f:
+            f.write(f"{self.lighthouse.pid}\n")
+        os.replace(f"{path}.tmp", path)
+
+    def _supervise_lighthouse(self) -> None:
+        """Start our lighthouse again, on the same port, if it died."""
+        if self.lighthouse is None or self.lighthouse.poll() is None:
+            return
+        self.events.write("lighthouse_exited", pid=self.lighthouse.pid, code=_shell_code(self.lighthouse.returncode))
+        start = time.monotonic()
+        try:
+            self._start_lighthouse()
+        except (OSError, RuntimeError, TimeoutError) as e:
+            self.events.write("lighthouse_restart_failed", error=str(e))
+            return  # the dead Popen stays: tried again on the next poll
+        self.events.write("lighthouse_restarted", url=self.lighthouse_url, pid=self.lighthouse.pid,
+                          startup_s=round(time.monotonic() - start, 2))  # fmt: skip
+
     def wait(self, poll_s: float = 0.2) -> int:
         """Until every group's torchrun exits; 0 if all finished, else the first failure's code."""
         while any(p.poll() is None for p in self.groups.values()):
+            self._supervise_lighthouse()
             time.sleep(poll_s)
         codes = {g: _shell_code(p.returncode) for g, p in self.groups.items()}
         for group, code in codes.items():

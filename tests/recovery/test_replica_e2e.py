@@ -22,6 +22,7 @@ import pytest
 
 from resilient import Checkpointer
 from resilient.recovery.events import read_events, read_pid
+from resilient.tools.replicas import LIGHTHOUSE_PID
 from resilient.trainer.outputs import read_jsonl_by_step
 
 pytestmark = [pytest.mark.e2e]
@@ -189,6 +190,109 @@ def test_every_group_killed_restores_from_storage_exactly_once(tmp_path: Path) -
         "steps_lost": last_before - restored[0]["step"],
         "sources": {e["group"]: e["source"] for e in restarts},
         "kill_to_first_commit_s": round(first_after - t_kill, 2),
+    }
+    (run_dir / "measured.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, run_dir: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the job ended before {path.name} appeared\n{_logs(run_dir)}"
+        if path.exists() and path.read_text().strip():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"{path} did not appear in {timeout_s} s\n{_logs(run_dir)}")
+
+
+@pytest.mark.timeout(240)
+def test_group_killed_again_while_healing_finishes_exactly_once(tmp_path: Path) -> None:
+    """Group 1 loses a rank; its restart (torchrun attempt 1) stalls in the heal with the peer's
+    state fetched but not applied, and is SIGKILLed there; attempt 2 heals and the job finishes."""
+    run_dir, faults, steps, kill_at = tmp_path / "run", tmp_path / "faults", 16, 4
+    env = {
+        "RESILIENT_TEST_STEP_SLEEP": "0.15", "RESILIENT_TEST_HOLD_STEP": "7,12",
+        "RESILIENT_TEST_HOLD_SETTLE_S": "2",
+        "RESILIENT_FAULTS": "replica.heal_load.attempt1=pause:60@rank1", "RESILIENT_FAULTS_DIR": str(faults),
+    }  # fmt: skip
+    t_launch = time.time()
+    proc = _launch(run_dir, steps, env)
+    _wait_for_step(run_dir, 1, kill_at, proc)
+    first_pid, t_kill1 = _kill(run_dir, 1, 1)
+    marker = faults / "replica.heal_load.attempt1.rank1"
+    _wait_for_file(marker, proc, run_dir)
+    healing_pid = int(marker.read_text())
+    assert healing_pid != first_pid and healing_pid == read_pid(str(run_dir), 1, 1), "the restarted rank is healing"
+    os.kill(healing_pid, signal.SIGKILL)
+    t_kill2 = time.time()
+    _finish(proc, run_dir)
+    t_end = time.time()
+
+    events = read_events(str(run_dir))
+    # Rank 0 of attempt 1 may finish its part of the heal (its "start") while rank 1 stalls in its own.
+    starts = sorted({(e["group"], e["attempt"]) for e in events if e["event"] == "start"} - {(1, 1)})
+    assert starts == [(0, 0), (1, 0), (1, 2)], "group 0 never restarts; group 1 restarts twice"
+    joins = sorted(e["attempt"] for e in events if e["event"] == "joining" and e["group"] == 1)
+    assert joins == [0, 1, 2], joins
+    restart = next(e for e in events if e["event"] == "start" and e["group"] == 1 and e["attempt"] == 2)
+    attempt1 = next(e["t"] for e in events if e["event"] == "joining" and e["group"] == 1 and e["attempt"] == 1)
+    assert not [e for e in events if e["event"] == "step" and e["group"] == 1 and attempt1 < e["t"] < restart["t"]
+                and e["committed"]], "the group killed mid-heal never committed a step"  # fmt: skip
+    assert restart["source"] == "peer" and restart["step"] > kill_at and restart["heal_bytes"] > 0
+    g1_healed = [e for e in events if e["event"] == "step" and e["group"] == 1 and e["healed"]]
+    assert g1_healed and g1_healed[-1]["committed"] and g1_healed[-1]["participants"] == 2, g1_healed
+    g0 = [e for e in events if e["event"] == "step" and e["group"] == 0]
+    assert any(e["committed"] and e["participants"] == 1 and t_kill1 < e["t"] < restart["t"] for e in g0)
+    _final_digests(run_dir, steps)
+    _check_exactly_once(run_dir, steps)
+    report = {
+        "job_s": round(t_end - t_launch, 2),
+        "second_kill_to_job_end_s": round(t_end - t_kill2, 2),
+        "first_kill_to_healing_kill_s": round(t_kill2 - t_kill1, 2),
+        "second_kill_to_healed_commit_s": round(g1_healed[-1]["t"] - t_kill2, 2),
+        "survivor_steps_discarded": [e["step"] for e in g0 if not e["committed"]],
+    }
+    (run_dir / "measured.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+@pytest.mark.timeout(240)
+def test_lighthouse_killed_and_restarted_no_split_brain(tmp_path: Path) -> None:
+    """SIGKILL the lighthouse mid-run; the launcher restarts it on the same port. Both groups block
+    in start_quorum meanwhile, then continue: no restart, no divergence, exactly once."""
+    run_dir, steps, kill_at = tmp_path / "run", 14, 5
+    proc = _launch(run_dir, steps, {"RESILIENT_TEST_STEP_SLEEP": "0.15"})
+    _wait_for_step(run_dir, 0, kill_at, proc)
+    lighthouse = int((run_dir / "pids" / LIGHTHOUSE_PID).read_text())
+    os.kill(lighthouse, signal.SIGKILL)
+    t_kill = time.time()
+    _finish(proc, run_dir)
+
+    events = read_events(str(run_dir))
+    exited = next(e for e in events if e["event"] == "lighthouse_exited")
+    restarted = next(e for e in events if e["event"] == "lighthouse_restarted")
+    assert exited["pid"] == lighthouse and restarted["pid"] != lighthouse
+    assert restarted["url"] == next(e for e in events if e["event"] == "lighthouse_started")["url"]
+    assert sorted((e["group"], e["attempt"]) for e in events if e["event"] == "start") == [(0, 0), (1, 0)]
+    committed = [e for e in events if e["event"] == "step" and e["committed"]]
+    # No split brain: a step committed by both groups was committed in ONE quorum of both.
+    for step in range(1, steps + 1):
+        in_step = [e for e in committed if e["step"] == step]
+        if len({e["group"] for e in in_step}) == 2:
+            assert {e["participants"] for e in in_step} == {2}, in_step
+            assert len({e["quorum_id"] for e in in_step}) == 1, in_step
+    _final_digests(run_dir, steps)
+    _check_exactly_once(run_dir, steps)
+    before = max(e["t"] for e in committed if e["t"] < t_kill)
+    after = min(e["t"] for e in committed if e["t"] > restarted["t"])
+    report = {
+        "lighthouse_down_s": round(restarted["t"] - t_kill, 2),
+        "lighthouse_startup_s": restarted["startup_s"],
+        "stall_s": round(after - before, 2),
+        "kill_to_next_commit_s": round(after - t_kill, 2),
+        "steps_committed_after_kill_before_restart": sorted(
+            {e["step"] for e in committed if t_kill < e["t"] < restarted["t"]}
+        ),
     }
     (run_dir / "measured.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
