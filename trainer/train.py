@@ -86,7 +86,7 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
     saves_log = os.path.join(outputs.directory, "saves.jsonl") if outputs.enabled else None
     trainer_class = Trainer
     if config.replica.enabled:
-        from resilient.recovery.replicated import ReplicatedTrainer  # imports torchft: only when asked
+        from resilient.trainer.replicated import ReplicatedTrainer  # imports torchft: only when asked
 
         trainer_class = ReplicatedTrainer
     trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
