@@ -144,8 +144,8 @@ class DcpSource:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        tensor = torch.load(io.BytesIO(self._bytes_of(self._key_of[fqn], chunk.offsets)), map_location="cpu",
-                            weights_only=True)
+        blob = io.BytesIO(self._bytes_of(self._key_of[fqn], chunk.offsets))
+        tensor = torch.load(blob, map_location="cpu", weights_only=True)  # tensors only, never arbitrary objects
         from resilient.dtypes import to_numpy
 
         array = to_numpy(tensor.contiguous())

@@ -8,8 +8,10 @@ the single-process loss over the whole batch.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import tempfile
 from datetime import timedelta
 
 import pytest
@@ -45,19 +47,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, worker, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, worker, args: tuple) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        worker(*args)
+        result = worker(*args)
     finally:
         dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
-def _spawn(world_size: int, worker, *args) -> None:
-    mp.spawn(_entry, args=(world_size, _free_port(), worker, args), nprocs=world_size, join=True)
+def _spawn(world_size: int, worker, *args) -> list[dict]:
+    """Run ``worker`` on every rank (it asserts as it goes) and return what each rank measured."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world_size, _free_port(), out_dir, worker, args), nprocs=world_size, join=True)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
 
 
 def _reference(config: ModelConfig, batch: dict) -> dict:
@@ -83,7 +94,8 @@ def _dp_sum(value: torch.Tensor, mesh) -> torch.Tensor:
     return value
 
 
-def _check_parallel_matches(mesh, parallel: ParallelConfig, batch: dict, ref: dict, tolerance: dict) -> None:
+def _check_parallel_matches(mesh, parallel: ParallelConfig, batch: dict, ref: dict, tolerance: dict) -> float:
+    """Asserts loss, gradients and the post-step parameters match; returns the largest gradient gap."""
     model = parallelize_model(OmniModel(_model_config(), seed=SEED), mesh, parallel)
     rows = GLOBAL_ROWS // parallel.dp_shard
     start = mesh["dp_shard"].get_local_rank() * rows
@@ -97,9 +109,12 @@ def _check_parallel_matches(mesh, parallel: ParallelConfig, batch: dict, ref: di
     torch.testing.assert_close(_dp_sum(out.loss, mesh), ref["loss"], **tolerance)
     names = [name for name, _ in model.named_parameters()]
     assert names == list(ref["grads"]), "parallelization must keep parameter FQNs"
+    worst = 0.0
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), name
-        torch.testing.assert_close(param.grad.full_tensor(), ref["grads"][name], **tolerance, msg=name)
+        full = param.grad.full_tensor()
+        torch.testing.assert_close(full, ref["grads"][name], **tolerance, msg=name)
+        worst = max(worst, (full - ref["grads"][name]).abs().max().item())
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     optimizer.step()
@@ -108,6 +123,7 @@ def _check_parallel_matches(mesh, parallel: ParallelConfig, batch: dict, ref: di
         torch.testing.assert_close(param.full_tensor(), ref["params"][name], **tolerance, msg=name)
     loss = _dp_sum(model(local, loss_normalizer=global_tokens).loss, mesh)
     torch.testing.assert_close(loss, ref["loss_after_step"], **tolerance)
+    return worst
 
 
 def _check_placements(mesh) -> None:
@@ -124,25 +140,26 @@ def _check_placements(mesh) -> None:
     assert block.attention.wq.weight.to_local().shape[0] == full_rows // 4  # dp_shard 2 × tp 2
 
 
-def _worker_2x2() -> None:
+def _worker_2x2() -> dict:
     config = _model_config()
     batch = synthetic_batch(config, batch_size=GLOBAL_ROWS, seq_len=24, seed=3)
     ref = _reference(config, batch)
     mesh = build_mesh(2, 2)
     _check_placements(mesh)
-    _check_parallel_matches(mesh, ParallelConfig(dp_shard=2, tp=2), batch, ref, TOLERANCE)
+    plain = _check_parallel_matches(mesh, ParallelConfig(dp_shard=2, tp=2), batch, ref, TOLERANCE)
     ac = ParallelConfig(dp_shard=2, tp=2, activation_checkpointing="full")
-    _check_parallel_matches(mesh, ac, batch, ref, TOLERANCE)
+    return {"max_grad_diff": max(plain, _check_parallel_matches(mesh, ac, batch, ref, TOLERANCE)), "configs": 2}
 
 
-def _worker_2x1() -> None:
+def _worker_2x1() -> dict:
     config = _model_config()
     batch = synthetic_batch(config, batch_size=GLOBAL_ROWS, seq_len=24, seed=3)
     ref = _reference(config, batch)
     mesh = build_mesh(2, 1)
     ac = ParallelConfig(dp_shard=2, tp=1, activation_checkpointing="full")
-    _check_parallel_matches(mesh, ac, batch, ref, TOLERANCE)
+    worst = _check_parallel_matches(mesh, ac, batch, ref, TOLERANCE)
     _check_mixed_precision(mesh, batch, ref)
+    return {"max_grad_diff": worst, "configs": 2}
 
 
 def _check_mixed_precision(mesh, batch: dict, ref: dict) -> None:
@@ -165,13 +182,17 @@ def _check_mixed_precision(mesh, batch: dict, ref: dict) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_tp2_fsdp2_matches_single_process() -> None:
-    _spawn(4, _worker_2x2)
+    results = _spawn(4, _worker_2x2)
+    assert [r["configs"] for r in results] == [2, 2, 2, 2]
+    assert all(r["max_grad_diff"] <= 1e-4 for r in results), results
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_fsdp2_with_checkpointing_and_bf16_matches_single_process() -> None:
-    _spawn(2, _worker_2x1)
+    results = _spawn(2, _worker_2x1)
+    assert [r["configs"] for r in results] == [2, 2]
+    assert all(r["max_grad_diff"] <= 1e-4 for r in results), results
 
 
 @pytest.mark.timeout(30)
