@@ -7,9 +7,11 @@ a background thread; errors are never swallowed, the Checkpointer latches them.
 
 from __future__ import annotations
 
+import atexit
 import json
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,28 @@ from resilient.storage.url import Location
 
 OnDone = Callable[[Any, StagingBuffer, SaveStats | None, BaseException | None], None]
 _STOP = None
+_EXIT_JOIN_TIMEOUT_S = 60.0
+_live_writers: weakref.WeakSet = weakref.WeakSet()
+_writer_threads: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_writers() -> None:
+    """Let writer and collector threads end before the interpreter tears down.
+
+    Such a thread can hold the last reference to staging tensors (the Checkpointer was dropped);
+    freeing a tensor releases the GIL, and a daemon thread that retakes it after finalization
+    began is killed by a forced unwind through torch's noexcept code: the process aborts with
+    "terminate called without an active exception" (seen under CPU load). Daemon threads still
+    run during atexit, so stop and join them here — threads, not writers: a writer can already be
+    freed while its thread is still freeing the buffers. The timeout keeps a hung storage call
+    from hanging exit.
+    """
+    for writer in list(_live_writers):
+        writer.stop_soon()
+    for thread in list(_writer_threads):
+        if thread is not threading.current_thread():
+            thread.join(_EXIT_JOIN_TIMEOUT_S)
 
 
 class ThreadWriter:
@@ -31,6 +55,8 @@ class ThreadWriter:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="resilient-ckpt-writer", daemon=True)
         self._thread.start()
+        _live_writers.add(self)
+        _writer_threads.add(self._thread)
 
     def submit(self, job: PersistJob, buffer: StagingBuffer, staged, handle) -> None:
         self._queue.put((job, buffer, staged, handle))
@@ -103,6 +129,8 @@ class ProcessWriter:
         self._lock = threading.Lock()
         self._collector = threading.Thread(target=self._collect, name="resilient-ckpt-collector", daemon=True)
         self._collector.start()
+        _live_writers.add(self)
+        _writer_threads.add(self._collector)
 
     def submit(self, job: PersistJob, buffer: StagingBuffer, staged, handle) -> None:
         if staged is not None:

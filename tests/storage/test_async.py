@@ -176,3 +176,25 @@ def test_checkpointer_dropped_without_close_stops_its_writer(tmp_path):
     while writers() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert writers() == before  # the thread (and the staging memory it pinned) is gone
+
+
+_ENDS_WITH_SAVE_IN_FLIGHT = textwrap.dedent("""
+    import os, sys, torch
+    from resilient import Checkpointer, CheckpointerConfig
+    os.environ["RESILIENT_FAULTS"] = "persist.first_region_issued=pause:1.0"
+    ckpt = Checkpointer(sys.argv[1], config=CheckpointerConfig(writer=sys.argv[2]))
+    ckpt.save(3, {"w": torch.full((512, 512), 3.0)})
+    del ckpt  # dropped without wait() or close(): the writer thread now holds the last references
+""")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_script_ending_with_a_save_in_flight_exits_cleanly_and_commits_it(tmp_path, writer):
+    # Before the exit drain, the writer thread freed the staging tensors after the interpreter began
+    # finalizing and the process aborted ("terminate called without an active exception").
+    proc = subprocess.run([sys.executable, "-c", _ENDS_WITH_SAVE_IN_FLIGHT, str(tmp_path / "ck"), writer],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = Checkpointer(str(tmp_path / "ck"))
+    target = {"w": torch.zeros(512, 512)}
+    assert ckpt.load(target) == 3 and torch.equal(target["w"], torch.full((512, 512), 3.0))
