@@ -1,7 +1,7 @@
 """The run configuration: one validated dataclass per section, loaded from a TOML recipe.
 
 A recipe (``configs/tiny.toml``) has the sections ``[run]``, ``[parallel]``, ``[model]``, ``[data]``,
-``[optim]``, ``[checkpoint]`` and ``[replica]``; the command line overrides single keys with
+``[optim]``, ``[checkpoint]``, ``[replica]`` and ``[recovery]``; the command line overrides single keys with
 ``--set key=value``, the value read as a TOML literal (``--set parallel.tp=1 --set data.log_samples=true``; a value that
 is not a TOML literal, like ``--set run.dir=/tmp/x``, is taken as a string). An unknown section or
 key, or a value of the wrong type or range, raises ConfigError naming the key and what is allowed,
@@ -24,6 +24,7 @@ from typing import Any
 
 from resilient.errors import ConfigError
 from resilient.recovery.config import QuorumConfig, check_rows_divisible
+from resilient.recovery.ram_config import RecoveryConfig
 from resilient.trainer.data import DataConfig
 from resilient.trainer.model import ModelConfig
 from resilient.trainer.parallelize import ParallelConfig, check_model_compatible
@@ -156,6 +157,10 @@ class CheckpointConfig:
     final save always waits)."""
     timeout_s: float = 1800.0
     """Longest wait for one save to commit, and for the saves in flight at the end of the run."""
+    memory_every: int = 0
+    """RAM tier: snapshot into the node-local store every this many steps (0: off); see [recovery]."""
+    memory_keep: int = 2
+    """RAM snapshots each rank keeps in its node store (and its buddy keeps of it); >= 1."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -168,6 +173,8 @@ class CheckpointConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be one of {list(allowed)}")
         _check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
+        _check_int("checkpoint.memory_every", self.memory_every, 0)
+        _check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
 
 
 # Model fields that the data fixes: the model must accept every token the pipeline produces.
@@ -191,6 +198,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     replica: QuorumConfig = field(default_factory=QuorumConfig)
     """Replica groups under a torchft quorum (``resilient.recovery``); off by default."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """The RAM tier's node stores and buddy replication (``checkpoint.memory_every`` turns it on)."""
 
     def __post_init__(self) -> None:
         data, model = self.data.pipeline, self.model
@@ -242,6 +251,7 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "replica": QuorumConfig,
+    "recovery": RecoveryConfig,
 }
 _DATA_SECTION_KEYS = ("log_samples",)
 
