@@ -106,6 +106,9 @@ class Checkpointer:
         self._peer_tensors: dict[int, list[dict]] = {}  # every rank's layout as last received
         self._gathered: list[dict] = []
         self.restore_stats: list[RestoreStats] = []
+        self.storage_reads = 0
+        """Objects this Checkpointer asked storage for in loads (manifest + one per region read):
+        lets a caller prove that a restore from another tier read nothing from storage."""
 
     # -- public API --------------------------------------------------------------------------
 
@@ -161,7 +164,10 @@ class Checkpointer:
             budget_bytes=self.config.load_budget_bytes,
         )
         match.apply_values(manifest, self.rank)
-        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=now() - start)
+        reads = 1 + len(targets)
+        self.storage_reads += reads
+        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=now() - start,
+                             storage_reads=reads)
         self.restore_stats.append(stats)
         log.info("[rank %d] restored step %d from %s (%d bytes)", self.rank, chosen, self.url, nbytes,
                  extra={"event": "restore", "step": chosen, "source": "persistent"})

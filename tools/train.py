@@ -14,6 +14,7 @@ runs G replica groups under a torchft quorum instead (see ``resilient.tools.repl
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replica-groups", type=int, help="replica groups under a torchft quorum")
     parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= dp_shard x tp)")
     parser.add_argument("--lighthouse", default="", help="URL of a running torchft lighthouse (default: start one)")
-    parser.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts per replica group")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="torchrun restarts of the group after a rank fails (default: 0 for one group, "
+                             "3 per replica group)")  # fmt: skip
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: a silent group is dead")
     parser.add_argument("--join-timeout-ms", type=int, default=2000, help="lighthouse: wait for joiners")
     parser.add_argument("--config", help="TOML recipe, e.g. configs/tiny.toml")
@@ -47,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for one group (standalone: a local rendezvous on a free port)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    if args.max_restarts:
+        command += ["--max-restarts", str(args.max_restarts)]
     command += ["-m", "resilient.trainer"]
     if args.config:
         command += ["--config", args.config]
@@ -60,7 +65,9 @@ def run(command: list[str], grace_s: float) -> int:
     signal N, as a shell reports it)."""
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
-    proc = subprocess.Popen(command, start_new_session=True)
+    # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if proc.poll() is None:
@@ -111,7 +118,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             run_dir=config.run.dir,
             trainer_args=trainer_args(args),
             lighthouse=args.lighthouse,
-            max_restarts=args.max_restarts,
+            max_restarts=3 if args.max_restarts is None else args.max_restarts,
             join_timeout_ms=args.join_timeout_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             grace_s=args.grace_s + 10.0,  # torchrun itself waits up to 30 s for its workers

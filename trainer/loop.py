@@ -22,12 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError, StorageError
+from resilient.recovery.events import EventLog
+from resilient.recovery.ram_tier import RamTier
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
 from resilient.trainer.build import StepHook, committed_steps, load_step_hooks
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
-from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.outputs import RunOutputs, StepStats, group_id, sort_sample_ids
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class Trainer:
         self.resumed_from: int | None = None
         self.step_hooks: list[StepHook] = []
         self._pending_save: SaveHandle | None = None
+        self.ram: RamTier | None = None
         self._saved_step: int | None = None
         data = config.data.pipeline
         self.tokens_per_step = data.global_rows * data.row_len
@@ -81,23 +84,52 @@ class Trainer:
         self.step_hooks.extend(load_step_hooks(self.config.run.step_hooks, self))
 
     def resume(self) -> int | None:
-        """Load the newest committed checkpoint, if any (on any mesh); returns its step."""
+        """Restore the newest state any tier holds, decided by all ranks together before anything is
+        loaded: the RAM tier's newest common step when it is not older than the newest committed
+        checkpoint, else that checkpoint (on any mesh), else a fresh start. Returns the step."""
         if not self.config.checkpoint.resume:
             return None
-        steps = self._committed_steps()
-        if not steps:
-            self.outputs.message(f"no checkpoint under {self.checkpointer.url}: starting at step 0")
-            return None
         start = time.perf_counter()
+        steps = self._committed_steps()
+        persistent = steps[-1] if steps else None
         state = capture_state(self.parts, self.step, self.tokens_seen)
-        loaded = self.checkpointer.load(state)
-        self.step, self.tokens_seen = apply_state(self.parts, state)
-        self.resumed_from = self._saved_step = loaded
-        self.outputs.message(
-            f"resumed from step {loaded} of {self.checkpointer.url} on dp_shard={self.config.parallel.dp_shard} "
-            f"x tp={self.config.parallel.tp} in {time.perf_counter() - start:.2f} s"
-        )
+        reads_before = self.checkpointer.storage_reads
+        excluded: list[dict[str, Any]] = []
+        loaded, source, nbytes = None, "fresh", 0
+        if self.ram is not None:
+            ram = self.ram.restore(state, persistent)
+            excluded = ram.excluded
+            if ram.source is not None:
+                loaded, source, nbytes = ram.step, ram.source, ram.bytes
+        if loaded is None and persistent is not None:
+            loaded, source = self.checkpointer.load(state, step=persistent), "persistent"
+            nbytes = self.checkpointer.restore_stats[-1].bytes_read
+        if loaded is not None:
+            self.step, self.tokens_seen = apply_state(self.parts, state)
+            self.resumed_from = self._saved_step = loaded
+        seconds = time.perf_counter() - start
+        reads = self.checkpointer.storage_reads - reads_before
+        self.write_restore_event(step=self.step, source=source, nbytes=nbytes, seconds=seconds, storage_reads=reads,
+                                 excluded=excluded)  # fmt: skip
+        if loaded is None:
+            self.outputs.message(f"no checkpoint under {self.checkpointer.url}: starting at step 0")
+        else:
+            where = "this node's RAM" if source == "own" else "the buddy node's RAM" if source == "buddy" else \
+                self.checkpointer.url
+            self.outputs.message(
+                f"resumed from step {loaded} of {where} on dp_shard={self.config.parallel.dp_shard} "
+                f"x tp={self.config.parallel.tp} in {seconds:.2f} s"
+            )
         return loaded
+
+    def write_restore_event(self, *, step: int, source: str, nbytes: int, seconds: float, **extra: Any) -> None:
+        """One line per rank in ``<run.dir>/events.jsonl``: where this rank's state came from."""
+        events = EventLog(self.config.run.dir, enabled=True)
+        try:
+            events.write("restore", group=group_id(), rank=rdist.get_rank(), step=step, source=source,
+                         bytes=nbytes, seconds=round(seconds, 6), **extra)  # fmt: skip
+        finally:
+            events.close()
 
     def _committed_steps(self) -> list[int]:
         """Rank 0 lists the checkpoint root; every rank gets the list, or the same error (a rank
@@ -134,6 +166,7 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         stall_start = time.perf_counter()
         self.maybe_save()
+        self.maybe_snapshot()
         ckpt_stall = time.perf_counter() - stall_start
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
@@ -208,6 +241,12 @@ class Trainer:
         if due and self._saved_step != self.step:
             self.save()
 
+    def maybe_snapshot(self) -> None:
+        """RAM tier: snapshot into the node store every ``memory_every`` steps (a memcpy; the
+        checksum, publish and buddy copy run in the background)."""
+        if self.ram is not None and self.step % self.config.checkpoint.memory_every == 0:
+            self.ram.snapshot(self.step, capture_state(self.parts, self.step, self.tokens_seen))
+
     def save(self) -> SaveHandle:
         """Checkpoint the current step. Returns once the state is staged; it persists and commits in
         the background. A background failure of an earlier save is raised here, on every rank
@@ -240,5 +279,7 @@ class Trainer:
         try:
             self.parts.pipeline.close()
             self.outputs.close()
+            if self.ram is not None:
+                self.ram.close()
         finally:
             self.checkpointer.close()

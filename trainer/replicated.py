@@ -94,6 +94,9 @@ class ReplicatedTrainer(Trainer):
         self.events.write("joining", group=self.group, attempt=attempt)
         quorum = self.sync.start_step()
         source = "peer" if quorum.healed and quorum.step > 0 else "fresh"
+        if source == "peer":
+            heal = self.heals[-1] if self.heals else {"bytes": 0, "fetch_s": 0.0}
+            self.write_restore_event(step=self.step, source="peer", nbytes=heal["bytes"], seconds=quorum.heal_s)
         if quorum.step == 0 and self.resume() is not None:
             self.sync.restore_step(self.step)
             source, quorum = "storage", None
@@ -178,6 +181,7 @@ class ReplicatedTrainer(Trainer):
         stall_start = time.perf_counter()
         if quorum.participating_rank == 0:
             self.maybe_save()
+        self.maybe_snapshot()
         ckpt_stall = time.perf_counter() - stall_start
         self.outputs.step(self._stats(result, time.perf_counter() - start, data_wait, ckpt_stall))
         if self.config.data.log_samples:

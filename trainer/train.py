@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from resilient.errors import ConfigError
 from resilient.recovery.events import write_pid
+from resilient.recovery.ram_tier import RamTier
 from resilient.trainer.build import (
     build_checkpointer,
     build_parts,
@@ -90,8 +91,26 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
 
         trainer_class = ReplicatedTrainer
     trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
+    if config.checkpoint.memory_every > 0:
+        trainer.ram = build_ram_tier(config, outputs.directory)
     trainer.install_configured_hooks()
     return trainer
+
+
+def build_ram_tier(config: TrainConfig, group_directory: str) -> RamTier:
+    """The RAM tier of this rank, its channel open (collective over the group)."""
+    ram = RamTier(
+        config.recovery,
+        keep=config.checkpoint.memory_keep,
+        run_dir=config.run.dir,
+        group=group_id(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        fingerprint={"dp_shard": config.parallel.dp_shard, "tp": config.parallel.tp},
+        stats_path=os.path.join(group_directory, "ram.jsonl"),
+    )
+    ram.start()
+    return ram
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     _setup_logging(rank)
-    if config.replica.enabled:
-        # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
-        write_pid(config.run.dir, group_id(), rank)
+    # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
+    write_pid(config.run.dir, group_id(), rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     device = resolve_device(config.run.device)

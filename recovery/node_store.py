@@ -1,0 +1,250 @@
+"""The node-local snapshot store of the RAM tier: files in tmpfs that outlive the worker processes.
+
+One ``RankStore`` directory per rank (``own/rank<R>`` for this node's ranks, ``buddy/rank<R>`` for
+the copies kept for a buddy node). A snapshot is two files:
+
+- ``slot<K>.bin``: the local tensors' bytes, back to back at 64-byte aligned offsets. Slot files
+  are reused round-robin and stay mapped, so a snapshot is one memcpy into memory that is already
+  resident (a fresh allocation per snapshot pays the page faults every time);
+- ``step-<S>.json``: the index (tensor FQN, dtype, shape, offset, crc32c; the JSON leaves; the
+  topology it was taken on). It is written last, by rename: a snapshot is visible only complete.
+
+A slot is reused only once no visible index points at it and no reader has leased it, so a
+replication in flight never sees its bytes change. Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import crc32c
+import torch
+
+from resilient.dtypes import torch_dtype, zarr_name
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+ALIGN = 64
+STORE_MARKER = "store.json"
+_INDEX_RE = re.compile(r"^step-(\d{9})\.json$")
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    fqn: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    crc32c: int = 0
+
+
+@dataclass(slots=True)
+class SnapshotIndex:
+    """What a snapshot holds and how to check it (JSON, one file per snapshot)."""
+
+    step: int
+    rank: int
+    topology: dict[str, Any]
+    tensors: list[TensorEntry]
+    values: dict[str, Any]
+    slot: str = ""
+    nbytes: int = 0
+    created: float = field(default_factory=time.time)
+    version: int = INDEX_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SnapshotIndex:
+        if raw.get("version") != INDEX_VERSION:
+            raise ValueError(f"snapshot index version {raw.get('version')!r}, expected {INDEX_VERSION}")
+        tensors = [TensorEntry(**t) for t in raw["tensors"]]
+        return cls(**{**raw, "tensors": tensors})
+
+
+def layout_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Aligned offsets for ``tensors`` (in the given order) and the total size."""
+    entries, offset = [], 0
+    for fqn, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(fqn, zarr_name(t.dtype, fqn=fqn), list(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, offset
+
+
+def tensor_view(data: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """``entry``'s tensor inside the uint8 buffer ``data`` (no copy)."""
+    raw = data[entry.offset : entry.offset + entry.nbytes]
+    return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
+
+
+def checksum(data: torch.Tensor, entry: TensorEntry) -> int:
+    raw = data[entry.offset : entry.offset + entry.nbytes]
+    return crc32c.crc32c(raw.numpy()) if entry.nbytes else 0
+
+
+def first_corruption(index: SnapshotIndex, data: torch.Tensor) -> str | None:
+    """None if every tensor's bytes match its crc32c; else which tensor does not."""
+    if data.numel() < index.nbytes:
+        return f"snapshot data is {data.numel()} bytes, the index says {index.nbytes}"
+    for entry in index.tensors:
+        if checksum(data, entry) != entry.crc32c:
+            return f"crc32c mismatch in tensor {entry.fqn!r}"
+    return None
+
+
+class _Slot:
+    """One reusable slot file, mapped once per process."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.path, self.nbytes = path, nbytes
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != max(nbytes, 1):
+                os.ftruncate(fd, max(nbytes, 1))
+            self._map = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
+
+
+class RankStore:
+    """The snapshots of one rank in one directory, newest ``keep`` visible."""
+
+    def __init__(self, directory: str, keep: int) -> None:
+        self.directory, self.keep = directory, keep
+        self._slots: dict[str, _Slot] = {}
+        self._leases: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def indexes(self) -> dict[int, SnapshotIndex]:
+        """Every visible snapshot by step; unreadable index files are skipped (and logged)."""
+        out: dict[int, SnapshotIndex] = {}
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return out
+        for name in names:
+            match = _INDEX_RE.match(name)
+            if not match:
+                continue
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path) as f:
+                    index = SnapshotIndex.from_json(json.load(f))
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                log.warning("ignoring unreadable RAM snapshot index %s: %s", path, e)
+                continue
+            out[index.step] = index
+        return out
+
+    def data(self, index: SnapshotIndex) -> torch.Tensor:
+        """The snapshot's bytes (a mapping of its slot; the caller leases it while reading)."""
+        path = os.path.join(self.directory, index.slot)
+        size = os.stat(path).st_size
+        return self._slot(index.slot, size).data[: index.nbytes]
+
+    def lease(self, slot: str) -> None:
+        with self._lock:
+            self._leases[slot] = self._leases.get(slot, 0) + 1
+
+    def release(self, slot: str) -> None:
+        with self._lock:
+            self._leases[slot] -= 1
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        """A slot of ``nbytes`` for ``step``, leased to the caller (``release`` it after publishing):
+        never one a visible snapshot or a reader uses, so the ``keep`` visible snapshots stay intact
+        until the new one is published. At most keep + leases + 1 slot files exist."""
+        os.makedirs(self.directory, exist_ok=True)
+        with self._lock:
+            used = {i.slot for i in self.indexes().values()} | {s for s, n in self._leases.items() if n > 0}
+            k = 0
+            while f"slot{k}.bin" in used:
+                k += 1
+            name = f"slot{k}.bin"
+            self._leases[name] = self._leases.get(name, 0) + 1
+        return name, self._slot(name, nbytes).data
+
+    def publish(self, index: SnapshotIndex) -> None:
+        """Make ``index`` visible (atomic rename), then drop snapshots beyond ``keep``."""
+        path = os.path.join(self.directory, f"step-{index.step:09d}.json")
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(index.to_json(), f)
+        os.replace(tmp, path)
+        self._evict(self.keep)
+
+    def remove(self, step: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, f"step-{step:09d}.json"))
+
+    def _evict(self, keep: int) -> None:
+        steps = sorted(self.indexes())
+        for step in steps[: max(0, len(steps) - keep)]:
+            self.remove(step)
+
+    def bytes_used(self) -> int:
+        try:
+            return sum(e.stat().st_size for e in os.scandir(self.directory) if e.name.startswith("slot"))
+        except FileNotFoundError:
+            return 0
+
+    def _slot(self, name: str, nbytes: int) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None or slot.nbytes != nbytes:
+            slot = self._slots[name] = _Slot(os.path.join(self.directory, name), nbytes)
+        return slot
+
+
+def mark_store(root: str) -> None:
+    """Create (or touch) ``<root>/store.json``: marks a directory this code owns and when it was last used."""
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, STORE_MARKER)
+    if os.path.exists(path):
+        os.utime(path)
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"created": time.time(), "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+
+
+def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> list[str]:
+    """Remove sibling stores of dead runs: only directories with our marker, untouched for
+    ``stale_after_s``; never ``keep_root``. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not entry.is_dir() or os.path.abspath(entry.path) == os.path.abspath(keep_root):
+            continue
+        marker = os.path.join(entry.path, STORE_MARKER)
+        try:
+            age = time.time() - os.stat(marker).st_mtime
+        except FileNotFoundError:
+            continue  # not ours: never touched
+        if age > stale_after_s:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+            log.info("removed the RAM store of a dead run: %s (unused for %.0f s)", entry.path, age)
+    return removed

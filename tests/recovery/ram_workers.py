@@ -1,0 +1,67 @@
+"""Rank functions for the RAM-tier tests (module level: spawned processes import them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from resilient.recovery.ram_config import RecoveryConfig
+from resilient.recovery.ram_tier import RamTier
+
+
+def state_of(rank: int, step: int) -> dict:
+    """A small training-like state whose values name (rank, step)."""
+    base = float(rank * 1000 + step)
+    return {
+        "model": {"w": torch.full((64, 32), base), "b": torch.full((7,), base).bfloat16()},
+        "optim": {"step": torch.tensor(float(step))},
+        "train": {"step": step, "rank": rank},
+    }
+
+
+def empty_state() -> dict:
+    return {
+        "model": {"w": torch.zeros(64, 32), "b": torch.zeros(7).bfloat16()},
+        "optim": {"step": torch.tensor(0.0)},
+        "train": {"step": -1, "rank": -1},
+    }
+
+
+def tier(rank: int, world: int, store_dir: str, *, per_node: int = 1, keep: int = 2) -> RamTier:
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=per_node, replication_timeout_s=30.0)
+    ram = RamTier(config, keep=keep, run_dir=os.path.join(store_dir, "run"), group=0, rank=rank, world_size=world,
+                  fingerprint={"dp_shard": world, "tp": 1})  # fmt: skip
+    ram.start()
+    return ram
+
+
+def take_snapshots(rank: int, world: int, store_dir: str, steps: list[int]) -> dict:
+    """Snapshot each step, wait for publish + replication; report stats and the channel secret."""
+    logging.basicConfig(level=logging.DEBUG)
+    ram = tier(rank, world, store_dir)
+    for step in steps:
+        ram.snapshot(step, state_of(rank, step))
+        ram.wait(30)
+    ram.close()
+    return {"stats": ram.stats.records, "secret": ram._secret.hex()}
+
+
+def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) -> dict:
+    """A restarted rank: restore into an empty state; report the outcome and the values."""
+    ram = tier(rank, world, store_dir)
+    state = empty_state()
+    outcome = ram.restore(state, persistent_step)
+    ram.close()
+    w = float(state["model"]["w"][0, 0])
+    return {
+        "step": outcome.step,
+        "source": outcome.source,
+        "bytes": outcome.bytes,
+        "excluded": outcome.excluded,
+        "w": w,
+        "b_equal": bool(torch.equal(state["model"]["b"], torch.full((7,), w).bfloat16())),
+        "optim_step": float(state["optim"]["step"]),
+        "train": state["train"],
+    }
