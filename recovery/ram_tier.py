@@ -379,7 +379,8 @@ class RamTier:
             return None
         header, payload = reply
         index = SnapshotIndex.from_json(header["index"])
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, torch.uint8)
+        # The client hands over the bytearray it received into: no further copy.
+        data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
         reason = first_corruption(index, data) or self._incompatible(index, leaves)
         if reason is not None:
             excluded.append({"step": step, "source": "buddy", "reason": reason})
