@@ -1,0 +1,172 @@
+"""The trainer-side half of ``resilient-chaos``: one step hook, ``run.step_hooks=["resilient.chaos.hooks:chaos_hook"]``.
+
+The harness talks to it through files under ``$RESILIENT_CHAOS_DIR`` (``<run.dir>/chaos``), never
+through signals, so the hook needs nothing but the file system:
+
+- ``arm/group<G>``: a ``RESILIENT_FAULTS`` spec that this group's ranks put in their environment
+  (read when the hook is built, i.e. before a restarted rank heals, and after every step), with
+  ``RESILIENT_FAULTS_DIR=markers/group<G>``: fault points can then be armed at a given step and
+  for one group, which the launch environment (fixed, shared by all groups) cannot do;
+- ``hold``: a step number; ranks past it wait while the file exists (the harness removes it once
+  every killed group is joining again), so a paced run cannot end before a restarted group heals;
+- ``arm/corrupt-group<G>``: test-only; the group adds 1e-3 to one parameter once (the harness must
+  then fail ``replicas_identical`` and ``twin_match``);
+- ``digests/group<G>.jsonl``: written by the hook, the sha256 of the group's full parameters after
+  every committed step: replicas are compared step by step, so a heal that delivered wrong bits is
+  caught at the step it happened, not only at the end.
+
+Pacing (``RESILIENT_CHAOS_STEP_SLEEP``) sleeps after each step, after the digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+CHAOS_DIR_ENV = "RESILIENT_CHAOS_DIR"
+STEP_SLEEP_ENV = "RESILIENT_CHAOS_STEP_SLEEP"
+HOOK_PATH = "resilient.chaos.hooks:chaos_hook"
+HOLD_FILE = "hold"
+HOLD_MAX_S = 120.0
+"""A hold never lasts longer than this (a group that never comes back must not hang the run)."""
+
+
+def arm_path(chaos_dir: str, group: int) -> str:
+    return os.path.join(chaos_dir, "arm", f"group{group}")
+
+
+def corrupt_path(chaos_dir: str, group: int) -> str:
+    return os.path.join(chaos_dir, "arm", f"corrupt-group{group}")
+
+
+def marker_dir(chaos_dir: str, group: int) -> str:
+    return os.path.join(chaos_dir, "markers", f"group{group}")
+
+
+def digest_path(chaos_dir: str, group: int) -> str:
+    return os.path.join(chaos_dir, "digests", f"group{group}.jsonl")
+
+
+def write_atomic(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def params_digest(model: Any) -> str:
+    """sha256 over the full parameters in name order (collective within the group under FSDP/TP)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    state = get_model_state_dict(model)
+    h = hashlib.sha256()
+    for name in sorted(state):
+        value = state[name]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if not isinstance(full, torch.Tensor):
+            continue
+        h.update(name.encode())
+        h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class _ChaosHook:
+    def __init__(self, trainer: Any, chaos_dir: str) -> None:
+        self.dir = chaos_dir
+        self.group = int(getattr(trainer, "group", 0))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.sleep_s = float(os.environ.get(STEP_SLEEP_ENV, "0") or 0)
+        self.corrupted = False
+        self.arm()
+
+    def arm(self) -> None:
+        """Mirror ``arm/group<G>`` into this process's environment (fault points read it at call time)."""
+        try:
+            with open(arm_path(self.dir, self.group)) as f:
+                spec = f.read().strip()
+        except FileNotFoundError:
+            spec = ""
+        if spec:
+            os.environ["RESILIENT_FAULTS"] = spec
+            os.environ["RESILIENT_FAULTS_DIR"] = marker_dir(self.dir, self.group)
+        else:
+            os.environ.pop("RESILIENT_FAULTS", None)
+
+    def __call__(self, step: int, trainer: Any) -> None:
+        self.arm()
+        self._maybe_corrupt(trainer)
+        digest = params_digest(trainer.parts.model)
+        if self.rank == 0:
+            record = {"t": round(time.time(), 4), "step": step, "params_sha256": digest, "attempt": self.attempt,
+                      "healed": bool(getattr(trainer, "heals", None))}  # fmt: skip
+            _append_line(digest_path(self.dir, self.group), record)
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        self._maybe_hold(step)
+
+    def _maybe_corrupt(self, trainer: Any) -> None:
+        if self.corrupted or not os.path.exists(corrupt_path(self.dir, self.group)):
+            return
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        param = next(iter(trainer.parts.model.parameters()))
+        local = param.to_local() if isinstance(param, DTensor) else param
+        with torch.no_grad():
+            local.add_(1e-3)
+        self.corrupted = True
+        if self.rank == 0:
+            _append_line(os.path.join(self.dir, "hook_events.jsonl"),
+                         {"t": round(time.time(), 4), "event": "corrupted", "group": self.group})  # fmt: skip
+
+    def _maybe_hold(self, step: int) -> None:
+        path = os.path.join(self.dir, HOLD_FILE)
+        try:
+            with open(path) as f:
+                hold_step = int(f.read().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return
+        if step < hold_step:
+            return
+        start = time.time()
+        deadline = time.monotonic() + HOLD_MAX_S
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.rank == 0:
+            _append_line(os.path.join(self.dir, "hook_events.jsonl"),
+                         {"t": round(time.time(), 4), "event": "held", "group": self.group, "step": step,
+                          "start": round(start, 4), "seconds": round(time.time() - start, 4)})  # fmt: skip
+
+
+def _append_line(path: str, record: dict[str, Any]) -> None:
+    """One write on an O_APPEND descriptor: lines from several processes never interleave."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_lines(path: str) -> list[dict[str, Any]]:
+    """Every complete JSON line of a file ([] when it does not exist; a torn line is skipped)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def chaos_hook(trainer: Any) -> _ChaosHook | None:
+    """The step-hook factory (``run.step_hooks``); None when not run by the harness."""
+    chaos_dir = os.environ.get(CHAOS_DIR_ENV)
+    return _ChaosHook(trainer, chaos_dir) if chaos_dir else None

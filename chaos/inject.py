@@ -1,0 +1,254 @@
+"""Injecting one fault into a running job: kills by pid, SIGSTOP/SIGCONT, armed fault points,
+flipped bytes, S3 proxy windows.
+
+Each fault is a small state machine driven by the harness's poll loop (``advance``): pending until
+its step (or time) comes, then injected, then done; faults that wait for something (a marker file
+written by a paused rank, the end of a SIGSTOP) stay ``injected`` meanwhile, so several faults can
+be in flight and the loop keeps watching the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, write_atomic
+from resilient.chaos.job import JobProcess
+from resilient.chaos.s3_proxy import FaultProxy
+from resilient.chaos.scenario import FaultSpec
+from resilient.recovery.events import PIDS_DIR, read_pid
+from resilient.tools.replicas import LIGHTHOUSE_PID
+
+MARKER_TIMEOUT_S = 120.0
+"""Longest wait for an armed fault point to be reached (a persist or a heal)."""
+TARGET_TIMEOUT_S = 90.0
+"""Longest wait for a target rank to be alive (it may be restarting from an earlier fault)."""
+
+
+@dataclass(slots=True)
+class FaultRecord:
+    spec: FaultSpec
+    state: str = "pending"  # pending | injected | done | failed
+    t_due: float | None = None
+    t_injected: float | None = None
+    at_step: int | None = None
+    """The job's step (highest committed) when the fault hit."""
+    killed: list[dict[str, Any]] = field(default_factory=list)
+    rejoin: dict[int, int] = field(default_factory=dict)
+    """group -> torchrun attempt the group must reach again (its recovery)."""
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    _marker: str = ""
+    _until: float = 0.0
+
+
+@dataclass(slots=True)
+class InjectContext:
+    job: JobProcess
+    config: Any
+    """The job's TrainConfig."""
+    proxy: FaultProxy | None
+    job_step: int = 0
+    attempts: dict[int, int] = field(default_factory=dict)
+    """group -> highest torchrun attempt seen joining."""
+
+
+def _alive_rank_pid(run_dir: str, group: int, rank: int) -> int | None:
+    pid = read_pid(run_dir, group, rank)
+    if pid is None:
+        return None
+    with contextlib.suppress(psutil.Error):
+        p = psutil.Process(pid)
+        if p.status() != psutil.STATUS_ZOMBIE and "resilient.trainer" in " ".join(p.cmdline()):
+            return pid
+    return None
+
+
+def _group_ranks(ctx: InjectContext, spec: FaultSpec) -> list[int]:
+    nproc = ctx.job.job.nproc_per_group
+    if spec.kind == "kill_group":
+        return list(range(nproc))
+    if spec.kind == "kill_node":
+        per_node = ctx.job.job.ranks_per_node
+        return list(range(spec.node * per_node, (spec.node + 1) * per_node))
+    return [spec.rank]
+
+
+def _kill(record: FaultRecord, ctx: InjectContext, group: int, ranks: list[int]) -> bool:
+    """SIGKILL the ranks (all alive first, else wait); True once done."""
+    pids = {r: _alive_rank_pid(ctx.job.run_dir, group, r) for r in ranks}
+    if any(p is None for p in pids.values()):
+        return False
+    for rank, pid in pids.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        record.killed.append({"group": group, "rank": rank, "pid": pid})
+    record.rejoin[group] = max(record.rejoin.get(group, 0), ctx.attempts.get(group, 0) + 1)
+    return True
+
+
+def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
+    root = ctx.config.checkpoint.url
+    steps = sorted(int(os.path.basename(d)[5:]) for d in glob.glob(os.path.join(root, "step-*"))
+                   if os.path.exists(os.path.join(d, "manifest.json")))  # fmt: skip
+    if not steps:
+        record.note = f"no committed step under {root} yet: nothing corrupted"
+        return
+    step = steps[0] if record.spec.target == "oldest" else steps[-1]
+    chunks = sorted((os.path.getsize(p), p) for p in glob.glob(os.path.join(root, f"step-{step:09d}", "attempt-*",
+                    "**", "c", "**"), recursive=True) if os.path.isfile(p))  # fmt: skip
+    if not chunks:
+        record.note = f"step {step} has no chunk file"
+        return
+    size, path = chunks[-1]  # the largest: its middle is tensor data, not the shard index
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    record.extra.update(step=step, file=os.path.relpath(path, root), offset=size // 2)
+
+
+def _arm(ctx: InjectContext, groups: list[int], spec: str) -> None:
+    for group in groups:
+        shutil.rmtree(marker_dir(ctx.job.chaos_dir, group), ignore_errors=True)
+        write_atomic(arm_path(ctx.job.chaos_dir, group), spec)
+
+
+def _disarm(ctx: InjectContext, groups: list[int]) -> None:
+    for group in groups:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(arm_path(ctx.job.chaos_dir, group))
+
+
+def _start(record: FaultRecord, ctx: InjectContext) -> bool:
+    """Inject; True when injected (or done), False to try again on the next poll."""
+    spec, job = record.spec, ctx.job
+    kind = spec.kind
+    if kind in ("kill_rank", "kill_node", "kill_group"):
+        if not _kill(record, ctx, spec.group, _group_ranks(ctx, spec)):
+            return False
+        if kind == "kill_node":
+            from resilient.recovery.ram_config import node_store_dir
+
+            store = node_store_dir(ctx.config.recovery, job.run_dir, spec.group, spec.node)
+            record.extra["store_wiped"] = os.path.isdir(store)
+            shutil.rmtree(store, ignore_errors=True)
+            record.extra["store"] = store
+        record.state = "done"
+    elif kind == "stop_rank":
+        pid = _alive_rank_pid(job.run_dir, spec.group, spec.rank)
+        if pid is None:
+            return False
+        os.kill(pid, signal.SIGSTOP)
+        record.killed.append({"group": spec.group, "rank": spec.rank, "pid": pid, "signal": "SIGSTOP"})
+        record._until = time.time() + spec.seconds
+        record.state = "injected"
+    elif kind == "kill_during_persist":
+        spec_text = f"persist.first_region_issued=pause:{spec.seconds}@rank{spec.rank}"
+        _arm(ctx, list(range(job.job.replica_groups)), spec_text)
+        record._marker = f"persist.first_region_issued.rank{spec.rank}"
+        record._until = time.time() + MARKER_TIMEOUT_S
+        record.state = "injected"
+    elif kind == "kill_during_heal":
+        attempt = ctx.attempts.get(spec.group, 0) + 1
+        _arm(ctx, [spec.group], f"replica.heal_load.attempt{attempt}=pause:{spec.seconds}@rank{spec.rank}")
+        if not _kill(record, ctx, spec.group, [spec.rank]):
+            _disarm(ctx, [spec.group])
+            return False
+        record._marker = f"replica.heal_load.attempt{attempt}.rank{spec.rank}"
+        record._until = time.time() + MARKER_TIMEOUT_S
+        record.state = "injected"
+    elif kind == "corrupt_chunk":
+        _flip_byte(ctx, record)
+        record.state = "done"
+    elif kind.startswith("s3_"):
+        assert ctx.proxy is not None
+        window = ctx.proxy.add_window(kind[3:], spec.seconds, rate=spec.rate, delay_s=spec.delay_s)
+        record.extra["window"] = {"start": window.start, "end": window.end}
+        record.state = "done"
+    elif kind == "kill_lighthouse":
+        path = os.path.join(job.run_dir, PIDS_DIR, LIGHTHOUSE_PID)
+        with open(path) as f:
+            pid = int(f.read().strip())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        record.killed.append({"lighthouse": True, "pid": pid})
+        record.state = "done"
+    elif kind == "corrupt_replica":
+        write_atomic(corrupt_path(job.chaos_dir, spec.group), "1")
+        record.state = "done"
+    else:  # pragma: no cover - the scenario parser rejects unknown kinds
+        raise AssertionError(kind)
+    record.t_injected = time.time()
+    record.at_step = ctx.job_step
+    return True
+
+
+def _follow(record: FaultRecord, ctx: InjectContext) -> None:
+    """Advance a fault that is waiting for its marker or for the end of its SIGSTOP."""
+    spec, now = record.spec, time.time()
+    if spec.kind == "stop_rank":
+        if now >= record._until:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.killed[0]["pid"], signal.SIGCONT)
+            record.extra["resumed_t"] = now
+            record.state = "done"
+        return
+    groups = list(range(ctx.job.job.replica_groups)) if spec.kind == "kill_during_persist" else [spec.group]
+    for group in groups:
+        path = os.path.join(marker_dir(ctx.job.chaos_dir, group), record._marker)
+        try:
+            with open(path) as f:
+                pid = int(f.read().strip())
+        except (FileNotFoundError, ValueError):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _disarm(ctx, groups)
+        record.killed.append({"group": group, "rank": spec.rank, "pid": pid, "at": record._marker})
+        # The heal's restart is one attempt past the first kill's; the next one must rejoin.
+        previous = record.rejoin.get(group, 0)
+        record.rejoin[group] = previous + 1 if previous else ctx.attempts.get(group, 0) + 1
+        if spec.kind == "kill_during_persist":
+            record.t_injected, record.at_step = now, ctx.job_step
+        record.extra["second_kill_t" if spec.kind == "kill_during_heal" else "kill_t"] = now
+        record.state = "done"
+        return
+    if now >= record._until:
+        _disarm(ctx, groups)
+        record.state = "failed"
+        record.note = f"{record._marker} was not reached within {MARKER_TIMEOUT_S:.0f} s: nothing killed there"
+
+
+def advance(record: FaultRecord, ctx: InjectContext, t_first_commit: float | None) -> None:
+    """One poll of one fault."""
+    spec = record.spec
+    if record.state == "pending":
+        due = (spec.at_step is not None and ctx.job_step >= spec.at_step) or (
+            spec.at_time_s is not None and t_first_commit is not None
+            and time.time() - t_first_commit >= spec.at_time_s)
+        if not due:
+            return
+        record.t_due = record.t_due or time.time()
+        if not _start(record, ctx) and time.time() - record.t_due > TARGET_TIMEOUT_S:
+            record.state = "failed"
+            record.note = f"target not alive within {TARGET_TIMEOUT_S:.0f} s of the fault's step"
+    elif record.state == "injected":
+        _follow(record, ctx)
+
+
+def release(record: FaultRecord) -> None:
+    """Undo what must not outlive the harness (a SIGSTOPped rank)."""
+    if record.spec.kind == "stop_rank" and record.state == "injected":
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.killed[0]["pid"], signal.SIGCONT)
+        record.state = "done"

@@ -1,0 +1,168 @@
+"""One run of a scenario's job through ``resilient-train --replica-groups``, watched from outside.
+
+The launcher runs in a session of its own; everything it starts (lighthouse, torchruns, ranks) is
+recorded as it appears (pid and start time, from the pid files and the launcher's process tree),
+so that afterwards ``no_orphans`` can tell a leftover process from a recycled pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from resilient.chaos.hooks import CHAOS_DIR_ENV, HOOK_PATH, STEP_SLEEP_ENV
+from resilient.chaos.scenario import REPO_ROOT, JobSpec
+from resilient.recovery.events import EVENTS_FILE, PIDS_DIR
+
+
+@dataclass(slots=True)
+class EventTail:
+    """Reads ``events.jsonl`` incrementally (complete lines only) and keeps the job's progress."""
+
+    path: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _offset: int = 0
+    _partial: bytes = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        import json
+
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        new = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                new.append(json.loads(line))
+        self.events.extend(new)
+        return new
+
+
+def harness_overrides(job: JobSpec, run_dir: str, checkpoint_url: str) -> list[str]:
+    """The scenario's --set list plus what the harness needs (run dir, steps, samples, its hook)."""
+    hooks = [HOOK_PATH]
+    sets = []
+    for item in job.set:
+        key, _, value = item.partition("=")
+        if key.strip() == "run.step_hooks":
+            import tomllib
+
+            hooks = [*tomllib.loads(f"v = {value}")["v"], HOOK_PATH]
+            continue
+        sets.append(item)
+    hook_list = "[" + ", ".join(f'"{h}"' for h in hooks) + "]"
+    sets += [f'run.dir="{run_dir}"', f"run.steps={job.steps}", "data.log_samples=true",
+             f'checkpoint.url="{checkpoint_url}"', f"run.step_hooks={hook_list}"]
+    if job.ranks_per_node:
+        sets.append(f"recovery.ranks_per_node={job.ranks_per_node}")
+    return sets
+
+
+def load_job_config(job: JobSpec, overrides: list[str]) -> Any:
+    """The resolved TrainConfig of the job (recovery store paths, persist_every, ...)."""
+    from resilient.trainer.config import load_config
+
+    return load_config(job.config, [*overrides, "replica.enabled=true", f"replica.groups={job.replica_groups}"])
+
+
+class JobProcess:
+    """The launcher subprocess and what it started."""
+
+    def __init__(self, job: JobSpec, run_dir: str, overrides: list[str], *, env: dict[str, str], log_path: str,
+                 step_sleep_s: float) -> None:  # fmt: skip
+        self.job = job
+        self.run_dir = run_dir
+        self.chaos_dir = os.path.join(run_dir, "chaos")
+        os.makedirs(self.chaos_dir, exist_ok=True)
+        command = [sys.executable, "-m", "resilient.tools.train", "--replica-groups", str(job.replica_groups),
+                   "--nproc-per-group", str(job.nproc_per_group), "--config", job.config,
+                   "--max-restarts", str(job.max_restarts), *[a for s in overrides for a in ("--set", s)]]  # fmt: skip
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env,
+                    CHAOS_DIR_ENV: self.chaos_dir, STEP_SLEEP_ENV: str(step_sleep_s)}  # fmt: skip
+        full_env.pop("RESILIENT_FAULTS", None)  # armed per group by the hook, never for the whole job
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.t_launch = time.time()
+        self.proc = subprocess.Popen(command, cwd=str(REPO_ROOT), env=full_env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.events = EventTail(os.path.join(run_dir, EVENTS_FILE))
+        self.seen: dict[int, float] = {}
+        """pid -> create_time of every process of the job observed so far."""
+        self.returncode: int | None = None
+        self.t_end: float | None = None
+        self.timed_out = False
+
+    def poll(self) -> bool:
+        """Refresh events and the process census; True while the launcher runs."""
+        self.events.poll()
+        self._census()
+        if self.proc.poll() is not None and self.returncode is None:
+            self.returncode = self.proc.returncode
+            self.t_end = time.time()
+            self.events.poll()
+        return self.returncode is None
+
+    def _census(self) -> None:
+        pids = [self.proc.pid]
+        pids_dir = os.path.join(self.run_dir, PIDS_DIR)
+        for name in os.listdir(pids_dir) if os.path.isdir(pids_dir) else []:
+            if ".tmp" in name:
+                continue
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(pids_dir, name)) as f:
+                pids.append(int(f.read().strip()))
+        with contextlib.suppress(psutil.Error):
+            pids += [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        for pid in pids:
+            if pid not in self.seen:
+                with contextlib.suppress(psutil.Error):
+                    self.seen[pid] = psutil.Process(pid).create_time()
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM the launcher (it stops what it started), SIGKILL its session if it hangs."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.poll()
+
+    def leftovers(self, wait_s: float = 5.0) -> list[dict[str, Any]]:
+        """Processes of this job still alive after the launcher exited (waits a little for stragglers)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = []
+            for pid, created in self.seen.items():
+                with contextlib.suppress(psutil.Error):
+                    p = psutil.Process(pid)
+                    if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+                        alive.append({"pid": pid, "cmdline": " ".join(p.cmdline())[:160]})
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
+    def kill_leftovers(self, leftovers: list[dict[str, Any]]) -> None:
+        for item in leftovers:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                p = psutil.Process(item["pid"])
+                if abs(p.create_time() - self.seen[item["pid"]]) < 0.01:
+                    p.kill()
+
+    def close(self) -> None:
+        self._log.close()

@@ -1,0 +1,90 @@
+"""The fault-free twin: the same job with no faults, cached by what determines its numbers.
+
+The key hashes the recipe's bytes, the job's shape and overrides (not its faults, pacing, storage
+or hold step: none changes a number) and the source of the packages that compute (resilient/,
+storage/, recovery/, trainer/): a code change recomputes the twin. The twin always checkpoints to
+local disk inside the cache (storage changes no number either). A ``twin.json`` written last marks
+a complete twin; a lock file keeps two harnesses from computing the same twin at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from resilient.chaos.job import JobProcess, harness_overrides, load_job_config
+from resilient.chaos.scenario import REPO_ROOT, Scenario, stable_hash
+from resilient.recovery.ram_config import store_root
+
+CACHE_ENV = "RESILIENT_CHAOS_CACHE"
+TWIN_DONE = "twin.json"
+
+
+def default_cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "resilient-chaos")
+
+
+def code_hash() -> str:
+    h = hashlib.sha256()
+    for package in ("resilient", "storage", "recovery", "trainer"):
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            h.update(str(path.relative_to(REPO_ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def twin_hash(scenario: Scenario) -> str:
+    return stable_hash({"twin": scenario.twin_key(), "code": code_hash()})[:20]
+
+
+def get_twin(scenario: Scenario, cache_dir: str, log: Any = print) -> tuple[str, dict[str, Any]]:
+    """(run dir of the twin, its twin.json), computing it unless the cache has it."""
+    key = twin_hash(scenario)
+    directory = Path(cache_dir) / f"twin-{key}"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"twin-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = directory / TWIN_DONE
+        if done.exists():
+            log(f"twin: reusing {directory}")
+            return str(directory / "run"), json.loads(done.read_text())
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        log(f"twin: running the fault-free job into {directory}")
+        summary = _run_twin(scenario, directory)
+        (directory / f"{TWIN_DONE}.tmp").write_text(json.dumps(summary, indent=1))
+        os.replace(directory / f"{TWIN_DONE}.tmp", done)
+        return str(directory / "run"), summary
+
+
+def _run_twin(scenario: Scenario, directory: Path) -> dict[str, Any]:
+    job = scenario.job
+    run_dir = str(directory / "run")
+    overrides = harness_overrides(job, run_dir, os.path.join(run_dir, "ckpt"))
+    start = time.time()
+    proc = JobProcess(job, run_dir, overrides, env={}, log_path=str(directory / "launcher.log"), step_sleep_s=0.0)
+    try:
+        while proc.poll():
+            if time.time() - start > job.timeout_s:
+                proc.timed_out = True
+                proc.stop()
+                break
+            time.sleep(0.2)
+    finally:
+        proc.stop()
+        proc.kill_leftovers(proc.leftovers(wait_s=2.0))
+        proc.close()
+        config = load_job_config(job, overrides)
+        if config.checkpoint.memory_every:
+            shutil.rmtree(store_root(config.recovery, run_dir), ignore_errors=True)
+    if proc.returncode != 0 or proc.timed_out:
+        raise RuntimeError(f"the fault-free twin failed (exit {proc.returncode}, timed out: {proc.timed_out}); "
+                           f"see {directory}/launcher.log and {run_dir}/logs")  # fmt: skip
+    return {"key": scenario.twin_key(), "seconds": round(time.time() - start, 2), "run_dir": run_dir,
+            "created": time.time()}  # fmt: skip
