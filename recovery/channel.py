@@ -43,6 +43,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -312,6 +313,14 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Run the calling thread at ``nice`` (Linux: per thread), so background copies take the CPU the
+    training loop leaves instead of competing with it; a no-op where unsupported."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 class ReplicationServer:
     """Accepts authenticated buddies and stores/serves their snapshots through ``handler``.
 
@@ -329,8 +338,10 @@ class ReplicationServer:
         port: int = 0,
         timeout_s: float = 30.0,
         max_message_bytes: int = 1 << 34,
+        thread_nice: int = 0,
     ) -> None:
         self._secret = _check_secret(secret)
+        self._thread_nice = thread_nice
         _check_positive("timeout_s", timeout_s)
         if not 0 <= max_message_bytes < 1 << 64:
             raise ConfigError(f"max_message_bytes must be in [0, 2**64), got {max_message_bytes}")
@@ -416,6 +427,7 @@ class ReplicationServer:
             thread.start()
 
     def _serve_connection(self, sock: socket.socket, peer: str) -> None:
+        lower_thread_priority(self._thread_nice)
         try:
             sock.settimeout(self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

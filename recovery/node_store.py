@@ -115,7 +115,8 @@ class _Slot:
         try:
             if os.fstat(fd).st_size != max(nbytes, 1):
                 os.ftruncate(fd, max(nbytes, 1))
-            self._map = mmap.mmap(fd, max(nbytes, 1))
+            # MAP_POPULATE: fault the pages in at once (a new slot is touched whole by its first copy).
+            self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]

@@ -57,6 +57,9 @@ class RecoveryConfig:
     """Bandwidth budget of buddy replication per rank; 0: unlimited."""
     replication_timeout_s: float = 120.0
     """Longest one buddy copy (or fetch) may take before it is abandoned and reported."""
+    background_nice: int = 10
+    """Nice value of the tier's background threads (checksum, publish, buddy copy, receiving copies):
+    they take the CPU time training leaves rather than compete with it; 0 = same priority."""
     bind_host: str = ""
     """Interface the replication channel listens on; empty: the job's own (MASTER_ADDR's), so
     nothing outside the job's network reaches it."""
@@ -73,6 +76,7 @@ class RecoveryConfig:
             raise ConfigError(f"recovery.replication={self.replication!r} must be true or false")
         _check_number("replication_bytes_per_s", self.replication_bytes_per_s, 0.0, 1e13)
         _check_number("replication_timeout_s", self.replication_timeout_s, 1.0, 86400.0)
+        _check_int("background_nice", self.background_nice, 0, 19)
         if not isinstance(self.bind_host, str):
             raise ConfigError(f"recovery.bind_host={self.bind_host!r} must be a host name or address")
         _check_number("stale_after_s", self.stale_after_s, 60.0, 365 * 86400.0)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.metrics import JsonlSink
-from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.node_store import (
     RankStore,
     SnapshotIndex,
@@ -168,7 +168,8 @@ class RamTier:
             clean_stale_stores(DEFAULT_STORE_ROOT, self.root, self.config.stale_after_s)
         secret = self._shared_secret()
         self._server = ReplicationServer(secret, _BuddyHandler(self), host=self._bind_host(),
-                                         timeout_s=self.config.replication_timeout_s)  # fmt: skip
+                                         timeout_s=self.config.replication_timeout_s,
+                                         thread_nice=self.config.background_nice)  # fmt: skip
         self._server.start()
         self._addresses = rdist.all_gather_object(tuple(self._server.address))
         self._secret = secret
@@ -241,6 +242,7 @@ class RamTier:
             raise error
 
     def _run(self) -> None:
+        lower_thread_priority(self.config.background_nice)
         while (job := self._queue.get()) is not None:
             try:
                 self._publish_and_replicate(job)

@@ -269,9 +269,14 @@ class Trainer:
         return handle
 
     def finish(self) -> None:
-        """Wait (bounded by checkpoint.timeout_s) until every save in flight is committed."""
+        """Wait (bounded by checkpoint.timeout_s) until every save in flight is committed, and until
+        every rank's last RAM snapshot reached its buddy (no rank closes its channel while a peer
+        still sends to it)."""
         self.checkpointer.wait()
         self._pending_save = None
+        if self.ram is not None:
+            self.ram.wait(self.config.recovery.replication_timeout_s)
+            rdist.barrier()
 
     def close(self) -> None:
         """Stop the loader's workers and the checkpoint writer, close the output files. Raises a

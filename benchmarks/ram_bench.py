@@ -1,0 +1,228 @@
+"""The RAM tier against persistent storage, in one run: restore time, step overhead, replication rate.
+
+Two spawned gloo ranks, each its own simulated node (``ranks_per_node=1``), so each rank's buddy
+is the other. Every rank holds a state of ``--state-mib`` MiB (fp32 tensors, like params + AdamW
+moments) and measures, side by side:
+
+- ``restore``: loading that state from a committed persistent checkpoint (``Checkpointer.load``,
+  local disk; the files were just written, so the page cache is warm: the most favourable case for
+  storage), from its own node store, and (rank 1, its node store wiped) from its buddy over the
+  replication channel; plus the memcpy floor (copying the same bytes into allocated buffers);
+- ``replication``: bytes/s of the buddy copy of one snapshot;
+- ``overhead``: the mean step time of a small training loop (an MLP, AdamW) with no snapshots,
+  with a RAM snapshot every 5 steps and every step (publish and buddy copy in the background).
+
+    python benchmarks/ram_bench.py [--state-mib 256] [--loop-mib 64] [--steps 40] [--batch 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+WORLD = 2
+
+
+def _state(mib: float, value: float) -> dict:
+    per = int(mib * 2**20 / 4 / 8)
+    return {"model": {f"layer{i}": torch.full((per,), value + i) for i in range(8)}, "train": {"step": 1}}
+
+
+def _tier(rank: int, store: str, run_dir: str, replication: bool = True):
+    from resilient.recovery.ram_config import RecoveryConfig
+    from resilient.recovery.ram_tier import RamTier
+
+    config = RecoveryConfig(store_dir=store, ranks_per_node=1, replication_timeout_s=600, replication=replication)
+    tier = RamTier(config, keep=2, run_dir=run_dir, group=0, rank=rank, world_size=WORLD,
+                   fingerprint={"bench": 1})  # fmt: skip
+    tier.start()
+    return tier
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _drop_page_cache(directory: str) -> None:
+    """Evict the checkpoint's files from the page cache (they are fsynced, so their pages are clean
+    and POSIX_FADV_DONTNEED drops them; no root needed): the next load reads the disk."""
+    dist.barrier()
+    for parent, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    dist.barrier()
+
+
+def restore_bench(rank: int, mib: float, root: str) -> dict:
+    from resilient import Checkpointer
+    from resilient.recovery.ram_config import RecoveryConfig, node_store_dir
+
+    # Plain tensors are replicated in a checkpoint: every rank holds the same values and loads them all.
+    state = _state(mib, 1.0)
+    ckpt = Checkpointer(os.path.join(root, "ckpt"))
+    ckpt.save(1, state).wait()
+    target = _state(mib, -1.0)
+    out = {"persistent_s": _timed(lambda: ckpt.load(target, step=1))}
+    assert torch.equal(target["model"]["layer0"], state["model"]["layer0"])
+    _drop_page_cache(os.path.join(root, "ckpt"))
+    out["persistent_cold_s"] = _timed(lambda: ckpt.load(target, step=1))
+    dests = {k: torch.empty_like(v) for k, v in state["model"].items()}
+    for _ in range(2):  # the second copy is the floor: pages already resident
+        out["memcpy_s"] = _timed(lambda: [dests[k].copy_(v) for k, v in state["model"].items()])
+    tier = _tier(rank, os.path.join(root, "store"), root)
+    tier.snapshot(1, state)
+    tier.wait(600)
+    dist.barrier()  # the peer may still be copying to this rank's channel
+    out["replication"] = tier.stats.records[-1]["replication"]
+    out["snapshot_copy_s"] = tier.stats.records[-1]["copy_s"]
+    tier.close()
+    own = _tier(rank, os.path.join(root, "store"), root)
+    target = _state(mib, -1.0)
+    out["ram_own_s"] = _timed(lambda: out.setdefault("own", own.restore(target, None)))
+    assert out.pop("own").source == "own" and torch.equal(target["model"]["layer7"], state["model"]["layer7"])
+    own.close()
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(node_store_dir(RecoveryConfig(store_dir=os.path.join(root, "store"), ranks_per_node=1),
+                                     root, 0, 1))  # fmt: skip
+    dist.barrier()
+    buddy = _tier(rank, os.path.join(root, "store"), root)
+    target = _state(mib, -1.0)
+    out["ram_buddy_s"] = _timed(lambda: out.setdefault("buddy", buddy.restore(target, None)))
+    assert out.pop("buddy").source == ("buddy" if rank == 1 else "own")
+    assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
+    buddy.close()
+    ckpt.close()
+    return out
+
+
+def overhead_bench(rank: int, mib: float, steps: int, batch: int, root: str) -> dict:
+    from resilient.recovery.ram_tier import RamTier  # noqa: F401  (import cost outside the loop)
+
+    width = int((mib * 2**20 / 3 / 4 / 4) ** 0.5)
+    results = {}
+    for every, replication in ((0, True), (5, True), (1, True), (5, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(4)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randn(batch, width)
+        store = os.path.join(root, f"loop{every}{replication}")
+        tier = _tier(rank, store, root, replication) if every else None
+        times = []
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if tier is not None and step % every == 0:
+                tier.snapshot(step, {"model": model.state_dict(), "optim": opt.state_dict()["state"]})
+            times.append(time.perf_counter() - start)
+        if tier is not None:
+            tier.close()
+        results[every, replication] = statistics.mean(times[10:])  # the first steps pay one-time costs
+        dist.barrier()
+    return results
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=1200))
+    try:
+        restore = restore_bench(rank, args.state_mib, os.path.join(root, "restore"))
+        overhead = overhead_bench(rank, args.loop_mib, args.steps, args.batch, os.path.join(root, "loop"))
+        queue.put((rank, restore, overhead))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-mib", type=float, default=256, help="state per rank for the restore comparison")
+    parser.add_argument("--loop-mib", type=float, default=64, help="model + AdamW state per rank in the loop")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=1024,
+                        help="rows per step: sets compute per state byte (a pretraining rank processes 10^4-10^6 "
+                             "tokens per step)")  # fmt: skip
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="ram_bench-")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args, port, root, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = []
+        while len(results) < len(procs):
+            try:
+                results.append(queue.get(timeout=5))
+            except Exception:  # queue.Empty: is everyone still alive?
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
+        results.sort(key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    for rank, restore, overhead in results:
+        print(json.dumps({
+            "bench": "ram_restore", "rank": rank, "state_mib": args.state_mib,
+            "persistent_load_s": round(restore["persistent_s"], 4),
+            "persistent_cold_load_s": round(restore["persistent_cold_s"], 4),
+            "ram_own_s": round(restore["ram_own_s"], 4),
+            "ram_buddy_s": round(restore["ram_buddy_s"], 4), "memcpy_s": round(restore["memcpy_s"], 4),
+            "persistent_over_ram_own": round(restore["persistent_s"] / restore["ram_own_s"], 2),
+            "persistent_over_ram_buddy": round(restore["persistent_s"] / restore["ram_buddy_s"], 2),
+            "persistent_cold_over_ram_own": round(restore["persistent_cold_s"] / restore["ram_own_s"], 2),
+            "persistent_cold_over_ram_buddy": round(restore["persistent_cold_s"] / restore["ram_buddy_s"], 2),
+            "ram_own_over_memcpy": round(restore["ram_own_s"] / restore["memcpy_s"], 2),
+            "buddy_source": "buddy" if rank == 1 else "own",
+        }), flush=True)  # fmt: skip
+        rep = restore["replication"]
+        print(json.dumps({
+            "bench": "ram_replication", "rank": rank, "bytes": rep.get("bytes"), "seconds": rep.get("seconds"),
+            "mib_per_s": round(rep.get("bytes_per_s", 0) / 2**20, 1), "outcome": rep["outcome"],
+            "snapshot_copy_s": round(restore["snapshot_copy_s"], 4),
+            **({"error": rep["error"]} if "error" in rep else {}),
+        }), flush=True)  # fmt: skip
+        base = overhead[0, True]
+        for every, replication in ((5, True), (1, True), (5, False)):
+            print(json.dumps({
+                "bench": "ram_overhead", "rank": rank, "loop_mib": args.loop_mib, "batch": args.batch,
+                "snapshot_every": every, "buddy_replication": replication,
+                "mean_step_s": round(overhead[every, replication], 5), "baseline_step_s": round(base, 5),
+                "overhead": round(overhead[every, replication] / base - 1, 4),
+            }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
