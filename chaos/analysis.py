@@ -49,6 +49,8 @@ def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, 
                            **record.extra}  # fmt: skip
     if record.killed:
         out["killed"] = record.killed
+    if record.spec.expect_restore_source is not None:
+        out["restore_check"] = restore_check(record, events)
     # Not a crash: nothing to detect or recover from (S3 trouble is retried inside the saves; its
     # cost shows as checkpoint stall in metrics.jsonl, not as a stall of the job).
     if t_f is None or record.spec.kind in ("corrupt_chunk", "corrupt_replica", "s3_errors", "s3_resets", "s3_latency"):
@@ -85,6 +87,30 @@ def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, 
     out["pre_fault_step"] = pre
     out["restore_source"] = _restore_source(events, t_f, t_full, hit, record)
     out["_window"] = (t_f, t_back)
+    return out
+
+
+def restore_check(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Did every rank the fault killed restore from ``expect_restore_source``? Each rank's first
+    ``restore`` event after the fault hit (every rank writes one per start) is its answer."""
+    expected = record.spec.expect_restore_source
+    out: dict[str, Any] = {"expected": expected, "got": {}, "ok": False}
+    if record.t_injected is None:
+        out["reason"] = f"the fault was not injected ({record.state}): no restore to check"
+        return out
+    restores = sorted((e for e in events if e.get("event") == "restore" and e["t"] > record.t_injected),
+                      key=lambda e: e["t"])  # fmt: skip
+    for kill in record.killed:
+        if "rank" not in kill:
+            continue
+        first = next((e for e in restores if e.get("group") == kill["group"] and e.get("rank") == kill["rank"]), None)
+        out["got"][f"group{kill['group']}.rank{kill['rank']}"] = first.get("source") if first else None
+    wrong = {k: v for k, v in out["got"].items() if v != expected}
+    out["ok"] = bool(out["got"]) and not wrong
+    if not out["got"]:
+        out["reason"] = "the fault killed no rank"
+    elif wrong:
+        out["reason"] = f"expected every killed rank to restore from {expected!r}; got {wrong} (None: no restore event)"
     return out
 
 
@@ -132,19 +158,20 @@ def goodput(costs: list[dict[str, Any]], events: list[dict[str, Any]], holds: li
     t_first, t_last = commits[0]["t"], commits[-1]["t"]
     out["startup_s"] = t_first - t_launch - _overlap((t_launch, t_first), held)
     out["shutdown_s"] = max(0.0, t_end - t_last - _overlap((t_last, t_end), held))
+    # Windows in time order, each clipped to start where the previous ones ended: a second inside
+    # overlapping stalls is attributed once. (``costs`` are in scenario order, not time order.)
     windows: list[tuple[float, float]] = []
-    previous_end = 0.0
-    for cost in costs:
-        window = cost.get("_window")
-        if not window or window[1] is None:
-            continue
-        t_f, t_back = max(window[0], previous_end), window[1]
+    previous_end = float("-inf")
+    timed = sorted((c for c in costs if c.get("_window") and c["_window"][1] is not None), key=lambda c: c["_window"])
+    for cost in timed:
+        t_f, t_back = max(cost["_window"][0], previous_end), cost["_window"][1]
         if t_back <= t_f:
             continue
         previous_end = t_back
         windows.append((t_f, t_back))
         stall = t_back - t_f - _overlap((t_f, t_back), held)
-        detect = min(stall, cost["detected_s"] or 0.0)
+        # Detection is timed from the fault; a clipped window starts later, so less of it is detecting.
+        detect = min(stall, max(0.0, cost["_window"][0] + (cost["detected_s"] or 0.0) - t_f))
         reload = min(stall - detect, _reload_s(events, t_f, t_back))
         replay = min(stall - detect - reload, _replay_s(commits, t_f, t_back, cost))
         out["detect_s"] += detect

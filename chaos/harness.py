@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from resilient.chaos import invariants as inv
 from resilient.chaos.analysis import fault_costs, goodput
 from resilient.chaos.hooks import HOLD_FILE, read_lines, write_atomic
 from resilient.chaos.inject import FaultRecord, InjectContext, advance, release
-from resilient.chaos.job import JobProcess, harness_overrides, load_job_config
+from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, load_job_config
 from resilient.chaos.report import write_report, write_timeline
 from resilient.chaos.s3_proxy import S3_ENV, FaultProxy, MotoServer
 from resilient.chaos.scenario import Scenario, scenario_summary
@@ -57,13 +58,18 @@ class _Storage:
         self.env: dict[str, str] = {}
         run_dir = os.path.join(report_dir, "run")
         self.url = os.path.join(run_dir, "ckpt")
-        if scenario.job.storage == "s3":
+        if scenario.job.storage != "s3":
+            return
+        try:
             self.moto = MotoServer(os.path.join(report_dir, "moto.log"))
             bucket = f"chaos-{uuid.uuid4().hex[:10]}"
             self.moto.create_bucket(bucket)
             self.proxy = FaultProxy(self.moto.url, seed=scenario.seed)
-            self.url = f"s3://{bucket}/{scenario.name}"
-            self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.proxy.url}
+        except BaseException:
+            self.close()  # moto runs in a session of its own: nothing else would ever stop it
+            raise
+        self.url = f"s3://{bucket}/{scenario.name}"
+        self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.proxy.url}
 
     @contextlib.contextmanager
     def direct(self):  # noqa: ANN201 (a context manager)
@@ -158,12 +164,35 @@ def _drive(scenario: Scenario, proc: JobProcess, ctx: InjectContext, records: li
 
 def run_scenario(scenario: Scenario, report_dir: str, *, cache_dir: str | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
-    """Run, judge and report one scenario; returns the report (also written to report_dir)."""
+    """Run, judge and report one scenario; returns the report (also written to report_dir).
+
+    ``report.json`` is written whatever happens: if the harness itself crashes, the report has
+    ``passed: false`` and ``harness_error`` (type, message, traceback), and is returned; a
+    ConfigError (a bad recipe override) is re-raised after the report is written."""
     report_dir = os.path.abspath(report_dir)
     _prepare_dir(report_dir)
-    run_dir = os.path.join(report_dir, "run")
-    storage = _Storage(scenario, report_dir)
+    path = os.path.join(report_dir, "report.json")
     try:
+        report = _run(scenario, report_dir, cache_dir, log)
+    except Exception as e:  # noqa: BLE001 (any crash of the harness still leaves a report)
+        report = {"passed": False, "scenario": scenario_summary(scenario),
+                  "harness_error": {"type": type(e).__name__, "message": str(e),
+                                    "traceback": traceback.format_exc()}}  # fmt: skip
+        write_report(path, report)
+        if isinstance(e, ConfigError):
+            raise
+        log(f"chaos: the harness crashed ({type(e).__name__}: {e}); report in {path}")
+        return report
+    write_report(path, report)
+    return report
+
+
+def _run(scenario: Scenario, report_dir: str, cache_dir: str | None, log: Callable[[str], None]) -> dict[str, Any]:
+    run_dir = os.path.join(report_dir, "run")
+    storage: _Storage | None = None
+    config = None
+    try:
+        storage = _Storage(scenario, report_dir)
         overrides = harness_overrides(scenario.job, run_dir, storage.url)
         config = load_job_config(scenario.job, overrides)
         proc = JobProcess(scenario.job, run_dir, overrides, env=storage.env,
@@ -183,29 +212,38 @@ def run_scenario(scenario: Scenario, report_dir: str, *, cache_dir: str | None =
                           timed_out=proc.timed_out)  # fmt: skip
         log(f"chaos: job ended (exit {proc.returncode}) after {proc.t_end - proc.t_launch:.1f} s; checking")
         with storage.direct():
-            report = _judge(scenario, run, records, proc, leftovers, storage, cache_dir, report_dir, log)
+            return _judge(scenario, run, records, proc, leftovers, storage, cache_dir, report_dir, log)
     finally:
-        storage.close()
-        _wipe_ram_stores(scenario, run_dir, locals().get("config"))
-    write_report(os.path.join(report_dir, "report.json"), report)
-    return report
+        if storage is not None:
+            storage.close()
+        _wipe_ram_stores(run_dir, config)
 
 
 def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], proc: JobProcess,
            leftovers: list[dict[str, Any]], storage: _Storage, cache_dir: str | None, report_dir: str,
            log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    twin, twin_info = None, {}
+    twin, twin_info, twin_error = None, {}, ""
     if scenario.check.twin:
-        twin_dir, twin_info = get_twin(scenario, cache_dir or default_cache_dir(), log)
-        twin = inv.RunData(run_dir=twin_dir, groups=run.groups, steps=run.steps,
-                           checkpoint_url=os.path.join(twin_dir, "ckpt"), returncode=0)  # fmt: skip
-        twin.events = [e for e in read_lines(os.path.join(twin_dir, "events.jsonl"))]
+        try:
+            twin_dir, twin_info = get_twin(scenario, cache_dir or default_cache_dir(), log)
+        except Exception as e:  # noqa: BLE001 (no twin is a failed twin_match, not a crash of the harness)
+            twin_error = f"the fault-free twin could not be computed: {type(e).__name__}: {e}"
+            twin_info = {"error": twin_error}
+            log(f"chaos: {twin_error}")
+        else:
+            twin = inv.RunData(run_dir=twin_dir, groups=run.groups, steps=run.steps,
+                               checkpoint_url=os.path.join(twin_dir, "ckpt"), returncode=0)  # fmt: skip
+            twin.events = read_lines(os.path.join(twin_dir, "events.jsonl"))
     costs = [fault_costs(r, run.events) for r in records]
     corrupted = {c["step"]: c["file"] for c in costs if c["kind"] == "corrupt_chunk" and "step" in c}
     config = load_job_config(scenario.job, harness_overrides(scenario.job, run.run_dir, storage.url))
     num_samples = config.data.pipeline.num_samples
-    twin_verdict, twin_details = inv.twin_match(run, twin, scenario.check.twin_atol) if run.final(0) else (
-        inv.result(False, "the run has no final state to compare"), {})  # fmt: skip
+    if twin_error:
+        twin_verdict, twin_details = inv.result(False, twin_error), {}
+    elif run.final(0) is None:
+        twin_verdict, twin_details = inv.result(False, "the run has no final state to compare"), {}
+    else:
+        twin_verdict, twin_details = inv.twin_match(run, twin, scenario.check.twin_atol)
     invariants = {
         "finished": inv.finished(run, scenario.job.timeout_s),
         "commits_verify": inv.commits_verify(run, corrupted) if scenario.check.verify
@@ -239,10 +277,8 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
     }
 
 
-def _wipe_ram_stores(scenario: Scenario, run_dir: str, config: Any) -> None:
+def _wipe_ram_stores(run_dir: str, config: Any) -> None:
     """The RAM tier's node stores of this run (under /dev/shm by default) must not outlive it."""
     if config is None or not getattr(config.checkpoint, "memory_every", 0):
         return
-    from resilient.recovery.ram_config import store_root
-
-    shutil.rmtree(store_root(config.recovery, run_dir), ignore_errors=True)
+    shutil.rmtree(job_store_root(config, run_dir), ignore_errors=True)

@@ -15,15 +15,16 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, write_atomic
-from resilient.chaos.job import JobProcess
+from resilient.chaos.job import JobProcess, job_node_store_dir
 from resilient.chaos.s3_proxy import FaultProxy
-from resilient.chaos.scenario import FaultSpec
+from resilient.chaos.scenario import FAULT_KINDS, FaultSpec
 from resilient.recovery.events import PIDS_DIR, read_pid
 from resilient.tools.replicas import LIGHTHOUSE_PID
 
@@ -31,6 +32,8 @@ MARKER_TIMEOUT_S = 120.0
 """Longest wait for an armed fault point to be reached (a persist or a heal)."""
 TARGET_TIMEOUT_S = 90.0
 """Longest wait for a target rank to be alive (it may be restarting from an earlier fault)."""
+STOP_TIMEOUT_S = 10.0
+"""Longest wait for a SIGSTOPped node's threads to stop before its store is wiped anyway (reported)."""
 
 
 @dataclass(slots=True)
@@ -129,65 +132,165 @@ def _disarm(ctx: InjectContext, groups: list[int]) -> None:
             os.remove(arm_path(ctx.job.chaos_dir, group))
 
 
+def _wait_stopped(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until every thread of every pid is stopped (SIGSTOP is delivered asynchronously, and a thread
+    inside a system call stops only when it returns); the pids not stopped in time."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(pids)
+    while pending and time.monotonic() < deadline:
+        pending = [pid for pid in pending if not _all_threads_stopped(pid)]
+        if pending:
+            time.sleep(0.01)
+    return pending
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: it writes nothing more
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def _start_kill(record: FaultRecord, ctx: InjectContext) -> bool:
+    if not _kill(record, ctx, record.spec.group, _group_ranks(ctx, record.spec)):
+        return False
+    record.state = "done"
+    return True
+
+
+def _start_kill_node(record: FaultRecord, ctx: InjectContext) -> bool:
+    """Lose a node with its RAM store: freeze its ranks (SIGSTOP, so none writes while the store goes),
+    wipe the store, then SIGKILL them. No store to wipe: the fault fails and kills nothing."""
+    spec = record.spec
+    ranks = _group_ranks(ctx, spec)
+    pids = {r: _alive_rank_pid(ctx.job.run_dir, spec.group, r) for r in ranks}
+    if any(p is None for p in pids.values()):
+        return False
+    store = job_node_store_dir(ctx.config, ctx.job.run_dir, spec.group, spec.node)
+    record.extra["store"] = store
+    if not os.path.isdir(store):
+        record.state = "failed"
+        record.note = (f"node {spec.node}'s RAM store {store} does not exist (checkpoint.memory_every="
+                       f"{ctx.config.checkpoint.memory_every}): nothing to wipe, nothing killed")  # fmt: skip
+        return True
+    try:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        not_stopped = _wait_stopped(list(pids.values()), STOP_TIMEOUT_S)
+        if not_stopped:
+            record.extra["not_stopped_before_wipe"] = not_stopped
+        shutil.rmtree(store)
+        record.extra["store_wiped"] = not os.path.exists(store)
+    finally:
+        for rank, pid in pids.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            record.killed.append({"group": spec.group, "rank": rank, "pid": pid})
+        record.rejoin[spec.group] = max(record.rejoin.get(spec.group, 0), ctx.attempts.get(spec.group, 0) + 1)
+    record.state = "done"
+    return True
+
+
+def _start_stop_rank(record: FaultRecord, ctx: InjectContext) -> bool:
+    spec = record.spec
+    pid = _alive_rank_pid(ctx.job.run_dir, spec.group, spec.rank)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGSTOP)
+    record.killed.append({"group": spec.group, "rank": spec.rank, "pid": pid, "signal": "SIGSTOP"})
+    record._until = time.time() + spec.seconds
+    record.state = "injected"
+    return True
+
+
+def _start_kill_during_persist(record: FaultRecord, ctx: InjectContext) -> bool:
+    spec = record.spec
+    spec_text = f"persist.first_region_issued=pause:{spec.seconds}@rank{spec.rank}"
+    _arm(ctx, list(range(ctx.job.job.replica_groups)), spec_text)
+    record._marker = f"persist.first_region_issued.rank{spec.rank}"
+    record._until = time.time() + MARKER_TIMEOUT_S
+    record.state = "injected"
+    return True
+
+
+def _start_kill_during_heal(record: FaultRecord, ctx: InjectContext) -> bool:
+    spec = record.spec
+    attempt = ctx.attempts.get(spec.group, 0) + 1
+    _arm(ctx, [spec.group], f"replica.heal_load.attempt{attempt}=pause:{spec.seconds}@rank{spec.rank}")
+    if not _kill(record, ctx, spec.group, [spec.rank]):
+        _disarm(ctx, [spec.group])
+        return False
+    record._marker = f"replica.heal_load.attempt{attempt}.rank{spec.rank}"
+    record._until = time.time() + MARKER_TIMEOUT_S
+    record.state = "injected"
+    return True
+
+
+def _start_corrupt_chunk(record: FaultRecord, ctx: InjectContext) -> bool:
+    _flip_byte(ctx, record)
+    record.state = "done"
+    return True
+
+
+def _start_s3_window(record: FaultRecord, ctx: InjectContext) -> bool:
+    spec = record.spec
+    assert ctx.proxy is not None, "s3_* faults need job.storage = 's3' (checked by the scenario parser)"
+    window = ctx.proxy.add_window(spec.kind[3:], spec.seconds, rate=spec.rate, delay_s=spec.delay_s)
+    record.extra["window"] = {"start": window.start, "end": window.end}
+    record.state = "done"
+    return True
+
+
+def _start_kill_lighthouse(record: FaultRecord, ctx: InjectContext) -> bool:
+    with open(os.path.join(ctx.job.run_dir, PIDS_DIR, LIGHTHOUSE_PID)) as f:
+        pid = int(f.read().strip())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    record.killed.append({"lighthouse": True, "pid": pid})
+    record.state = "done"
+    return True
+
+
+def _start_corrupt_replica(record: FaultRecord, ctx: InjectContext) -> bool:
+    write_atomic(corrupt_path(ctx.job.chaos_dir, record.spec.group), "1")
+    record.state = "done"
+    return True
+
+
+_STARTERS: dict[str, Callable[[FaultRecord, InjectContext], bool]] = {
+    "kill_rank": _start_kill,
+    "kill_group": _start_kill,
+    "kill_node": _start_kill_node,
+    "stop_rank": _start_stop_rank,
+    "kill_during_persist": _start_kill_during_persist,
+    "kill_during_heal": _start_kill_during_heal,
+    "corrupt_chunk": _start_corrupt_chunk,
+    "s3_errors": _start_s3_window,
+    "s3_resets": _start_s3_window,
+    "s3_latency": _start_s3_window,
+    "kill_lighthouse": _start_kill_lighthouse,
+    "corrupt_replica": _start_corrupt_replica,
+}
+"""kind -> its injection: True when injected (or done, or failed for good), False to retry on the next poll."""
+assert set(_STARTERS) == set(FAULT_KINDS), "every fault kind needs an injection"
+
+
 def _start(record: FaultRecord, ctx: InjectContext) -> bool:
     """Inject; True when injected (or done), False to try again on the next poll."""
-    spec, job = record.spec, ctx.job
-    kind = spec.kind
-    if kind in ("kill_rank", "kill_node", "kill_group"):
-        if not _kill(record, ctx, spec.group, _group_ranks(ctx, spec)):
-            return False
-        if kind == "kill_node":
-            from resilient.recovery.ram_config import node_store_dir
-
-            store = node_store_dir(ctx.config.recovery, job.run_dir, spec.group, spec.node)
-            record.extra["store_wiped"] = os.path.isdir(store)
-            shutil.rmtree(store, ignore_errors=True)
-            record.extra["store"] = store
-        record.state = "done"
-    elif kind == "stop_rank":
-        pid = _alive_rank_pid(job.run_dir, spec.group, spec.rank)
-        if pid is None:
-            return False
-        os.kill(pid, signal.SIGSTOP)
-        record.killed.append({"group": spec.group, "rank": spec.rank, "pid": pid, "signal": "SIGSTOP"})
-        record._until = time.time() + spec.seconds
-        record.state = "injected"
-    elif kind == "kill_during_persist":
-        spec_text = f"persist.first_region_issued=pause:{spec.seconds}@rank{spec.rank}"
-        _arm(ctx, list(range(job.job.replica_groups)), spec_text)
-        record._marker = f"persist.first_region_issued.rank{spec.rank}"
-        record._until = time.time() + MARKER_TIMEOUT_S
-        record.state = "injected"
-    elif kind == "kill_during_heal":
-        attempt = ctx.attempts.get(spec.group, 0) + 1
-        _arm(ctx, [spec.group], f"replica.heal_load.attempt{attempt}=pause:{spec.seconds}@rank{spec.rank}")
-        if not _kill(record, ctx, spec.group, [spec.rank]):
-            _disarm(ctx, [spec.group])
-            return False
-        record._marker = f"replica.heal_load.attempt{attempt}.rank{spec.rank}"
-        record._until = time.time() + MARKER_TIMEOUT_S
-        record.state = "injected"
-    elif kind == "corrupt_chunk":
-        _flip_byte(ctx, record)
-        record.state = "done"
-    elif kind.startswith("s3_"):
-        assert ctx.proxy is not None
-        window = ctx.proxy.add_window(kind[3:], spec.seconds, rate=spec.rate, delay_s=spec.delay_s)
-        record.extra["window"] = {"start": window.start, "end": window.end}
-        record.state = "done"
-    elif kind == "kill_lighthouse":
-        path = os.path.join(job.run_dir, PIDS_DIR, LIGHTHOUSE_PID)
-        with open(path) as f:
-            pid = int(f.read().strip())
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        record.killed.append({"lighthouse": True, "pid": pid})
-        record.state = "done"
-    elif kind == "corrupt_replica":
-        write_atomic(corrupt_path(job.chaos_dir, spec.group), "1")
-        record.state = "done"
-    else:  # pragma: no cover - the scenario parser rejects unknown kinds
-        raise AssertionError(kind)
+    if not _STARTERS[record.spec.kind](record, ctx):
+        return False
+    if record.state == "failed":
+        return True  # nothing was done: no time or step to attribute
     record.t_injected = time.time()
     record.at_step = ctx.job_step
     return True

@@ -7,11 +7,12 @@
 - ``exactly_once``: every step 1..N committed one global batch (groups agree), no sample twice,
   every complete epoch fully covered, and each step's samples equal to the twin's;
 - ``replicas_identical``: groups that committed a step hold bit-identical parameters after it
-  (per-step digests from the chaos hook, so a bad heal is caught at its step), and the final
-  parameter and optimizer digests agree;
+  (per-step digests from the chaos hook, so a bad heal is caught at its step; with several groups at
+  least one step must have been compared), and the final parameter and optimizer digests agree;
 - ``twin_match``: the final checkpoint equals the twin's bit for bit when every step ran with the
   same groups as in the twin; otherwise within ``check.twin_atol``;
-- ``steps_lost_within_bound``: each fault's ``steps_lost`` <= ``check.max_steps_lost_per_fault``;
+- ``steps_lost_within_bound``: each fault's ``steps_lost`` <= ``check.max_steps_lost_per_fault``,
+  every fault was injected, and a fault's killed ranks restored from its ``expect_restore_source``;
 - ``no_orphans``: no process the job started is alive after the launcher exited.
 """
 
@@ -179,6 +180,12 @@ def replicas_identical(run: RunData) -> dict[str, Any]:
             return result(False, f"final {key} differs between groups: { {g: f[key][:12] for g, f in finals.items()} }")
     if run.groups == 1:
         return result(True, "one replica group: nothing to compare")
+    if not compared:
+        # Several groups yet no step to compare: the digests are missing (the chaos hook did not run,
+        # or wrote elsewhere), and equal finals alone would miss a bad heal that training later masked.
+        counts = {g: len(d) for g, d in digests.items()}
+        return result(False, f"no step has digests from two groups (digest records per group: {counts}): "
+                             "per-step replica equality was not checked; did the chaos hook load?")  # fmt: skip
     return result(True, f"bit-identical at all {compared} steps committed by several groups and at the end")
 
 
@@ -203,7 +210,12 @@ def twin_match(run: RunData, twin: RunData | None, atol: float) -> tuple[dict[st
     from resilient.storage.diff import diff_steps
     from resilient.storage.inspect import open_checkpoint
 
-    diff = diff_steps(open_checkpoint(run.checkpoint_url, run.steps), open_checkpoint(twin.checkpoint_url, twin.steps))
+    try:
+        diff = diff_steps(open_checkpoint(run.checkpoint_url, run.steps),
+                          open_checkpoint(twin.checkpoint_url, twin.steps))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 (a final checkpoint that cannot be read is the finding)
+        return result(False, f"final state differs from the twin's and step {run.steps} cannot be compared "
+                             f"({run.checkpoint_url} vs {twin.checkpoint_url}): {type(e).__name__}: {e}"), details
     tensors = [d for d in diff["changed"] if not d["fqn"].startswith("rng")]
     worst = max((float(d["max_abs_diff"]) for d in tensors), default=0.0)
     details["max_abs_diff"] = worst
@@ -221,10 +233,14 @@ def twin_match(run: RunData, twin: RunData | None, atol: float) -> tuple[dict[st
 def steps_lost_within_bound(costs: list[dict[str, Any]], bound: int) -> dict[str, Any]:
     over = [f"{c['kind']}@{c['at_step']}: {c['steps_lost']}" for c in costs if c["steps_lost"] > bound]
     failed = [f"{c['kind']}: {c['note']}" for c in costs if c["state"] == "failed"]
+    wrong_source = [f"{c['kind']}@{c['at_step']}: {c['restore_check'].get('reason')}" for c in costs
+                    if c.get("restore_check") and not c["restore_check"]["ok"]]  # fmt: skip
     if over:
         return result(False, f"faults that lost more than {bound} steps: {over}")
     if failed:
         return result(False, f"faults that could not be injected: {failed}")
+    if wrong_source:
+        return result(False, f"faults whose killed ranks did not restore from the expected source: {wrong_source}")
     lost = [c["steps_lost"] for c in costs]
     return result(True, f"steps lost per fault {lost} <= {bound}" if lost else "no faults")
 

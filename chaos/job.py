@@ -72,6 +72,29 @@ def harness_overrides(job: JobSpec, run_dir: str, checkpoint_url: str) -> list[s
     return sets
 
 
+def job_store_root(config: Any, run_dir: str) -> str:
+    """The RAM tier's store root as the job resolves it: the launcher and every rank run with
+    cwd = REPO_ROOT, so a relative ``recovery.store_dir`` is relative to the repo, not to the harness's cwd."""
+    from resilient.recovery.ram_config import store_root
+
+    return store_root(_repo_relative(config.recovery), run_dir)
+
+
+def job_node_store_dir(config: Any, run_dir: str, group: int, node: int) -> str:
+    """One simulated node's RAM store, resolved as the job does (see ``job_store_root``)."""
+    from resilient.recovery.ram_config import node_store_dir
+
+    return node_store_dir(_repo_relative(config.recovery), run_dir, group, node)
+
+
+def _repo_relative(recovery: Any) -> Any:
+    import dataclasses
+
+    if recovery.store_dir and not os.path.isabs(recovery.store_dir):
+        return dataclasses.replace(recovery, store_dir=os.path.join(str(REPO_ROOT), recovery.store_dir))
+    return recovery
+
+
 def load_job_config(job: JobSpec, overrides: list[str]) -> Any:
     """The resolved TrainConfig of the job (recovery store paths, persist_every, ...)."""
     from resilient.trainer.config import load_config
@@ -144,9 +167,13 @@ class JobProcess:
         self.poll()
 
     def leftovers(self, wait_s: float = 5.0) -> list[dict[str, Any]]:
-        """Processes of this job still alive after the launcher exited (waits a little for stragglers)."""
+        """Processes of this job still alive after the launcher exited (waits a little for stragglers):
+        every one the census saw, and every one in the launcher's session (it runs with
+        ``start_new_session``, so the session id is its pid), which catches processes that lived
+        between two polls and were reparented when their parent died."""
         deadline = time.monotonic() + wait_s
         while True:
+            self._session_census()
             alive = []
             for pid, created in self.seen.items():
                 with contextlib.suppress(psutil.Error):
@@ -156,6 +183,14 @@ class JobProcess:
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.2)
+
+    def _session_census(self) -> None:
+        for p in psutil.process_iter(["create_time"]):
+            if p.pid in self.seen or p.pid == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if os.getsid(p.pid) == self.proc.pid and p.info["create_time"] is not None:
+                    self.seen[p.pid] = p.info["create_time"]
 
     def kill_leftovers(self, leftovers: list[dict[str, Any]]) -> None:
         for item in leftovers:

@@ -195,20 +195,28 @@ class MotoServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         binary = os.path.join(os.path.dirname(sys.executable), "moto_server")
-        log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
-        self._log = log
-        self.proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
+        try:
+            self.proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self._log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self._wait_listening(start_timeout_s, log_path)
+        except BaseException:
+            self.close()  # neither the server (own session) nor its log file may outlive a failed start
+            raise
+
+    def _wait_listening(self, timeout_s: float, log_path: str | None) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self.proc.returncode} before listening")
+                raise RuntimeError(f"moto_server exited with {self.proc.returncode} before listening"
+                                   + (f" (see {log_path})" if log_path else ""))  # fmt: skip
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return
             time.sleep(0.1)
-        self.close()
-        raise TimeoutError(f"moto_server did not listen on {self.url} within {start_timeout_s} s")
+        raise TimeoutError(f"moto_server did not listen on {self.url} within {timeout_s} s")
 
     def create_bucket(self, name: str) -> None:
         import boto3
@@ -217,10 +225,11 @@ class MotoServer:
                      aws_secret_access_key="testing").create_bucket(Bucket=name)  # fmt: skip
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
 

@@ -41,14 +41,17 @@ from resilient.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS_DIR = Path(__file__).resolve().parent / "scenarios"
 
+RESTORE_SOURCES = ("own", "buddy", "persistent", "peer", "fresh")
+"""The ``source`` of the job's ``restore`` events, what ``expect_restore_source`` may name."""
+
 FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     # kind: (required target keys, optional keys); timing keys are common to all kinds
-    "kill_rank": ({"group", "rank"}, set()),
-    "kill_node": ({"group", "node"}, set()),
-    "kill_group": ({"group"}, set()),
+    "kill_rank": ({"group", "rank"}, {"expect_restore_source"}),
+    "kill_node": ({"group", "node"}, {"expect_restore_source"}),
+    "kill_group": ({"group"}, {"expect_restore_source"}),
     "stop_rank": ({"group", "rank"}, {"seconds"}),
-    "kill_during_persist": ({"rank"}, {"seconds"}),
-    "kill_during_heal": ({"group", "rank"}, {"seconds"}),
+    "kill_during_persist": ({"rank"}, {"seconds", "expect_restore_source"}),
+    "kill_during_heal": ({"group", "rank"}, {"seconds", "expect_restore_source"}),
     "corrupt_chunk": (set(), {"target"}),
     "s3_errors": (set(), {"seconds", "rate"}),
     "s3_resets": (set(), {"seconds", "rate"}),
@@ -151,6 +154,9 @@ class FaultSpec:
     rate: float = 1.0
     delay_s: float = 0.5
     target: str = "oldest"
+    expect_restore_source: str | None = None
+    """If set, every rank the fault killed must restore from this source (own, buddy, persistent,
+    peer, fresh) on its restart, per its ``restore`` event in events.jsonl; else the fault fails."""
     drawn: bool = False
     """True when ``random = true`` chose the step and target."""
 
@@ -293,6 +299,9 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
     _number(f"{where}.seconds", fault.seconds, 0.0, 3600.0)
     _number(f"{where}.rate", fault.rate, 0.0, 1.0)
     _number(f"{where}.delay_s", fault.delay_s, 0.0, 60.0)
+    if fault.expect_restore_source is not None and fault.expect_restore_source not in RESTORE_SOURCES:
+        raise ConfigError(f"{where}.expect_restore_source={fault.expect_restore_source!r} must be one of "
+                          f"{list(RESTORE_SOURCES)}")  # fmt: skip
     if fault.target not in ("oldest", "newest"):
         raise ConfigError(f"{where}.target={fault.target!r} must be one of ['oldest', 'newest']")
     if fault.kind.startswith("s3_") and job.storage != "s3":

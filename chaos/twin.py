@@ -1,8 +1,9 @@
 """The fault-free twin: the same job with no faults, cached by what determines its numbers.
 
 The key hashes the recipe's bytes, the job's shape and overrides (not its faults, pacing, storage
-or hold step: none changes a number) and the source of the packages that compute (resilient/,
-storage/, recovery/, trainer/): a code change recomputes the twin. The twin always checkpoints to
+or hold step: none changes a number), the source of the packages that compute (resilient/,
+storage/, recovery/, trainer/) and of chaos/ (its hook's digest format), the torch and Python
+versions and the device type: any of them changing recomputes the twin. The twin always checkpoints to
 local disk inside the cache (storage changes no number either). A ``twin.json`` written last marks
 a complete twin; a lock file keeps two harnesses from computing the same twin at once.
 """
@@ -14,13 +15,13 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from resilient.chaos.job import JobProcess, harness_overrides, load_job_config
+from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, load_job_config
 from resilient.chaos.scenario import REPO_ROOT, Scenario, stable_hash
-from resilient.recovery.ram_config import store_root
 
 CACHE_ENV = "RESILIENT_CHAOS_CACHE"
 TWIN_DONE = "twin.json"
@@ -31,16 +32,30 @@ def default_cache_dir() -> str:
 
 
 def code_hash() -> str:
+    """The source that computes the twin's numbers, and chaos/ (its hook writes the digests compared)."""
     h = hashlib.sha256()
-    for package in ("resilient", "storage", "recovery", "trainer"):
+    for package in ("resilient", "storage", "recovery", "trainer", "chaos"):
         for path in sorted((REPO_ROOT / package).rglob("*.py")):
             h.update(str(path.relative_to(REPO_ROOT)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
 
 
+def environment_key(scenario: Scenario) -> dict[str, Any]:
+    """What outside the code changes the twin's bits: torch and Python versions, and the device the
+    job trains on (kernels and reduction orders differ between CPU and CUDA, and between GPU models)."""
+    import torch
+
+    config = load_job_config(scenario.job, harness_overrides(scenario.job, "/twin-key", "/twin-key/ckpt"))
+    requested = config.run.device
+    device = "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda" and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.get_device_name(0)}"
+    return {"torch": torch.__version__, "python": list(sys.version_info[:2]), "device": device}
+
+
 def twin_hash(scenario: Scenario) -> str:
-    return stable_hash({"twin": scenario.twin_key(), "code": code_hash()})[:20]
+    return stable_hash({"twin": scenario.twin_key(), "code": code_hash(), "env": environment_key(scenario)})[:20]
 
 
 def get_twin(scenario: Scenario, cache_dir: str, log: Any = print) -> tuple[str, dict[str, Any]]:
@@ -82,7 +97,7 @@ def _run_twin(scenario: Scenario, directory: Path) -> dict[str, Any]:
         proc.close()
         config = load_job_config(job, overrides)
         if config.checkpoint.memory_every:
-            shutil.rmtree(store_root(config.recovery, run_dir), ignore_errors=True)
+            shutil.rmtree(job_store_root(config, run_dir), ignore_errors=True)
     if proc.returncode != 0 or proc.timed_out:
         raise RuntimeError(f"the fault-free twin failed (exit {proc.returncode}, timed out: {proc.timed_out}); "
                            f"see {directory}/launcher.log and {run_dir}/logs")  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -30,7 +31,7 @@ from typing import Any
 import crc32c
 import torch
 
-from resilient.dtypes import torch_dtype, zarr_name
+from resilient.dtypes import itemsize, torch_dtype, zarr_name
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,34 @@ class SnapshotIndex:
     version: int = INDEX_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The index with ``index_crc32c`` over everything else: the data cursor, RNG and offsets
+        are checked too, not only the tensor bytes."""
+        body = asdict(self)
+        return {**body, "index_crc32c": _json_crc(body)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> SnapshotIndex:
+        raw = dict(raw)
         if raw.get("version") != INDEX_VERSION:
             raise ValueError(f"snapshot index version {raw.get('version')!r}, expected {INDEX_VERSION}")
+        stored = raw.pop("index_crc32c", None)
+        if stored != _json_crc(raw):
+            raise ValueError("index_crc32c mismatch: the index itself is corrupt")
         tensors = [TensorEntry(**t) for t in raw["tensors"]]
-        return cls(**{**raw, "tensors": tensors})
+        index = cls(**{**raw, "tensors": tensors})
+        index.check_layout()
+        return index
+
+    def check_layout(self) -> None:
+        """Every tensor inside ``nbytes`` with the byte count its dtype and shape need."""
+        for t in self.tensors:
+            need = itemsize(t.dtype) * math.prod(t.shape)
+            if t.nbytes != need or t.offset < 0 or t.offset + t.nbytes > self.nbytes:
+                raise ValueError(f"tensor {t.fqn!r} does not fit the index ({t.offset}+{t.nbytes} of {self.nbytes})")
+
+
+def _json_crc(body: dict[str, Any]) -> int:
+    return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def layout_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
@@ -115,6 +136,9 @@ class _Slot:
         try:
             if os.fstat(fd).st_size != max(nbytes, 1):
                 os.ftruncate(fd, max(nbytes, 1))
+                # Reserve the pages now: a full tmpfs is an OSError (ENOSPC) here, naming the file,
+                # instead of a SIGBUS in the middle of the copy into the mapping.
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
             # MAP_POPULATE: fault the pages in at once (a new slot is touched whole by its first copy).
             self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
@@ -130,12 +154,15 @@ class RankStore:
         self._slots: dict[str, _Slot] = {}
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.unreadable: list[str] = []
+        """Why index files were skipped by the last ``indexes()`` (corrupt, truncated, other version)."""
 
     # -- reading -----------------------------------------------------------------------------
 
     def indexes(self) -> dict[int, SnapshotIndex]:
         """Every visible snapshot by step; unreadable index files are skipped (and logged)."""
         out: dict[int, SnapshotIndex] = {}
+        self.unreadable = []
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -150,6 +177,7 @@ class RankStore:
                     index = SnapshotIndex.from_json(json.load(f))
             except (OSError, ValueError, TypeError, KeyError) as e:
                 log.warning("ignoring unreadable RAM snapshot index %s: %s", path, e)
+                self.unreadable.append(f"{name}: {e}")
                 continue
             out[index.step] = index
         return out
@@ -202,6 +230,20 @@ class RankStore:
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
+    def drop_spare_slots(self) -> None:
+        """Delete slot files no visible snapshot and no reader uses."""
+        with self._lock:
+            used = {i.slot for i in self.indexes().values()} | {s for s, n in self._leases.items() if n > 0}
+            for name in [n for n in os.listdir(self.directory) if n.startswith("slot") and n not in used]:
+                self._slots.pop(name, None)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.directory, name))
+
+    def remove_newer(self, step: int) -> None:
+        """Hide every snapshot after ``step`` (after a restore to ``step``, they are another timeline)."""
+        for newer in [s for s in self.indexes() if s > step]:
+            self.remove(newer)
+
     def bytes_used(self) -> int:
         try:
             return sum(e.stat().st_size for e in os.scandir(self.directory) if e.name.startswith("slot"))
@@ -215,9 +257,19 @@ class RankStore:
         return slot
 
 
+def check_private_dir(path: str) -> None:
+    """Create ``path`` (mode 0700) if needed and refuse one another user owns or may write: the
+    snapshots' checksums are not a MAC, so nobody else may be able to plant a snapshot here."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise PermissionError(f"{path} must be owned by this user (uid {os.geteuid()}) and writable by no one "
+                              f"else (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})")  # fmt: skip
+
+
 def mark_store(root: str) -> None:
     """Create (or touch) ``<root>/store.json``: marks a directory this code owns and when it was last used."""
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(root, mode=0o700, exist_ok=True)
     path = os.path.join(root, STORE_MARKER)
     if os.path.exists(path):
         os.utime(path)

@@ -33,12 +33,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
-from resilient.errors import ResilientError
+from resilient.errors import ResilientError, StorageError
 from resilient.metrics import JsonlSink
 from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.node_store import (
     RankStore,
     SnapshotIndex,
+    check_private_dir,
     checksum,
     clean_stale_stores,
     first_corruption,
@@ -152,6 +153,7 @@ class RamTier:
                          **fingerprint}  # fmt: skip
         self.stats = JsonlSink(stats_path)
         self._buddy_stores: dict[int, RankStore] = {}
+        self._stores_lock = threading.Lock()
         self._server: ReplicationServer | None = None
         self._client: ReplicationClient | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -160,18 +162,29 @@ class RamTier:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self) -> None:
         """Open the store and the replication channel (collective: exchanges the channel addresses
-        and the job's secret over the group's process group, once, before training)."""
-        mark_store(self.root)
-        if self.rank == 0 and os.path.dirname(self.root) == DEFAULT_STORE_ROOT:
-            clean_stale_stores(DEFAULT_STORE_ROOT, self.root, self.config.stale_after_s)
+        and the job's secret over the group's process group, once, before training). A failure on
+        one rank is raised on every rank, so no peer waits in a collective for it."""
         secret = self._shared_secret()
-        self._server = ReplicationServer(secret, _BuddyHandler(self), host=self._bind_host(),
-                                         timeout_s=self.config.replication_timeout_s,
-                                         thread_nice=self.config.background_nice)  # fmt: skip
-        self._server.start()
-        self._addresses = rdist.all_gather_object(tuple(self._server.address))
+        address, error = None, None
+        try:
+            self._open_store()
+            self._server = ReplicationServer(secret, _BuddyHandler(self), host=self._bind_host(),
+                                             timeout_s=self.config.replication_timeout_s,
+                                             thread_nice=self.config.background_nice)  # fmt: skip
+            self._server.start()
+            address = tuple(self._server.address)
+        except Exception as e:
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        gathered = rdist.all_gather_object({"address": address, "error": error})
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            if self._server is not None:
+                self._server.close()
+            raise StorageError(f"cannot start the RAM tier under {self.node_dir}: {errors[0]} (set "
+                               f"recovery.store_dir to a writable local directory, or checkpoint.memory_every=0)")
+        self._addresses = [g["address"] for g in gathered]
         self._secret = secret
         buddy = self.pairing.buddy_of(self.rank)
         if buddy is not None and self.config.replication:
@@ -181,11 +194,27 @@ class RamTier:
         self._worker = threading.Thread(target=self._run, name="resilient-ram-tier", daemon=True)
         self._worker.start()
 
+    def _open_store(self) -> None:
+        check_private_dir(os.path.dirname(self.root) if self._default_root else self.root)
+        mark_store(self.root)
+        if self.rank == 0 and self._default_root:
+            clean_stale_stores(DEFAULT_STORE_ROOT, self.root, self.config.stale_after_s)
+
+    @property
+    def _default_root(self) -> bool:
+        return os.path.dirname(self.root) == DEFAULT_STORE_ROOT
+
     def close(self, timeout_s: float = 60.0) -> None:
-        """Finish the snapshot in flight (published and replicated), stop the channel."""
+        """Finish the snapshot in flight (published and replicated), stop the channel; bounded."""
         if self._worker is not None:
-            self._queue.put(None, timeout=timeout_s)
+            try:
+                self._queue.put(None, timeout=timeout_s)
+            except queue.Full:
+                log.warning("[rank %d] RAM tier worker busy for %.0f s at close: not waiting for it", self.rank,
+                            timeout_s)  # fmt: skip
             self._worker.join(timeout_s)
+            if self._worker.is_alive():
+                log.warning("[rank %d] RAM tier worker still running after %.0f s: abandoned", self.rank, timeout_s)
             self._worker = None
         if self._client is not None:
             self._client.close()
@@ -203,50 +232,99 @@ class RamTier:
         if self.config.bind_host:
             return self.config.bind_host
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        address = socket.gethostbyname(master)
-        # The interface the job's own traffic uses: loopback for a one-machine job.
-        return "127.0.0.1" if address.startswith("127.") else socket.gethostbyname(socket.gethostname())
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        # The local address of the interface that reaches the job's master: the job's own network
+        # (connecting a UDP socket sends nothing; gethostname() can resolve to 127.0.1.1).
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(master), port))
+            return probe.getsockname()[0]
 
     def buddy_store(self, rank: int) -> RankStore:
-        store = self._buddy_stores.get(rank)
-        if store is None:
-            store = self._buddy_stores[rank] = RankStore(os.path.join(self.node_dir, "buddy", f"rank{rank}"), self.keep)
-        return store
+        with self._stores_lock:  # server threads and the restore path share one store per rank
+            store = self._buddy_stores.get(rank)
+            if store is None:
+                directory = os.path.join(self.node_dir, "buddy", f"rank{rank}")
+                store = self._buddy_stores[rank] = RankStore(directory, self.keep)
+            return store
 
     # -- snapshot ----------------------------------------------------------------------------
 
-    def snapshot(self, step: int, state: dict[str, Any]) -> None:
-        """Copy this rank's state into the node store; checksum, publish and replicate in the background."""
-        self._raise_latched()
+    def snapshot(self, step: int, state: dict[str, Any]) -> bool:
+        """Copy this rank's state into the node store; checksum, publish and replicate in the
+        background. Never blocks on the background work and never raises into training (the tier
+        is an optimization): a snapshot that cannot be taken is skipped, logged and recorded.
+        Returns whether it was taken."""
         start = time.perf_counter()
+        reason = self._take_latched()
+        if reason is None and self._queue.full():
+            reason = "busy: the previous snapshot is still being published or copied to the buddy"
+        if reason is None:
+            try:
+                job = self._copy(step, state, start)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+        if reason is not None:
+            log.warning("[rank %d] RAM snapshot of step %d skipped: %s", self.rank, step, reason)
+            self.stats.write({"event": "ram_snapshot", "group": self.group, "rank": self.rank, "step": step,
+                              "outcome": "skipped", "reason": reason})  # fmt: skip
+            return False
+        self._queue.put_nowait(job)
+        return True
+
+    def _copy(self, step: int, state: dict[str, Any], start: float) -> _Job:
         leaves = flatten_state(state)
         tensors = local_tensors(leaves)
         entries, nbytes = layout_tensors(tensors)
+        self._check_budget(nbytes)
         slot, data = self.own.reserve(nbytes)
-        for entry in entries:
-            tensor_view(data, entry).copy_(tensors[entry.fqn])
+        try:
+            for entry in entries:
+                tensor_view(data, entry).copy_(tensors[entry.fqn])
+        except BaseException:
+            self.own.release(slot)
+            raise
         index = SnapshotIndex(step=step, rank=self.rank, topology=self.topology, tensors=entries,
                               values=_json_values(leaves), slot=slot, nbytes=nbytes)  # fmt: skip
-        self._queue.put(_Job(index, data, time.perf_counter() - start), timeout=self.config.replication_timeout_s)
+        return _Job(index, data, time.perf_counter() - start)
+
+    def _check_budget(self, nbytes: int) -> None:
+        """``recovery.max_store_bytes``: slot files in use plus the new one must fit (spare slots
+        are dropped first); otherwise the snapshot is skipped, never the store overrun."""
+        limit = self.config.max_store_bytes
+        if not limit:
+            return
+        stores = [self.own, *(self.buddy_store(r) for r in self.pairing.kept_by(self.rank))]
+        if sum(s.bytes_used() for s in stores) + nbytes <= limit:
+            return
+        for store in stores:
+            store.drop_spare_slots()
+        used = sum(s.bytes_used() for s in stores)
+        if used + nbytes > limit:
+            raise StorageError(f"recovery.max_store_bytes={limit}: {used} bytes in use, "
+                               f"the snapshot needs {nbytes} more")
 
     def wait(self, timeout_s: float = 60.0) -> None:
-        """Block until the snapshots handed over so far are published and replicated."""
+        """Block until the snapshots handed over so far are published and replicated; raises
+        StorageError naming the wait if that takes longer than ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise StorageError(f"[rank {self.rank}] RAM snapshots still publishing or replicating after "
+                                   f"{timeout_s:.0f} s (recovery.replication_timeout_s)")  # fmt: skip
             time.sleep(0.01)
-        self._raise_latched()
 
-    def _raise_latched(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+    def _take_latched(self) -> str | None:
+        if self._error is None:
+            return None
+        error, self._error = self._error, None
+        return f"the previous snapshot failed: {type(error).__name__}: {error}"
 
     def _run(self) -> None:
         lower_thread_priority(self.config.background_nice)
         while (job := self._queue.get()) is not None:
             try:
                 self._publish_and_replicate(job)
-            except BaseException as e:  # latched, raised on the next snapshot()
+            except Exception as e:  # latched: the next snapshot() reports it (and is skipped)
                 log.warning("[rank %d] RAM snapshot of step %d failed: %s", self.rank, job.index.step, e)
                 self._error = e
             finally:
@@ -294,27 +372,54 @@ class RamTier:
         start = time.perf_counter()
         leaves = flatten_state(state)
         excluded: list[dict[str, Any]] = []
-        reports = rdist.all_gather_object(self._report(leaves, excluded))
+        reports = rdist.all_gather_object(self._safe_report(leaves, excluded))
         ruled_out: set[int] = set()
         while True:
             step = self._choose(reports, ruled_out)
             if step is None or (persistent_step is not None and step < persistent_step):
                 return RamRestore(None, None, excluded=excluded, seconds=time.perf_counter() - start)
-            fetched = self._fetch(step, reports, leaves, excluded)
+            fetched = self._safe_fetch(step, reports, leaves, excluded)
             verdicts = rdist.all_gather_object(fetched is not None)
             if all(verdicts):
                 assert fetched is not None
                 source, index, data = fetched
                 self._apply(index, data, leaves)
+                self._forget_newer(step)
                 return RamRestore(step, source, index.nbytes, time.perf_counter() - start, excluded)
             failed = [r for r, ok in enumerate(verdicts) if not ok]
             log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", self.rank, step, failed)
             ruled_out.add(step)
 
+    def _safe_report(self, leaves: dict[str, Leaf], excluded: list[dict[str, Any]]) -> dict[str, Any]:
+        # Whatever goes wrong reading this rank's store, it reports "nothing" and the group goes on:
+        # a rank raising here would leave its peers waiting in the collective.
+        try:
+            return self._report(leaves, excluded)
+        except Exception as e:
+            excluded.append({"step": None, "source": "own", "reason": f"store unreadable: {type(e).__name__}: {e}"})
+            return {"own": [], "kept": {}}
+
+    def _safe_fetch(self, step: int, reports: list[dict[str, Any]], leaves: dict[str, Leaf],
+                    excluded: list[dict[str, Any]]) -> tuple[str, SnapshotIndex, torch.Tensor] | None:  # fmt: skip
+        try:
+            return self._fetch(step, reports, leaves, excluded)
+        except Exception as e:
+            excluded.append({"step": step, "source": "own", "reason": f"{type(e).__name__}: {e}"})
+            return None
+
+    def _forget_newer(self, step: int) -> None:
+        """Snapshots after the restored step belong to the abandoned timeline: hide them, so a later
+        decision can never mix them with snapshots of the new one."""
+        self.own.remove_newer(step)
+        for rank in self.pairing.kept_by(self.rank):
+            self.buddy_store(rank).remove_newer(step)
+
     def _report(self, leaves: dict[str, Leaf], excluded: list[dict[str, Any]]) -> dict[str, Any]:
         """The steps this rank can supply: its own compatible snapshots and the copies it keeps."""
         own = []
-        for step, index in sorted(self.own.indexes().items()):
+        indexes = self.own.indexes()
+        excluded.extend({"step": None, "source": "own", "reason": r} for r in self.own.unreadable)
+        for step, index in sorted(indexes.items()):
             reason = self._incompatible(index, leaves)
             if reason is None:
                 own.append(step)
@@ -353,18 +458,27 @@ class RamTier:
     ) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
         """This rank's snapshot of ``step``, verified: own store first, else the buddy's copy."""
         if step in reports[self.rank]["own"]:
-            index = self.own.indexes().get(step)
-            if index is not None:
-                data = self.own.data(index)
-                reason = first_corruption(index, data)
-                if reason is None:
-                    return "own", index, data
-                excluded.append({"step": step, "source": "own", "reason": reason})
-                log.warning("[rank %d] own RAM snapshot of step %d is corrupt: %s", self.rank, step, reason)
+            own = self._own_verified(step)
+            if isinstance(own, str):
+                excluded.append({"step": step, "source": "own", "reason": own})
+                log.warning("[rank %d] own RAM snapshot of step %d unusable: %s", self.rank, step, own)
+            else:
+                return own
         holder = self.pairing.buddy_of(self.rank)
         if holder is None or step not in reports[holder]["kept"].get(self.rank, []):
             return None
         return self._fetch_from_buddy(step, holder, leaves, excluded)
+
+    def _own_verified(self, step: int) -> tuple[str, SnapshotIndex, torch.Tensor] | str:
+        """This rank's own snapshot of ``step`` if it verifies, else why not."""
+        try:
+            index = self.own.indexes().get(step)
+            if index is None:
+                return "gone from the store"
+            data = self.own.data(index)
+            return first_corruption(index, data) or ("own", index, data)
+        except Exception as e:  # a missing slot file, an I/O error: the buddy's copy may still do
+            return f"{type(e).__name__}: {e}"
 
     def _fetch_from_buddy(
         self, step: int, holder: int, leaves: dict[str, Leaf], excluded: list[dict[str, Any]]
@@ -389,6 +503,7 @@ class RamTier:
             return None
         return "buddy", index, data
 
+    @torch.no_grad()
     def _apply(self, index: SnapshotIndex, data: torch.Tensor, leaves: dict[str, Leaf]) -> None:
         tensors = local_tensors(leaves)
         for entry in index.tensors:

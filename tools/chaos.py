@@ -6,8 +6,7 @@
 
 ``run`` starts the scenario's job through ``resilient-train --replica-groups``, injects its faults,
 runs (or reuses from the cache) the fault-free twin, checks the invariants, writes
-``DIR/report.json`` and ``DIR/timeline.png``, and exits 0 only if every invariant holds (1 if one
-fails, 2 on a bad scenario or arguments). Thin by design: the logic lives in ``resilient.chaos``.
+``DIR/report.json`` and ``DIR/timeline.png``. Thin by design: the logic lives in ``resilient.chaos``.
 """
 
 from __future__ import annotations
@@ -15,12 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+
+EXIT_CODES = """exit codes of `run`:
+  0  every invariant holds
+  1  an invariant failed (report.json names it, with its reason)
+  2  bad scenario, recipe override or arguments
+  3  the harness itself crashed (report.json has "harness_error" with the traceback, when the report
+     directory could be written)"""
+EXIT_PASSED, EXIT_FAILED, EXIT_CONFIG, EXIT_CRASH = 0, 1, 2, 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="resilient-chaos", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="resilient-chaos", description=__doc__.split("\n\n")[0],
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a scenario, check its invariants, write the report")
+    run = sub.add_parser("run", help="run a scenario, check its invariants, write the report", epilog=EXIT_CODES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     run.add_argument("scenario", help="a scenario .toml, or the name of one under chaos/scenarios/")
     run.add_argument("--report", default="", help="report directory (default: runs/chaos/<scenario>)")
     run.add_argument("--seed", type=int, default=None, help="seed of the random faults (default: [job] seed)")
@@ -47,11 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         report = run_scenario(scenario, report_dir, cache_dir=args.cache or None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except Exception:  # noqa: BLE001 (a crash must not exit 1, which means "an invariant failed")
+        traceback.print_exc()
+        print("error: the harness crashed before it could write a report", file=sys.stderr)
+        return EXIT_CRASH
+    where = os.path.join(report_dir, "report.json")
+    if "harness_error" in report:
+        print(report["harness_error"]["traceback"], file=sys.stderr)
+        print(f"{scenario.name}: HARNESS CRASHED ({report['harness_error']['type']}: "
+              f"{report['harness_error']['message']}); report in {where}", file=sys.stderr)  # fmt: skip
+        return EXIT_CRASH
     verdict = "PASSED" if report["passed"] else "FAILED: " + ", ".join(
         name for name, v in report["invariants"].items() if not v["ok"])
-    print(f"{scenario.name}: {verdict}; report in {os.path.join(report_dir, 'report.json')}")
-    return 0 if report["passed"] else 1
+    print(f"{scenario.name}: {verdict}; report in {where}")
+    return EXIT_PASSED if report["passed"] else EXIT_FAILED
 
 
 if __name__ == "__main__":

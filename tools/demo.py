@@ -14,6 +14,8 @@ group's rank mid-run and heal it live, on CPU.
    the heal time (``events.jsonl``) and the two groups' final parameter digests; the demo exits
    non-zero if they differ. (Group 0 waits at step ``HOLD_STEP`` for group 1 to be back, at most
    ``HOLD_S`` seconds, so that a slow restart on a busy machine still shows a heal.)
+5. the RAM tier (``resilient.tools.demo_ram``): a node lost mid-run, its rank restored from its
+   buddy's RAM and the other from its own, with no storage read.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from resilient import Checkpointer
 from resilient.recovery.events import read_events, read_pid
+from resilient.tools.demo_ram import run_ram_phase
 from resilient.tools.replicas import ReplicaJob, ReplicaLaunch
 from resilient.tools.train import run, torchrun_command
 from resilient.trainer.config import load_config
@@ -39,6 +42,7 @@ RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs
 RUN_DIR = os.path.abspath(os.environ.get("RESILIENT_DEMO_DIR", "runs/demo"))
 FIRST_STEPS, MORE_STEPS = 60, 20
 REPLICA_DIR = os.path.join(RUN_DIR, "replicas")
+RAM_DIR = os.path.join(RUN_DIR, "ram")
 REPLICA_STEPS, KILL_STEP, HOLD_STEP, HOLD_S = 40, 10, 32, 90.0
 
 
@@ -205,14 +209,16 @@ def _replica_summary() -> None:
 
 def main() -> None:
     shutil.rmtree(RUN_DIR, ignore_errors=True)
-    print(f"[demo] 1/3: {FIRST_STEPS} steps on 4 ranks (dp_shard=2 x tp=2) -> {RUN_DIR}", flush=True)
+    print(f"[demo] 1/4: {FIRST_STEPS} steps on 4 ranks (dp_shard=2 x tp=2) -> {RUN_DIR}", flush=True)
     _train(4, f"run.steps={FIRST_STEPS}")
-    print(f"[demo] 2/3: resume on 2 ranks (dp_shard=2 x tp=1) for {MORE_STEPS} more steps", flush=True)
+    print(f"[demo] 2/4: resume on 2 ranks (dp_shard=2 x tp=1) for {MORE_STEPS} more steps", flush=True)
     _train(2, "parallel.tp=1", f"run.steps={FIRST_STEPS + MORE_STEPS}")
     _summary()
-    print(f"\n[demo] 3/3: 2 replica groups x 2 ranks, {REPLICA_STEPS} steps -> {REPLICA_DIR}", flush=True)
+    print(f"\n[demo] 3/4: 2 replica groups x 2 ranks, {REPLICA_STEPS} steps -> {REPLICA_DIR}", flush=True)
     _replicas()
     _replica_summary()
+    print(f"\n[demo] 4/4: RAM tier, 2 ranks on 2 simulated nodes, snapshot every 2 steps -> {RAM_DIR}", flush=True)
+    run_ram_phase(RECIPE, RAM_DIR)
 
 
 if __name__ == "__main__":

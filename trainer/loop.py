@@ -69,6 +69,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: int | None = None
+        self.restored_from = "fresh"
+        """Where ``resume`` got the state: "own" / "buddy" (RAM), "persistent" or "fresh"."""
         self.step_hooks: list[StepHook] = []
         self._pending_save: SaveHandle | None = None
         self.ram: RamTier | None = None
@@ -90,7 +92,15 @@ class Trainer:
         if not self.config.checkpoint.resume:
             return None
         start = time.perf_counter()
-        steps = self._committed_steps()
+        listing_error: StorageError | None = None
+        try:
+            steps = self._committed_steps()
+        except StorageError as e:
+            if self.ram is None:
+                raise
+            # Storage unreachable: snapshots in RAM may still restore the run (newest known step).
+            log.warning("[rank %d] %s; trying the RAM tier alone", rdist.get_rank(), e)
+            steps, listing_error = [], e
         persistent = steps[-1] if steps else None
         state = capture_state(self.parts, self.step, self.tokens_seen)
         reads_before = self.checkpointer.storage_reads
@@ -101,9 +111,12 @@ class Trainer:
             excluded = ram.excluded
             if ram.source is not None:
                 loaded, source, nbytes = ram.step, ram.source, ram.bytes
+        if loaded is None and listing_error is not None:
+            raise listing_error
         if loaded is None and persistent is not None:
             loaded, source = self.checkpointer.load(state, step=persistent), "persistent"
             nbytes = self.checkpointer.restore_stats[-1].bytes_read
+        self.restored_from = source
         if loaded is not None:
             self.step, self.tokens_seen = apply_state(self.parts, state)
             self.resumed_from = self._saved_step = loaded
@@ -284,7 +297,9 @@ class Trainer:
         try:
             self.parts.pipeline.close()
             self.outputs.close()
-            if self.ram is not None:
-                self.ram.close()
         finally:
-            self.checkpointer.close()
+            try:
+                if self.ram is not None:
+                    self.ram.close()
+            finally:
+                self.checkpointer.close()

@@ -99,7 +99,9 @@ class ReplicatedTrainer(Trainer):
             self.write_restore_event(step=self.step, source="peer", nbytes=heal["bytes"], seconds=quorum.heal_s)
         if quorum.step == 0 and self.resume() is not None:
             self.sync.restore_step(self.step)
-            source, quorum = "storage", None
+            # "storage" for the persistent tier (tools read that name), "own"/"buddy" for the RAM tier.
+            source = "storage" if self.restored_from == "persistent" else self.restored_from
+            quorum = None
         self.events.write("start", group=self.group, step=self.step, source=source, attempt=attempt,
                           heal_bytes=self.heals[-1]["bytes"] if self.heals else 0)  # fmt: skip
         return quorum

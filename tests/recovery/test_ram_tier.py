@@ -154,3 +154,57 @@ def test_newer_persistent_step_or_other_world_size_means_no_ram_restore(tmp_path
     resized = run_world(ram_workers.restore, 1, store_dir, None, timeout_s=90)
     assert resized[0]["source"] is None
     assert any("another topology" in e["reason"] for e in resized[0]["excluded"])
+
+
+def test_a_corrupt_index_is_skipped_and_named(tmp_path):
+    store = RankStore(str(tmp_path / "r"), keep=2)
+    _write(store, 1, 1.0)
+    _write(store, 2, 2.0)
+    path = tmp_path / "r" / "step-000000002.json"
+    path.write_text(path.read_text().replace('"v": 2.0', '"v": 3.0'))  # the data cursor, say: still valid JSON
+    assert sorted(store.indexes()) == [1]
+    assert store.unreadable == ["step-000000002.json: index_crc32c mismatch: the index itself is corrupt"]
+
+
+def test_store_directory_must_be_private(tmp_path):
+    from resilient.recovery.node_store import check_private_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    with pytest.raises(PermissionError, match="writable by no one else"):
+        check_private_dir(str(shared))
+    check_private_dir(str(tmp_path / "private"))
+    assert (os.stat(tmp_path / "private").st_mode & 0o777) == 0o700
+
+
+def test_snapshot_never_blocks_training_and_never_raises(tmp_path):
+    ram = ram_workers.tier(0, 1, str(tmp_path / "store"))  # one process, no process group
+    try:
+        ram._queue.put_nowait(None)  # the worker is busy (a slow buddy copy, say)...
+        ram._worker.join(5)  # ...made permanent here: the worker took the stop and left
+        ram._queue.put_nowait(ram_workers)  # the queue is full and nobody takes from it
+        start = time.monotonic()
+        assert ram.snapshot(3, ram_workers.state_of(0, 3)) is False
+        assert time.monotonic() - start < 5.0
+        assert ram.stats.records[-1]["outcome"] == "skipped" and "busy" in ram.stats.records[-1]["reason"]
+        ram._queue.get_nowait()
+        ram._error = OSError(28, "No space left on device")
+        assert ram.snapshot(4, ram_workers.state_of(0, 4)) is False
+        assert "No space left on device" in ram.stats.records[-1]["reason"]
+    finally:
+        ram._worker = None
+        ram.close()
+
+
+@pytest.mark.dist
+def test_missing_slot_file_falls_back_to_the_buddy_without_hanging(tmp_path):
+    store_dir = str(tmp_path / "store")
+    run_world(ram_workers.take_snapshots, 2, store_dir, [2], timeout_s=90)
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    own = Path(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1)) / "own" / "rank1"
+    for slot in own.glob("slot*.bin"):
+        slot.unlink()
+    restored = run_world(ram_workers.restore, 2, store_dir, None, timeout_s=90)
+    assert [(r["step"], r["source"]) for r in restored] == [(2, "own"), (2, "buddy")]
+    assert "FileNotFoundError" in restored[1]["excluded"][0]["reason"]

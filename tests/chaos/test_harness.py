@@ -1,0 +1,113 @@
+"""The harness's own failures: a failed start of the S3 endpoint leaks nothing, a crash still
+writes report.json and exits 3 (not 1, "an invariant failed"), a failed twin is a failed
+twin_match. No job is run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from resilient.chaos import harness
+from resilient.chaos import invariants as inv
+from resilient.chaos.s3_proxy import MotoServer
+from resilient.chaos.scenario import load_scenario, parse_scenario
+from resilient.errors import ConfigError
+from resilient.tools import chaos as cli
+
+pytestmark = [pytest.mark.timeout(90)]
+
+
+def test_a_failed_proxy_start_stops_moto_and_closes_its_log(tmp_path: Path, monkeypatch) -> None:
+    started: list[MotoServer] = []
+
+    class RecordedMoto(MotoServer):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def broken_proxy(*args: object, **kwargs: object) -> None:
+        raise OSError("no port for the proxy")
+
+    monkeypatch.setattr(harness, "MotoServer", RecordedMoto)
+    monkeypatch.setattr(harness, "FaultProxy", broken_proxy)
+    scenario = parse_scenario({"job": {"config": "configs/tiny.toml", "storage": "s3"}})
+    with pytest.raises(OSError, match="no port for the proxy"):
+        harness._Storage(scenario, str(tmp_path))
+    (moto,) = started
+    assert moto.proc is not None and moto.proc.poll() is not None, "moto_server was left running"
+    assert moto._log.closed
+
+
+def test_moto_that_never_listens_leaks_neither_process_nor_log(tmp_path: Path, monkeypatch) -> None:
+    procs: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args: object, **kwargs: object) -> subprocess.Popen:
+        procs.append(real_popen(*args, **kwargs))
+        return procs[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(MotoServer, "_wait_listening", lambda self, timeout_s, log_path: (_ for _ in ()).throw(
+        TimeoutError("did not listen")))  # fmt: skip
+    log = tmp_path / "moto.log"
+    with pytest.raises(TimeoutError):
+        MotoServer(str(log))
+    (proc,) = procs
+    assert proc.poll() is not None
+    assert str(log) not in [f.path for f in psutil.Process().open_files()], "the log file was left open"
+
+
+def _crash(exc: Exception):  # noqa: ANN202 (a stand-in for harness._run)
+    def run(*args: object, **kwargs: object) -> dict:
+        raise exc
+
+    return run
+
+
+def test_a_crash_of_the_harness_writes_the_report_and_exits_3(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(harness, "_run", _crash(KeyError("step")))
+    report_dir = tmp_path / "report"
+    assert cli.main(["run", "smoke", "--report", str(report_dir)]) == cli.EXIT_CRASH == 3
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["passed"] is False and report["scenario"]["name"] == "smoke"
+    assert report["harness_error"]["type"] == "KeyError" and "KeyError: 'step'" in report["harness_error"]["traceback"]
+    assert "HARNESS CRASHED" in capsys.readouterr().err
+
+
+def test_a_config_error_inside_the_run_writes_the_report_and_exits_2(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(harness, "_run", _crash(ConfigError("model.dim=-1 must be > 0")))
+    report_dir = tmp_path / "report"
+    assert cli.main(["run", "smoke", "--report", str(report_dir)]) == cli.EXIT_CONFIG
+    assert json.loads((report_dir / "report.json").read_text())["harness_error"]["type"] == "ConfigError"
+
+
+def test_exit_codes_are_in_the_help(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "1  an invariant failed" in out and "3  the harness itself crashed" in out
+
+
+def test_a_failed_twin_is_a_failed_twin_match_not_a_crash(tmp_path: Path, monkeypatch) -> None:
+    def failing_twin(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the fault-free twin failed (exit 1, timed out: False)")
+
+    monkeypatch.setattr(harness, "get_twin", failing_twin)
+    scenario = load_scenario("smoke")
+    run = inv.RunData(run_dir=str(tmp_path / "run"), groups=2, steps=scenario.job.steps,
+                      checkpoint_url=str(tmp_path / "run" / "ckpt"), returncode=0)  # fmt: skip
+    for group in range(2):
+        path = Path(run.group_file(group, "final.json"))
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"step": run.steps, "params_sha256": "p", "optim_sha256": "o"}))
+    proc = SimpleNamespace(t_launch=0.0, t_end=1.0, returncode=0)
+    storage = SimpleNamespace(url=run.checkpoint_url, proxy=None)
+    report = harness._judge(scenario, run, [], proc, [], storage, str(tmp_path / "cache"), str(tmp_path), print)
+    verdict = report["invariants"]["twin_match"]
+    assert verdict["ok"] is False and "the fault-free twin could not be computed: RuntimeError" in verdict["reason"]
+    assert report["passed"] is False and "error" in report["twin"]

@@ -1,0 +1,99 @@
+"""kill_node against real processes: freeze the node's ranks, wipe its RAM store, kill them; no
+store to wipe is a failed fault that kills nothing. The ranks are stand-ins (sleeping Pythons whose
+command line names resilient.trainer, as the injector checks), so no job runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from resilient.chaos.inject import FaultRecord, InjectContext, advance
+from resilient.chaos.job import job_node_store_dir, job_store_root
+from resilient.chaos.scenario import REPO_ROOT, FaultSpec
+from resilient.recovery.events import pid_path
+from resilient.recovery.ram_config import RecoveryConfig
+
+pytestmark = [pytest.mark.timeout(60)]
+
+# Keeps writing into its node's store, as a rank's RAM-tier threads do, until it is stopped.
+_WRITER = """
+import os, sys, time
+store = sys.argv[1]
+while True:
+    os.makedirs(os.path.join(store, "own"), exist_ok=True)
+    with open(os.path.join(store, "own", "slot0.bin"), "wb") as f:
+        f.write(b"x" * 4096)
+    time.sleep(0.005)
+"""
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    run_dir = str(tmp_path / "run")
+    config = SimpleNamespace(recovery=RecoveryConfig(store_dir=str(tmp_path / "ram"), ranks_per_node=1),
+                             checkpoint=SimpleNamespace(memory_every=2))  # fmt: skip
+    job = SimpleNamespace(run_dir=run_dir, chaos_dir=os.path.join(run_dir, "chaos"),
+                          job=SimpleNamespace(nproc_per_group=2, ranks_per_node=1, replica_groups=1))  # fmt: skip
+    procs = []
+
+    def start_rank(rank: int, store: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, store, "resilient.trainer"])
+        procs.append(proc)
+        path = pid_path(run_dir, 0, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        Path(path).write_text(f"{proc.pid}\n")
+        return proc
+
+    ctx = InjectContext(job=job, config=config, proxy=None, job_step=9)  # type: ignore[arg-type]
+    yield ctx, start_rank
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill_node_wipes_the_store_of_frozen_ranks_then_kills_them(node) -> None:
+    ctx, start_rank = node
+    store = job_node_store_dir(ctx.config, ctx.job.run_dir, 0, 0)
+    other_store = job_node_store_dir(ctx.config, ctx.job.run_dir, 0, 1)
+    victim, survivor = start_rank(0, store), start_rank(1, other_store)
+    deadline = time.monotonic() + 20
+    while not (os.path.isdir(store) and os.path.isdir(other_store)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    record = FaultRecord(spec=FaultSpec(kind="kill_node", at_step=9, group=0, node=0))
+    advance(record, ctx, t_first_commit=None)
+    assert record.state == "done", record.note
+    assert victim.wait(timeout=10) == -9
+    assert not os.path.exists(store), "a frozen rank cannot recreate what was wiped"
+    assert survivor.poll() is None and os.path.isdir(other_store), "the other node is untouched"
+    assert record.extra["store"] == store and record.extra["store_wiped"] is True
+    assert record.killed == [{"group": 0, "rank": 0, "pid": victim.pid}]
+    assert record.rejoin == {0: 1} and record.t_injected is not None and record.at_step == 9
+
+
+def test_kill_node_without_a_store_fails_and_kills_nothing(node) -> None:
+    ctx, start_rank = node
+    victim = start_rank(0, "/nonexistent-dir/never-created")
+    start_rank(1, "/nonexistent-dir/never-created")
+    record = FaultRecord(spec=FaultSpec(kind="kill_node", at_step=9, group=0, node=0))
+    advance(record, ctx, t_first_commit=None)
+    assert record.state == "failed"
+    assert "RAM store" in record.note and "does not exist" in record.note and "memory_every=2" in record.note
+    assert record.killed == [] and record.t_injected is None
+    time.sleep(0.2)
+    assert victim.poll() is None, "nothing was killed"
+
+
+def test_a_relative_store_dir_resolves_against_the_repo_like_the_job(tmp_path: Path, monkeypatch) -> None:
+    """The job runs with cwd = the repo root; the harness may run anywhere."""
+    monkeypatch.chdir(tmp_path)
+    config = SimpleNamespace(recovery=RecoveryConfig(store_dir="runs/ram"))
+    assert job_store_root(config, "/r") == str(REPO_ROOT / "runs" / "ram")
+    assert job_node_store_dir(config, "/r", 1, 2) == str(REPO_ROOT / "runs" / "ram" / "group1" / "node2")
+    absolute = SimpleNamespace(recovery=RecoveryConfig(store_dir=str(tmp_path / "ram")))
+    assert job_store_root(absolute, "/r") == str(tmp_path / "ram")

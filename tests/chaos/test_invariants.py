@@ -1,0 +1,185 @@
+"""Each of the seven invariants can fail: judged on the smallest fake run data (no job is run).
+
+A check that cannot fail proves nothing; these pin down what each one catches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from resilient.chaos import invariants as inv
+from resilient.chaos.hooks import digest_path
+from resilient.trainer.replicated import FINAL_DIGEST
+
+pytestmark = [pytest.mark.timeout(60)]
+
+STEPS = 3
+
+
+def _write_lines(path: str, records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def _run(tmp_path: Path, groups: int = 2, **kwargs: object) -> inv.RunData:
+    fields = {"returncode": 0, **kwargs}
+    return inv.RunData(run_dir=str(tmp_path / "run"), groups=groups, steps=STEPS,
+                       checkpoint_url=str(tmp_path / "run" / "ckpt"), **fields)  # fmt: skip
+
+
+def _final(run: inv.RunData, group: int, step: int = STEPS, params: str = "p" * 64, optim: str = "o" * 64) -> None:
+    path = run.group_file(group, FINAL_DIGEST)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Path(path).write_text(json.dumps({"step": step, "params_sha256": params, "optim_sha256": optim}))
+
+
+def _samples(run: inv.RunData, group: int, by_step: dict[int, list[str]]) -> None:
+    _write_lines(run.group_file(group, "samples.jsonl"), [{"step": s, "sample_ids": ids} for s, ids in by_step.items()])
+
+
+def _digests(run: inv.RunData, group: int, by_step: dict[int, str]) -> None:
+    _write_lines(digest_path(os.path.join(run.run_dir, "chaos"), group),
+                 [{"t": float(s), "step": s, "params_sha256": d} for s, d in by_step.items()])  # fmt: skip
+
+
+def test_finished_fails_on_timeout_exit_code_and_short_final(tmp_path: Path) -> None:
+    run = _run(tmp_path, timed_out=True)
+    assert not inv.finished(run, 30)["ok"] and "did not end within" in inv.finished(run, 30)["reason"]
+    run = _run(tmp_path, returncode=1)
+    assert inv.finished(run, 30) == inv.result(False, "the launcher exited 1 (see logs/ in the run directory)")
+    run = _run(tmp_path)
+    _final(run, 0)
+    _final(run, 1, step=STEPS - 1)
+    verdict = inv.finished(run, 30)
+    assert not verdict["ok"] and f"{{1: {STEPS - 1}}}" in verdict["reason"]
+    _final(run, 1)
+    assert inv.finished(run, 30)["ok"]
+
+
+def test_commits_verify_fails_on_a_bad_step_and_on_an_undetected_corruption(tmp_path: Path) -> None:
+    import torch
+
+    from resilient import Checkpointer
+
+    run = _run(tmp_path)
+    assert not inv.commits_verify(run, {})["ok"], "no checkpoint at all"
+    ckpt = Checkpointer(run.checkpoint_url, config=None)
+    ckpt.save(1, {"w": torch.arange(4096, dtype=torch.float32)}).wait()
+    ckpt.save(2, {"w": torch.ones(4096)}).wait()
+    assert inv.commits_verify(run, {})["ok"]
+    # The scenario says it corrupted step 1, but nothing was flipped: detection missed it.
+    verdict = inv.commits_verify(run, {1: "w/c/0"})
+    assert not verdict["ok"] and "injected corruption NOT detected" in verdict["reason"]
+    chunks = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(run.checkpoint_url, "step-000000002"))
+              for f in fs if f"{os.sep}c{os.sep}" in os.path.join(d, f)]  # fmt: skip
+    data = bytearray(Path(chunks[0]).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(chunks[0]).write_bytes(bytes(data))
+    verdict = inv.commits_verify(run, {})
+    assert not verdict["ok"] and "1 committed step(s) fail verification" in verdict["reason"], verdict
+    assert inv.commits_verify(run, {2: "w"})["ok"], "a corruption the scenario made, and detected, passes"
+
+
+@pytest.mark.parametrize(
+    ("group1", "message"),
+    [
+        ({1: ["0:0", "0:1"], 2: ["0:9", "0:3"], 3: ["0:4", "0:5"]}, "groups disagree on the samples of step 2"),
+        ({1: ["0:0", "0:1"], 2: ["0:2", "0:3"]}, None),  # group 0 still has step 3: not missing
+    ],
+)
+def test_exactly_once_fails_when_groups_disagree(tmp_path: Path, group1: dict, message: str | None) -> None:
+    run = _run(tmp_path)
+    _samples(run, 0, {1: ["0:0", "0:1"], 2: ["0:2", "0:3"], 3: ["0:4", "0:5"]})
+    _samples(run, 1, group1)
+    verdict = inv.exactly_once(run, num_samples=6, twin=None)
+    assert verdict["ok"] is (message is None), verdict
+    if message:
+        assert message in verdict["reason"]
+
+
+def test_exactly_once_fails_on_a_sample_twice_a_missing_step_and_an_uncovered_epoch(tmp_path: Path) -> None:
+    run = _run(tmp_path, groups=1)
+    _samples(run, 0, {1: ["0:0", "0:1"], 2: ["0:1", "0:2"], 3: ["0:4", "0:5"]})
+    verdict = inv.exactly_once(run, num_samples=6, twin=None)
+    assert not verdict["ok"] and "1 sample(s) consumed twice, e.g. ['0:1']" in verdict["reason"]
+    _samples(run, 0, {1: ["0:0", "0:1"], 3: ["0:4", "0:5"]})
+    assert inv.exactly_once(run, 6, None) == inv.result(False, "steps with no committed samples: [2]")
+    # Epoch 0 skipped sample 0:3 and the run went on into epoch 1.
+    _samples(run, 0, {1: ["0:0", "0:1"], 2: ["0:2", "0:4"], 3: ["0:5", "1:0"]})
+    verdict = inv.exactly_once(run, num_samples=6, twin=None)
+    assert not verdict["ok"] and "complete epochs not fully covered" in verdict["reason"]
+    assert "{0: 5}" in verdict["reason"]
+
+
+def test_exactly_once_fails_when_a_step_ate_other_samples_than_the_twin(tmp_path: Path) -> None:
+    run, twin = _run(tmp_path / "a", groups=1), _run(tmp_path / "b", groups=1)
+    _samples(run, 0, {1: ["0:0", "0:1"], 2: ["0:2", "0:3"], 3: ["0:4", "0:5"]})
+    _samples(twin, 0, {1: ["0:0", "0:1"], 2: ["0:4", "0:5"], 3: ["0:2", "0:3"]})
+    assert inv.exactly_once(run, 6, None)["ok"]
+    assert inv.exactly_once(run, 6, twin) == inv.result(False, "steps whose samples differ from the twin's: [2, 3]")
+
+
+def test_replicas_identical_fails_on_a_differing_step_and_on_differing_finals(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    _final(run, 0)
+    _final(run, 1)
+    _digests(run, 0, {1: "a" * 64, 2: "b" * 64, 3: "c" * 64})
+    _digests(run, 1, {1: "a" * 64, 2: "x" * 64, 3: "c" * 64})
+    verdict = inv.replicas_identical(run)
+    assert not verdict["ok"] and "groups hold different parameters after step 2" in verdict["reason"]
+    _digests(run, 1, {1: "a" * 64, 2: "b" * 64, 3: "c" * 64})
+    assert inv.replicas_identical(run)["ok"]
+    _final(run, 1, optim="z" * 64)
+    verdict = inv.replicas_identical(run)
+    assert not verdict["ok"] and "final optim_sha256 differs between groups" in verdict["reason"]
+
+
+def test_replicas_identical_fails_when_it_compared_nothing(tmp_path: Path) -> None:
+    """Equal finals but no per-step digest (the chaos hook did not load): not a pass."""
+    run = _run(tmp_path)
+    _final(run, 0)
+    _final(run, 1)
+    verdict = inv.replicas_identical(run)
+    assert not verdict["ok"] and "no step has digests from two groups" in verdict["reason"], verdict
+    _digests(run, 0, {1: "a" * 64, 2: "b" * 64, 3: "c" * 64})
+    assert not inv.replicas_identical(run)["ok"], "one group's digests compare with nothing"
+    single = _run(tmp_path / "one", groups=1)
+    _final(single, 0)
+    assert inv.replicas_identical(single)["ok"], "one group: nothing to compare is fine"
+
+
+def test_twin_match_fails_without_finals_and_when_the_checkpoints_cannot_be_diffed(tmp_path: Path) -> None:
+    run, twin = _run(tmp_path / "a", groups=1), _run(tmp_path / "b", groups=1)
+    verdict, _ = inv.twin_match(run, twin, atol=1e-5)
+    assert verdict == inv.result(False, "final.json missing in the run or in the twin")
+    _final(run, 0)
+    _final(twin, 0)
+    assert inv.twin_match(run, twin, atol=1e-5)[0]["ok"], "bit-identical finals"
+    # Finals differ and neither run has a checkpoint to diff: a failed invariant, not a crash.
+    _final(run, 0, params="d" * 64)
+    verdict, details = inv.twin_match(run, twin, atol=1e-5)
+    assert not verdict["ok"] and f"step {STEPS} cannot be compared" in verdict["reason"], verdict
+    assert details["steps_with_other_participants"] == []
+
+
+def test_steps_lost_within_bound_fails_on_too_many_steps_a_failed_fault_and_a_wrong_restore() -> None:
+    fault = {"kind": "kill_rank", "at_step": 5, "steps_lost": 1, "state": "done", "note": ""}
+    assert inv.steps_lost_within_bound([fault], bound=1)["ok"]
+    verdict = inv.steps_lost_within_bound([{**fault, "steps_lost": 3}], bound=1)
+    assert verdict == inv.result(False, "faults that lost more than 1 steps: ['kill_rank@5: 3']")
+    verdict = inv.steps_lost_within_bound([{**fault, "state": "failed", "note": "target not alive"}], bound=1)
+    assert not verdict["ok"] and "could not be injected" in verdict["reason"]
+    wrong = {**fault, "restore_check": {"ok": False, "reason": "got {'group0.rank0': 'persistent'}"}}
+    verdict = inv.steps_lost_within_bound([wrong], bound=1)
+    assert not verdict["ok"] and "did not restore from the expected source" in verdict["reason"]
+
+
+def test_no_orphans_fails_on_a_leftover_process() -> None:
+    assert inv.no_orphans([])["ok"]
+    verdict = inv.no_orphans([{"pid": 4242, "cmdline": "python -m resilient.trainer"}])
+    assert not verdict["ok"] and "1 process(es) of the job still alive" in verdict["reason"]
