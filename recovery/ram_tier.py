@@ -112,7 +112,8 @@ class _BuddyHandler:
             reason = first_corruption(index, data)
             if reason is not None:
                 raise ResilientError(f"copy {key} from rank {sender_rank}: {reason}")
-            store.publish(SnapshotIndex.from_json({**index.to_json(), "slot": slot}))
+            index.slot = slot  # where the bytes are HERE (to_json re-computes the index checksum)
+            store.publish(index)
         finally:
             store.release(slot)
 

@@ -50,8 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for one group (standalone: a local rendezvous on a free port)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    if args.max_restarts:
-        command += ["--max-restarts", str(args.max_restarts)]
+    max_restarts = getattr(args, "max_restarts", None)
+    if max_restarts:
+        command += ["--max-restarts", str(max_restarts)]
     command += ["-m", "resilient.trainer"]
     if args.config:
         command += ["--config", args.config]

@@ -151,6 +151,10 @@ def test_node_lost_its_ranks_restore_from_the_buddy(tmp_path: Path, twin: Path) 
     assert [r["source"] for r in restarted] == ["own", "buddy"]
     assert restarted[0]["step"] == restarted[1]["step"] >= 4
     assert [r["storage_reads"] for r in restarted] == [0, 0]
+    # Before and after the restart, every snapshot taken reached its buddy (or a newer one did).
+    with open(run_dir / "group0" / "ram.jsonl") as f:
+        outcomes = [json.loads(line)["replication"]["outcome"] for line in f if '"replication"' in line]
+    assert outcomes and set(outcomes) <= {"copied", "superseded"} and outcomes.count("copied") >= len(outcomes) // 2
     _assert_same_as_twin(run_dir, twin)
 
 

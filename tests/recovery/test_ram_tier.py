@@ -208,3 +208,23 @@ def test_missing_slot_file_falls_back_to_the_buddy_without_hanging(tmp_path):
     restored = run_world(ram_workers.restore, 2, store_dir, None, timeout_s=90)
     assert [(r["step"], r["source"]) for r in restored] == [(2, "own"), (2, "buddy")]
     assert "FileNotFoundError" in restored[1]["excluded"][0]["reason"]
+
+
+def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
+    from types import SimpleNamespace
+
+    from resilient.recovery.ram_tier import _BuddyHandler
+
+    sender = RankStore(str(tmp_path / "sender"), keep=2)
+    for step in (1, 2, 3):  # the sender's slot names run ahead of the receiver's
+        _write(sender, step, float(step))
+    index = sender.indexes()[3]
+    index.rank = 0
+    assert index.slot != "slot0.bin"
+    kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
+    handler = _BuddyHandler(SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1,
+                                            buddy_store=lambda rank: kept))  # fmt: skip
+    handler.put(0, "rank0/step-000000003", {"index": index.to_json()}, memoryview(sender.data(index).numpy()))
+    copy = kept.indexes()[3]
+    assert copy.slot == "slot0.bin" and first_corruption(copy, kept.data(copy)) is None
+    assert copy.values == {"v": 3.0}
