@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import queue
 import threading
 import weakref
@@ -50,8 +51,9 @@ def _drain_writers() -> None:
 class ThreadWriter:
     """TensorStore's C++ I/O releases the GIL; the Python work per region here is a few calls."""
 
-    def __init__(self, location: Location, store, context, on_done: OnDone) -> None:
+    def __init__(self, location: Location, store, context, on_done: OnDone, nice: int = 0) -> None:
         self._location, self._store, self._context, self._on_done = location, store, context, on_done
+        self._nice = nice
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="resilient-ckpt-writer", daemon=True)
         self._thread.start()
@@ -62,6 +64,9 @@ class ThreadWriter:
         self._queue.put((job, buffer, staged, handle))
 
     def _run(self) -> None:
+        if self._nice and hasattr(os, "setpriority"):
+            # Linux: this thread only (TensorStore's own I/O threads keep their priority).
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         while (item := self._queue.get()) is not _STOP:
             job, buffer, staged, handle = item
             stats, error = None, None
@@ -87,7 +92,9 @@ class ThreadWriter:
 _ERROR_TYPES = {c.__name__: c for c in (CommitError, StorageError, IntegrityError, ConfigError)}
 
 
-def _process_main(url: str, options: dict, jobs, results) -> None:
+def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
+    if nice:
+        os.nice(nice)  # every thread of the writer, TensorStore's pool included, yields to training
     from resilient.storage.arrays import make_context
     from resilient.storage.objects import open_store
     from resilient.storage.url import parse_url
@@ -111,7 +118,7 @@ class ProcessWriter:
     """A spawned writer process (TensorStore must not cross a fork) reading the staging buffers
     from shared memory; training's GIL never runs persist code."""
 
-    def __init__(self, location: Location, on_done: OnDone) -> None:
+    def __init__(self, location: Location, on_done: OnDone, nice: int = 0) -> None:
         import torch.multiprocessing as mp
 
         if location.scheme == "memory":
@@ -119,7 +126,7 @@ class ProcessWriter:
         ctx = mp.get_context("spawn")
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         options = {**location.options, "endpoint_url": location.endpoint, "region": location.region}
-        self._proc = ctx.Process(target=_process_main, args=(location.url, options, self._jobs, self._results),
+        self._proc = ctx.Process(target=_process_main, args=(location.url, options, self._jobs, self._results, nice),
                                  name="resilient-ckpt-writer", daemon=True)
         self._proc.start()
         self._on_done = on_done

@@ -286,9 +286,10 @@ class Checkpointer:
     def _writer_for(self):
         if self._writer is None:
             if self.config.writer == "process":
-                self._writer = ProcessWriter(self.location, self._ledger.on_done)
+                self._writer = ProcessWriter(self.location, self._ledger.on_done, nice=self.config.writer_nice)
             else:
-                self._writer = ThreadWriter(self.location, self.store, self._context, self._ledger.on_done)
+                self._writer = ThreadWriter(self.location, self.store, self._context, self._ledger.on_done,
+                                            nice=self.config.writer_nice)
             # A Checkpointer dropped without close() must not leave its writer (and the staging
             # memory it holds) behind: the writer knows only the ledger, never the Checkpointer.
             weakref.finalize(self, self._writer.stop_soon)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from resilient import Checkpointer, CheckpointerConfig, StorageError
+from resilient import Checkpointer, CheckpointerConfig, ConfigError, StorageError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,3 +192,23 @@ def test_script_ending_with_a_save_in_flight_exits_cleanly_and_commits_it(tmp_pa
     ckpt = Checkpointer(str(tmp_path / "ck"))
     target = {"w": torch.zeros(512, 512)}
     assert ckpt.load(target) == 3 and torch.equal(target["w"], torch.full((512, 512), 3.0))
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_background_writer_runs_at_writer_nice(tmp_path, writer):
+    import psutil
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    ckpt = Checkpointer(str(tmp_path), config=CheckpointerConfig(writer=writer, writer_nice=7))
+    try:
+        ckpt.save(1, _state(1.0)).wait()
+        if writer == "thread":
+            nice = os.getpriority(os.PRIO_PROCESS, ckpt._writer._thread.native_id)
+        else:
+            nice = psutil.Process(ckpt._writer._proc.pid).nice()
+        assert nice == min(base + 7, 19)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # training itself keeps its priority
+    finally:
+        ckpt.close()
+    with pytest.raises(ConfigError, match=r"writer_nice must be an integer in \[0, 19\], got 20"):
+        CheckpointerConfig(writer_nice=20)
