@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 
@@ -46,10 +47,12 @@ class RestoreStats:
 
 @dataclass(slots=True)
 class JsonlSink:
-    """Appends one JSON line per record to ``path`` (thread-safe; None path = keep in memory)."""
+    """Appends one JSON line per record to ``path`` (thread-safe). ``records`` holds the newest
+    ``KEEP`` in memory (for callers and tests): a long run must not grow without bound."""
 
+    KEEP = 1024
     path: str | None = None
-    records: list[dict] = field(default_factory=list)
+    records: deque = field(default_factory=lambda: deque(maxlen=JsonlSink.KEEP))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def write(self, record: dict) -> None:
