@@ -273,7 +273,14 @@ def test_lighthouse_killed_and_restarted_no_split_brain(tmp_path: Path) -> None:
     restarted = next(e for e in events if e["event"] == "lighthouse_restarted")
     assert exited["pid"] == lighthouse and restarted["pid"] != lighthouse
     assert restarted["url"] == next(e for e in events if e["event"] == "lighthouse_started")["url"]
-    assert sorted((e["group"], e["attempt"]) for e in events if e["event"] == "start") == [(0, 0), (1, 0)]
+    starts = sorted((e["group"], e["attempt"], e["source"]) for e in events if e["event"] == "start")
+    # Usually nobody restarts. Known torchft race (seen 1 in ~5 loaded runs): right after the
+    # lighthouse is back, the new quorum's cross-group gloo mesh can be refused ("connectFullMesh
+    # ... Connection refused"); that step fails its vote everywhere, and a group that then times out
+    # restarts and must heal from its live peer. Anything else (a restore from storage) is a failure.
+    assert [(g, a) for g, a, _ in starts[:2]] == [(0, 0), (1, 0)], starts
+    assert all(attempt == 1 and source == "peer" for _, attempt, source in starts[2:]), f"{starts}\n{_logs(run_dir)}"
+    assert len(starts) <= 3, f"{starts}\n{_logs(run_dir)}"
     committed = [e for e in events if e["event"] == "step" and e["committed"]]
     # No split brain: a step committed by both groups was committed in ONE quorum of both.
     for step in range(1, steps + 1):
