@@ -9,8 +9,9 @@ the copies kept for a buddy node). A snapshot is two files:
 - ``step-<S>.json``: the index (tensor FQN, dtype, shape, offset, crc32c; the JSON leaves; the
   topology it was taken on). It is written last, by rename: a snapshot is visible only complete.
 
-A slot is reused only once no visible index points at it and no reader has leased it, so a
-replication in flight never sees its bytes change. Nothing here is pickled.
+A slot is reused only once no visible index points at it and its lease is released (``reserve``
+leases it until the snapshot is published and copied to the buddy), so a replication in flight
+never sees its bytes change. Nothing here is pickled.
 """
 
 from __future__ import annotations
@@ -188,10 +189,6 @@ class RankStore:
         size = os.stat(path).st_size
         return self._slot(index.slot, size).data[: index.nbytes]
 
-    def lease(self, slot: str) -> None:
-        with self._lock:
-            self._leases[slot] = self._leases.get(slot, 0) + 1
-
     def release(self, slot: str) -> None:
         with self._lock:
             self._leases[slot] -= 1
@@ -245,6 +242,7 @@ class RankStore:
             self.remove(newer)
 
     def bytes_used(self) -> int:
+        """Bytes of all slot files here, spares included (``drop_spare_slots`` frees those)."""
         try:
             return sum(e.stat().st_size for e in os.scandir(self.directory) if e.name.startswith("slot"))
         except FileNotFoundError:

@@ -27,7 +27,9 @@ class Pairing:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must divide the world size {self.world_size}")
         if self.failure_domains and len(self.failure_domains) != self.nodes:
-            raise ConfigError(f"{len(self.failure_domains)} failure domains given for {self.nodes} nodes")
+            labels = len(self.failure_domains)
+            raise ConfigError(f"recovery.failure_domains has {labels} labels for {self.nodes} nodes: give one "
+                              f"per node ({self.world_size} ranks / {self.ranks_per_node} per node)")  # fmt: skip
 
     @property
     def nodes(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
 
@@ -48,6 +48,9 @@ class RecoveryConfig:
     ranks_per_node: int = 0
     """Ranks per node; 0: torchrun's ``LOCAL_WORLD_SIZE`` (one real node per host). Set it to
     simulate several nodes on one machine: each gets its own store directory and buddy."""
+    failure_domains: list[str] = field(default_factory=list)
+    """One label per node (e.g. its rack or power domain), in node order; a buddy is always on a
+    node with another label. Empty: every node is its own domain."""
     max_store_bytes: int = 0
     """Upper bound on the bytes one node keeps (own + buddy copies); the oldest snapshots go first.
     0: no bound beyond ``checkpoint.memory_keep`` snapshots per rank."""
@@ -71,6 +74,9 @@ class RecoveryConfig:
         if not isinstance(self.store_dir, str):
             raise ConfigError(f"recovery.store_dir={self.store_dir!r} must be a path (a string)")
         _check_int("ranks_per_node", self.ranks_per_node, 0, 1 << 20)
+        if not isinstance(self.failure_domains, list) or not all(isinstance(d, str) for d in self.failure_domains):
+            raise ConfigError(f"recovery.failure_domains={self.failure_domains!r} must be a list of strings, "
+                              "one per node")
         _check_int("max_store_bytes", self.max_store_bytes, 0, 1 << 50)
         if not isinstance(self.replication, bool):
             raise ConfigError(f"recovery.replication={self.replication!r} must be true or false")

@@ -145,7 +145,7 @@ class RamTier:
         stats_path: str | None = None,
     ) -> None:
         self.config, self.keep, self.group, self.rank = config, keep, group, rank
-        self.pairing = Pairing(world_size, ranks_per_node(config, world_size))
+        self.pairing = Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains))
         self.node = self.pairing.node_of(rank)
         self.root = store_root(config, run_dir)
         self.node_dir = node_store_dir(config, run_dir, group, self.node)

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -26,6 +25,7 @@ from resilient import Checkpointer
 from resilient.recovery.events import read_events, read_pid
 from resilient.recovery.ram_config import RecoveryConfig, node_store_dir
 from resilient.trainer.outputs import read_jsonl_by_step
+from tests.procs import kill_tree
 
 pytestmark = [pytest.mark.e2e]
 
@@ -58,9 +58,7 @@ def _finish(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
+        kill_tree(proc)
         out, _ = proc.communicate(timeout=30)
         pytest.fail(f"the job did not finish in {timeout_s} s\n{out[-4000:]}")
     assert proc.returncode == 0, f"launcher exited {proc.returncode}\n{out[-6000:]}"

@@ -228,3 +228,16 @@ def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
     copy = kept.indexes()[3]
     assert copy.slot == "slot0.bin" and first_corruption(copy, kept.data(copy)) is None
     assert copy.values == {"v": 3.0}
+
+
+def test_failure_domains_come_from_the_config_and_are_checked():
+    from resilient.recovery.ram_tier import RamTier
+
+    config = RecoveryConfig(store_dir="/nonexistent", ranks_per_node=1, failure_domains=["a", "a", "b", "b"])
+    tier = RamTier(config, keep=1, run_dir="run", group=0, rank=1, world_size=4, fingerprint={})
+    assert tier.pairing.buddy_of(1) == 2  # the next node is in the same rack "a": skipped
+    with pytest.raises(ConfigError, match="recovery.failure_domains has 2 labels for 4 nodes"):
+        RamTier(RecoveryConfig(ranks_per_node=1, failure_domains=["a", "b"]), keep=1, run_dir="run", group=0,
+                rank=0, world_size=4, fingerprint={})  # fmt: skip
+    with pytest.raises(ConfigError, match="must be a list of strings"):
+        RecoveryConfig(failure_domains="rack-a")

@@ -17,13 +17,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pytest
 
 from resilient import Checkpointer
 from resilient.recovery.events import read_events, read_pid
 from resilient.tools.replicas import LIGHTHOUSE_PID
 from resilient.trainer.outputs import read_jsonl_by_step
+from tests.procs import kill_tree
 
 pytestmark = [pytest.mark.e2e]
 
@@ -53,9 +53,7 @@ def _finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = RUN_TIMEOU
         try:
             out, _ = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
+            kill_tree(proc)
             out, _ = proc.communicate()
         pytest.fail(f"the job did not finish in {timeout_s} s\n{out[-3000:]}\n{_logs(run_dir)}")
     assert proc.returncode == 0, f"launcher exited {proc.returncode}\n{out[-3000:]}\n{_logs(run_dir)}"

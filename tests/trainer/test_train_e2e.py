@@ -26,13 +26,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from resilient import Checkpointer
 from resilient.trainer.config import load_config
 from resilient.trainer.outputs import read_jsonl_by_step
+from tests.procs import kill_tree
 
 pytestmark = [pytest.mark.e2e]
 
@@ -51,9 +51,7 @@ def _run(command: list[str], timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool =
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
+        kill_tree(proc)
         stdout, stderr = proc.communicate(timeout=30)
         pytest.fail(f"{command} did not finish within {timeout_s} s\n{stdout[-3000:]}\n{stderr[-3000:]}")
     report = f"{command} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
