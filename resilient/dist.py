@@ -1,10 +1,27 @@
-"""Thin helpers over torch.distributed that also work with no process group (one process)."""
+"""Thin helpers over torch.distributed that also work with no process group (one process).
+
+Objects cross ranks as JSON in uint8 tensors, never as pickles (``dist.all_gather_object``
+unpickles what a peer sent): a value round-trips as JSON does (tuples come back as lists, dict
+keys as strings).
+
+``agree`` is the one "compute here, fail together everywhere" collective: a rank that raised
+alone before a collective would leave its peers waiting in that collective until the process
+group's timeout, so every decision that can fail on some ranks goes through it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import socket
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
+
+from resilient.errors import from_payload, to_payload
+
+T = TypeVar("T")
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -19,25 +36,101 @@ def get_world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order. Callers send plain JSON-able data (str, dict, list)."""
-    if not is_distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (``src`` is a rank of ``group``)."""
-    if not is_distributed():
-        return obj
-    box = [obj]
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast_object_list(box, src=global_src, group=group)
-    return box[0]
-
-
 def barrier(group: Any = None) -> None:
     if is_distributed():
         dist.barrier(group=group)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; a race with another binder remains)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# --- JSON over tensors ----------------------------------------------------------------------------
+
+
+def _device(group: Any) -> torch.device:
+    # NCCL moves only device tensors; every other backend (gloo, or "cpu:gloo,cuda:nccl") takes CPU.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    data = json.dumps(obj).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.cpu().numpy()).decode())
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order."""
+    if not is_distributed():
+        return [json.loads(json.dumps(obj))]
+    device = _device(group)
+    mine = _encode(obj, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(out, padded, group=group)
+    return [_decode(t[: int(n)]) for t, n in zip(out, sizes, strict=True)]
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s JSON-able ``obj`` on every rank (``src`` is a rank of ``group``)."""
+    if not is_distributed():
+        return json.loads(json.dumps(obj))
+    device = _device(group)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    mine = _encode(obj, device) if get_rank(group) == src else torch.empty(0, dtype=torch.uint8, device=device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=global_src, group=group)
+    data = mine if get_rank(group) == src else torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=global_src, group=group)
+    return _decode(data)
+
+
+# --- fail together --------------------------------------------------------------------------------
+
+
+def agree(fn: Callable[[], T], *, group: Any = None, src: int | None = None, what: str = "") -> Any:
+    """Run ``fn`` on rank ``src`` of ``group`` (or on every rank when ``src`` is None) and share
+    the outcome: every rank returns ``src``'s result (or the list of every rank's results, in rank
+    order), or every rank raises the SAME error — the first failing rank's, its class kept, its
+    message prefixed with the rank (and ``what``), the remote traceback as its cause.
+
+    ``fn``'s result must be JSON-able. Any ``Exception`` counts as failure; a ``BaseException``
+    (KeyboardInterrupt, SystemExit) still propagates on its own rank only.
+    """
+    rank = get_rank(group)
+    outcome: dict[str, Any] = {}
+    local_error: BaseException | None = None
+    if src is None or rank == src:
+        try:
+            outcome = {"ok": fn()}
+        except Exception as e:  # shared below, then raised on every rank
+            local_error = e
+            outcome = {"error": to_payload(e)}
+    if src is None:
+        outcomes = all_gather_object(outcome, group)
+    else:
+        outcomes = [None] * get_world_size(group)
+        outcomes[src] = broadcast_object(outcome, src, group)
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o is not None and "error" in o]
+    if failed:
+        first_rank, payload = failed[0]
+        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        err = from_payload(payload, prefix=f"{what + ': ' if what else ''}[rank {first_rank}{others}] ")
+        if first_rank == rank and local_error is not None:
+            raise err from local_error  # this rank's own traceback, not a copy of it
+        raise err
+    if src is not None:
+        return outcomes[src]["ok"]
+    return [o["ok"] for o in outcomes]

@@ -37,3 +37,56 @@ class RestoreError(ResilientError):
 
 class QuorumTimeout(ResilientError, TimeoutError):
     """A quorum or collective decision did not complete within its timeout."""
+
+
+class RemoteError(ResilientError):
+    """Stands as the ``__cause__`` of an error re-raised from another rank or process: its message
+    is the remote traceback, so the place that failed is not lost in the hop."""
+
+
+# --- errors across ranks and processes ------------------------------------------------------------
+#
+# An error crosses a process boundary as plain JSON (never a pickle: the receiving side must not
+# execute anything a peer sent). It is rebuilt as the same class when that class is ours or one of
+# a few builtins; anything else arrives as a ResilientError that names the original type.
+
+_BUILTINS: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, KeyError, IndexError, RuntimeError, OSError, TimeoutError, NotImplementedError,
+)
+
+
+def _error_classes() -> dict[str, type[BaseException]]:
+    ours = [ResilientError, *_subclasses(ResilientError)]
+    return {c.__name__: c for c in (*_BUILTINS, *ours)}
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+def to_payload(err: BaseException) -> dict[str, str]:
+    """``{"type", "message", "traceback"}`` of ``err``: JSON-able, for another rank or process."""
+    import traceback
+
+    return {
+        "type": type(err).__name__,
+        "message": str(err) if not isinstance(err, KeyError) else str(err.args[0] if err.args else ""),
+        "traceback": "".join(traceback.format_exception(err)),
+    }
+
+
+def from_payload(payload: dict[str, str], *, prefix: str = "") -> BaseException:
+    """The error ``payload`` describes, ready to raise: the same class where known (else a
+    ``ResilientError`` naming the type), ``prefix`` before its message, and a ``RemoteError``
+    holding the remote traceback as its cause."""
+    cls = _error_classes().get(payload.get("type", ""))
+    message = payload.get("message", "")
+    if cls is None:
+        cls, message = ResilientError, f"{payload.get('type', 'error')}: {message}"
+    err = cls(f"{prefix}{message}")
+    err.__cause__ = RemoteError(f"remote traceback:\n{payload.get('traceback', '(none)')}")
+    err.__suppress_context__ = True
+    return err

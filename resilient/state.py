@@ -134,3 +134,31 @@ def set_leaf(leaf: Leaf, value: Any) -> None:
         leaf.parent[leaf.key] = value
     else:
         raise StateError(f"cannot restore {leaf.fqn!r} in place: its container is immutable")
+
+
+def state_digest(state: Any) -> str:
+    """sha256 over every tensor of a nested dict, keys in sorted order, each named by its dotted
+    path: two ranks, replicas or runs hold the same bits iff their digests match.
+
+    DTensors are gathered whole (``full_tensor``), so under FSDP/TP this is a collective: call it
+    on every rank of the mesh. Non-tensor leaves do not count (they are compared as JSON)."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    for key, value in _tensor_items(state, ""):
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        h.update(key.encode())
+        h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tensor_items(state: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        return [(prefix, state)]
+    if isinstance(state, dict):
+        return [
+            item for key in sorted(state, key=str) for item in _tensor_items(state[key], f"{prefix}.{key}" if prefix else str(key))
+        ]
+    return []

@@ -1,0 +1,219 @@
+"""The run directory's contract (DESIGN §8b): every path a run writes, and how its lines are written
+and read. The one place that knows these names: the trainer, the launcher, ``resilient-chaos``
+and the tools all ask here.
+
+::
+
+    <run.dir>/
+      events.jsonl            typed events of the whole job (every group's rank 0 appends)
+      pids/group<G>-rank<R>   pid files; pids/lighthouse
+      group<G>/metrics.jsonl  samples.jsonl  saves.jsonl  ram.jsonl  config.json  final.json
+      ckpt/                   default checkpoint.url
+
+JSON-lines files are appended one record per ``write`` on an ``O_APPEND`` descriptor: records from
+several processes never interleave (POSIX appends are atomic per write on a local file system) and
+no lock is needed. A killed writer can leave at most its own last line torn; readers skip it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from resilient.errors import ConfigError
+
+EVENTS_FILE = "events.jsonl"
+PIDS_DIR = "pids"
+LIGHTHOUSE_PID = "lighthouse"
+"""``pids/lighthouse``: the pid of the lighthouse the launcher started (rewritten on restart)."""
+LOGS_DIR = "logs"
+CKPT_DIR = "ckpt"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+SAVES_FILE = "saves.jsonl"
+RAM_FILE = "ram.jsonl"
+CONFIG_FILE = "config.json"
+FINAL_DIGEST = "final.json"
+"""``group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
+
+GROUP_ENV = "RESILIENT_GROUP"
+"""Replica-group id of this torchrun job (0 while a run has one group)."""
+
+
+# --- where ----------------------------------------------------------------------------------------
+
+
+def group_id() -> int:
+    """This process's replica group, from ``$RESILIENT_GROUP`` (0 when unset)."""
+    value = os.environ.get(GROUP_ENV, "0")
+    if not value.isdigit():
+        raise ConfigError(f"environment {GROUP_ENV}={value!r} must be a non-negative integer (replica group id)")
+    return int(value)
+
+
+def group_dir(run_dir: str, group: int | None = None) -> str:
+    """``<run.dir>/group<G>``: one replica group's metrics, samples, saves, RAM stats."""
+    return os.path.join(os.path.abspath(run_dir), f"group{group_id() if group is None else group}")
+
+
+def group_file(run_dir: str, name: str, group: int | None = None) -> str:
+    """``<run.dir>/group<G>/<name>`` (``name``: one of the ``*_FILE`` constants)."""
+    return os.path.join(group_dir(run_dir, group), name)
+
+
+def events_path(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), EVENTS_FILE)
+
+
+def pids_dir(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), PIDS_DIR)
+
+
+def pid_path(run_dir: str, group: int, rank: int) -> str:
+    return os.path.join(pids_dir(run_dir), f"group{group}-rank{rank}")
+
+
+def lighthouse_pid_path(run_dir: str) -> str:
+    return os.path.join(pids_dir(run_dir), LIGHTHOUSE_PID)
+
+
+def logs_dir(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), LOGS_DIR)
+
+
+def default_ckpt_url(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), CKPT_DIR)
+
+
+# --- pid files ------------------------------------------------------------------------------------
+
+
+def write_pid_file(path: str, pid: int | None = None) -> None:
+    """Write ``pid`` (default: this process) to ``path``, replaced atomically (a restarted process
+    overwrites its predecessor's file; a reader never sees a half-written number)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid() if pid is None else pid}\n")
+    os.replace(tmp, path)
+
+
+def read_pid_file(path: str) -> int | None:
+    """The pid in ``path``; None when it is missing or not a number."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def write_pid(run_dir: str, group: int, rank: int) -> None:
+    """Record this process as ``pids/group<G>-rank<R>``."""
+    write_pid_file(pid_path(run_dir, group, rank))
+
+
+def read_pid(run_dir: str, group: int, rank: int) -> int | None:
+    return read_pid_file(pid_path(run_dir, group, rank))
+
+
+# --- JSON lines -----------------------------------------------------------------------------------
+
+
+def append_jsonl(path: str, record: dict[str, Any]) -> None:
+    """Append one record as one line in ONE write (see the module docstring)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    """Every complete record of ``path`` in file order (nothing when it does not exist); a torn or
+    otherwise unparsable line is skipped."""
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    yield record
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """:func:`iter_jsonl` as a list."""
+    return list(iter_jsonl(path))
+
+
+def read_jsonl_by_step(path: str) -> dict[int, dict[str, Any]]:
+    """Records keyed by ``step``, ascending; a step logged twice (redone after a restore) keeps its
+    last line, the one that counts."""
+    out = {r["step"]: r for r in iter_jsonl(path) if "step" in r}
+    return dict(sorted(out.items()))
+
+
+class JsonlTail:
+    """Reads a JSON-lines file incrementally: each ``poll`` returns the records completed since the
+    last one (a line still being written waits for its newline)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        new = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                new.append(json.loads(line))
+        self.records.extend(new)
+        return new
+
+
+# --- the event log --------------------------------------------------------------------------------
+
+
+class EventLog:
+    """``<run.dir>/events.jsonl``: typed events (start, restore, quorum, heal, save, done, ...).
+    Every record carries ``t`` and ``event``; a disabled log (not the group's rank 0) writes nothing."""
+
+    def __init__(self, run_dir: str, *, enabled: bool) -> None:
+        self.path = events_path(run_dir)
+        self._fd: int | None = None
+        if enabled:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fd is None:
+            return
+        os.write(self._fd, (json.dumps({"t": round(time.time(), 4), "event": event, **fields}) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def write_event(run_dir: str, event: str, **fields: Any) -> None:
+    """Append one event without keeping a descriptor open (rare events: restore, done)."""
+    append_jsonl(events_path(run_dir), {"t": round(time.time(), 4), "event": event, **fields})
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """Every complete event of ``<run_dir>/events.jsonl``, in file order ([] before the first)."""
+    return read_jsonl(events_path(run_dir))
