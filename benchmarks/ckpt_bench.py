@@ -25,7 +25,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -411,12 +410,6 @@ def _load_rounds(
 # spawning worlds (TensorStore aborts in forked children that use it: spawn only)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_entry(fn: Callable, rank: int, world: int, port: int, cfg: BenchConfig, args: tuple, out: Any) -> None:
     # stdout belongs to the JSON lines the parent prints; anything a library prints goes to stderr.
     os.dup2(2, 1)
@@ -445,7 +438,9 @@ def run_world(fn: Callable, world: int, cfg: BenchConfig, *args: Any) -> list[An
     A rank that fails, dies or outlives ``cfg.timeout_s`` fails the run, and no rank outlives it."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    from resilient.dist import free_port
+
+    port = free_port()
     # Not daemonic: DCP's async_save in process mode starts a child of its own. The finally
     # clause below kills every rank, so none outlives the run.
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=False)

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -156,12 +155,6 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue) -> N
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mib", type=float, default=256, help="state per rank for the restore comparison")
@@ -174,7 +167,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="ram_bench-")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    from resilient.dist import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args, port, root, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()

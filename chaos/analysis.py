@@ -35,7 +35,7 @@ def _commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _rolled_back_to(events: list[dict[str, Any]], t0: float, t1: float, pre: int) -> int | None:
     steps = [e["step"] for e in events if t0 < e["t"] <= t1 and (
-        (e.get("event") == "start" and e.get("source") == "storage")
+        (e.get("event") == "start" and e.get("source") == "persistent")
         or (e.get("event") == "restore" and e.get("source") not in (None, "peer")))]  # fmt: skip
     low = min(steps, default=None)
     return low if low is not None and low < pre else None
@@ -194,7 +194,7 @@ def _reload_s(events: list[dict[str, Any]], t0: float, t1: float) -> float:
     if restores:
         return float(max(restores))
     total = 0.0
-    storage_starts = [e for e in events if e.get("event") == "start" and e.get("source") == "storage"]
+    storage_starts = [e for e in events if e.get("event") == "start" and e.get("source") == "persistent"]
     for start in (e for e in storage_starts if t0 < e["t"] <= t1):
         joined = max((e["t"] for e in events if e.get("event") == "joining" and e.get("group") == start["group"]
                       and e["t"] <= start["t"]), default=start["t"])  # fmt: skip

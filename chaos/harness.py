@@ -22,7 +22,7 @@ from typing import Any
 
 from resilient.chaos import invariants as inv
 from resilient.chaos.analysis import fault_costs, goodput
-from resilient.chaos.hooks import HOLD_FILE, read_lines, write_atomic
+from resilient.chaos.hooks import HOLD_FILE, write_atomic
 from resilient.chaos.inject import FaultRecord, InjectContext, advance, release
 from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, load_job_config
 from resilient.chaos.report import write_report, write_timeline
@@ -30,6 +30,7 @@ from resilient.chaos.s3_proxy import S3_ENV, FaultProxy, MotoServer
 from resilient.chaos.scenario import Scenario, scenario_summary
 from resilient.chaos.twin import default_cache_dir, get_twin
 from resilient.errors import ConfigError
+from resilient.runfiles import read_events, read_jsonl
 
 POLL_S = 0.05
 HOLD_SETTLE_S = 1.0
@@ -131,7 +132,7 @@ def _drive(scenario: Scenario, proc: JobProcess, ctx: InjectContext, records: li
     cursor = 0
     try:
         while proc.poll():
-            new, cursor = proc.events.events[cursor:], len(proc.events.events)
+            new, cursor = proc.events.records[cursor:], len(proc.events.records)
             for e in new:
                 if e.get("event") == "step" and e.get("committed"):
                     ctx.job_step = max(ctx.job_step, e["step"])
@@ -208,7 +209,7 @@ def _run(scenario: Scenario, report_dir: str, cache_dir: str | None, log: Callab
             proc.kill_leftovers(leftovers)
             proc.close()
         run = inv.RunData(run_dir=run_dir, groups=scenario.job.replica_groups, steps=scenario.job.steps,
-                          checkpoint_url=storage.url, events=proc.events.events, returncode=proc.returncode,
+                          checkpoint_url=storage.url, events=proc.events.records, returncode=proc.returncode,
                           timed_out=proc.timed_out)  # fmt: skip
         log(f"chaos: job ended (exit {proc.returncode}) after {proc.t_end - proc.t_launch:.1f} s; checking")
         with storage.direct():
@@ -233,7 +234,7 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
         else:
             twin = inv.RunData(run_dir=twin_dir, groups=run.groups, steps=run.steps,
                                checkpoint_url=os.path.join(twin_dir, "ckpt"), returncode=0)  # fmt: skip
-            twin.events = read_lines(os.path.join(twin_dir, "events.jsonl"))
+            twin.events = read_events(twin_dir)
     costs = [fault_costs(r, run.events) for r in records]
     corrupted = {c["step"]: c["file"] for c in costs if c["kind"] == "corrupt_chunk" and "step" in c}
     config = load_job_config(scenario.job, harness_overrides(scenario.job, run.run_dir, storage.url))
@@ -254,7 +255,7 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
         "steps_lost_within_bound": inv.steps_lost_within_bound(costs, scenario.check.max_steps_lost_per_fault),
         "no_orphans": inv.no_orphans(leftovers),
     }
-    holds = read_lines(os.path.join(run.run_dir, "chaos", "hook_events.jsonl"))
+    holds = read_jsonl(os.path.join(run.run_dir, "chaos", "hook_events.jsonl"))
     t_end = proc.t_end or time.time()
     good = goodput(costs, run.events, holds, proc.t_launch, t_end)
     passed = all(v["ok"] for v in invariants.values())

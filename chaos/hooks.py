@@ -20,12 +20,12 @@ Pacing (``RESILIENT_CHAOS_STEP_SLEEP``) sleeps after each step, after the digest
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
 import time
 from typing import Any
+
+from resilient.runfiles import append_jsonl
+from resilient.state import state_digest
 
 CHAOS_DIR_ENV = "RESILIENT_CHAOS_DIR"
 STEP_SLEEP_ENV = "RESILIENT_CHAOS_STEP_SLEEP"
@@ -59,24 +59,6 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def params_digest(model: Any) -> str:
-    """sha256 over the full parameters in name order (collective within the group under FSDP/TP)."""
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    state = get_model_state_dict(model)
-    h = hashlib.sha256()
-    for name in sorted(state):
-        value = state[name]
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if not isinstance(full, torch.Tensor):
-            continue
-        h.update(name.encode())
-        h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 class _ChaosHook:
     def __init__(self, trainer: Any, chaos_dir: str) -> None:
         self.dir = chaos_dir
@@ -103,11 +85,11 @@ class _ChaosHook:
     def __call__(self, step: int, trainer: Any) -> None:
         self.arm()
         self._maybe_corrupt(trainer)
-        digest = params_digest(trainer.parts.model)
+        digest = _params_digest(trainer.parts.model)
         if self.rank == 0:
             record = {"t": round(time.time(), 4), "step": step, "params_sha256": digest, "attempt": self.attempt,
                       "healed": bool(getattr(trainer, "heals", None))}  # fmt: skip
-            _append_line(digest_path(self.dir, self.group), record)
+            append_jsonl(digest_path(self.dir, self.group), record)
         if self.sleep_s:
             time.sleep(self.sleep_s)
         self._maybe_hold(step)
@@ -124,7 +106,7 @@ class _ChaosHook:
             local.add_(1e-3)
         self.corrupted = True
         if self.rank == 0:
-            _append_line(os.path.join(self.dir, "hook_events.jsonl"),
+            append_jsonl(os.path.join(self.dir, "hook_events.jsonl"),
                          {"t": round(time.time(), 4), "event": "corrupted", "group": self.group})  # fmt: skip
 
     def _maybe_hold(self, step: int) -> None:
@@ -141,29 +123,16 @@ class _ChaosHook:
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.rank == 0:
-            _append_line(os.path.join(self.dir, "hook_events.jsonl"),
+            append_jsonl(os.path.join(self.dir, "hook_events.jsonl"),
                          {"t": round(time.time(), 4), "event": "held", "group": self.group, "step": step,
                           "start": round(start, 4), "seconds": round(time.time() - start, 4)})  # fmt: skip
 
 
-def _append_line(path: str, record: dict[str, Any]) -> None:
-    """One write on an O_APPEND descriptor: lines from several processes never interleave."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(fd)
+def _params_digest(model: Any) -> str:
+    """sha256 over the full parameters (collective within the group under FSDP/TP)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-
-def read_lines(path: str) -> list[dict[str, Any]]:
-    """Every complete JSON line of a file ([] when it does not exist; a torn line is skipped)."""
-    out = []
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
-        for line in f:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-    return out
+    return state_digest(get_model_state_dict(model))
 
 
 def chaos_hook(trainer: Any) -> _ChaosHook | None:

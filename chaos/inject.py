@@ -25,8 +25,7 @@ from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, write_atom
 from resilient.chaos.job import JobProcess, job_node_store_dir
 from resilient.chaos.s3_proxy import FaultProxy
 from resilient.chaos.scenario import FAULT_KINDS, FaultSpec
-from resilient.recovery.events import PIDS_DIR, read_pid
-from resilient.tools.replicas import LIGHTHOUSE_PID
+from resilient.runfiles import lighthouse_pid_path, read_pid
 
 MARKER_TIMEOUT_S = 120.0
 """Longest wait for an armed fault point to be reached (a persist or a heal)."""
@@ -252,7 +251,7 @@ def _start_s3_window(record: FaultRecord, ctx: InjectContext) -> bool:
 
 
 def _start_kill_lighthouse(record: FaultRecord, ctx: InjectContext) -> bool:
-    with open(os.path.join(ctx.job.run_dir, PIDS_DIR, LIGHTHOUSE_PID)) as f:
+    with open(lighthouse_pid_path(ctx.job.run_dir)) as f:
         pid = int(f.read().strip())
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)

@@ -24,9 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.chaos.hooks import digest_path, read_lines
-from resilient.trainer.outputs import read_jsonl_by_step
-from resilient.trainer.replicated import FINAL_DIGEST
+from resilient.chaos.hooks import digest_path
+from resilient.runfiles import FINAL_DIGEST, read_jsonl, read_jsonl_by_step
 
 
 def result(ok: bool, reason: str) -> dict[str, Any]:
@@ -81,11 +80,11 @@ class RunData:
     def digests(self, group: int) -> dict[int, dict[str, Any]]:
         """step -> the group's parameter digest, only records of the job's current lineage (after the
         last storage restore, a step redone supersedes what was computed before it)."""
-        restores = [e for e in self.events if e.get("event") == "start" and e.get("source") == "storage"]
+        restores = [e for e in self.events if e.get("event") == "start" and e.get("source") == "persistent"]
         last = max(restores, key=lambda e: e["t"], default=None)
         cut, restored = (last["t"], last["step"]) if last else (0.0, 0)
         out: dict[int, dict[str, Any]] = {}
-        for record in read_lines(digest_path(os.path.join(self.run_dir, "chaos"), group)):
+        for record in read_jsonl(digest_path(os.path.join(self.run_dir, "chaos"), group)):
             if record["t"] >= cut or record["step"] <= restored:
                 out[record["step"]] = record
         return out

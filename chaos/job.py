@@ -13,43 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from resilient.chaos.hooks import CHAOS_DIR_ENV, HOOK_PATH, STEP_SLEEP_ENV
 from resilient.chaos.scenario import REPO_ROOT, JobSpec
-from resilient.recovery.events import EVENTS_FILE, PIDS_DIR
-
-
-@dataclass(slots=True)
-class EventTail:
-    """Reads ``events.jsonl`` incrementally (complete lines only) and keeps the job's progress."""
-
-    path: str
-    events: list[dict[str, Any]] = field(default_factory=list)
-    _offset: int = 0
-    _partial: bytes = b""
-
-    def poll(self) -> list[dict[str, Any]]:
-        import json
-
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        new = []
-        for line in lines:
-            with contextlib.suppress(json.JSONDecodeError):
-                new.append(json.loads(line))
-        self.events.extend(new)
-        return new
+from resilient.runfiles import JsonlTail, events_path, pids_dir, read_pid_file
 
 
 def harness_overrides(job: JobSpec, run_dir: str, checkpoint_url: str) -> list[str]:
@@ -121,7 +91,7 @@ class JobProcess:
         self.t_launch = time.time()
         self.proc = subprocess.Popen(command, cwd=str(REPO_ROOT), env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.events = EventTail(os.path.join(run_dir, EVENTS_FILE))
+        self.events = JsonlTail(events_path(run_dir))
         self.seen: dict[int, float] = {}
         """pid -> create_time of every process of the job observed so far."""
         self.returncode: int | None = None
@@ -140,12 +110,10 @@ class JobProcess:
 
     def _census(self) -> None:
         pids = [self.proc.pid]
-        pids_dir = os.path.join(self.run_dir, PIDS_DIR)
-        for name in os.listdir(pids_dir) if os.path.isdir(pids_dir) else []:
-            if ".tmp" in name:
-                continue
-            with contextlib.suppress(OSError, ValueError), open(os.path.join(pids_dir, name)) as f:
-                pids.append(int(f.read().strip()))
+        folder = pids_dir(self.run_dir)
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if ".tmp" not in name and (pid := read_pid_file(os.path.join(folder, name))) is not None:
+                pids.append(pid)
         with contextlib.suppress(psutil.Error):
             pids += [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
         for pid in pids:

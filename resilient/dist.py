@@ -1,8 +1,9 @@
 """Thin helpers over torch.distributed that also work with no process group (one process).
 
-Objects cross ranks as JSON in uint8 tensors, never as pickles (``dist.all_gather_object``
-unpickles what a peer sent): a value round-trips as JSON does (tuples come back as lists, dict
-keys as strings).
+``all_gather_json``/``broadcast_json`` move JSON in uint8 tensors, never pickles
+(``dist.all_gather_object`` unpickles what a peer sent): a value round-trips as JSON does (tuples
+come back as lists, int dict keys as strings). ``all_gather_object``/``broadcast_object`` are
+torch's pickle-based collectives, for callers not yet moved to JSON.
 
 ``agree`` is the one "compute here, fail together everywhere" collective: a rank that raised
 alone before a collective would leave its peers waiting in that collective until the process
@@ -67,7 +68,7 @@ def _decode(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.cpu().numpy()).decode())
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order."""
     if not is_distributed():
         return [json.loads(json.dumps(obj))]
@@ -83,7 +84,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return [_decode(t[: int(n)]) for t, n in zip(out, sizes, strict=True)]
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Rank ``src``'s JSON-able ``obj`` on every rank (``src`` is a rank of ``group``)."""
     if not is_distributed():
         return json.loads(json.dumps(obj))
@@ -95,6 +96,25 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     data = mine if get_rank(group) == src else torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=global_src, group=group)
     return _decode(data)
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled by torch: peers of one job only)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (``src`` is a rank of ``group``; pickled by torch)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    return box[0]
 
 
 # --- fail together --------------------------------------------------------------------------------
@@ -119,10 +139,10 @@ def agree(fn: Callable[[], T], *, group: Any = None, src: int | None = None, wha
             local_error = e
             outcome = {"error": to_payload(e)}
     if src is None:
-        outcomes = all_gather_object(outcome, group)
+        outcomes = all_gather_json(outcome, group)
     else:
         outcomes = [None] * get_world_size(group)
-        outcomes[src] = broadcast_object(outcome, src, group)
+        outcomes[src] = broadcast_json(outcome, src, group)
     failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o is not None and "error" in o]
     if failed:
         first_rank, payload = failed[0]

@@ -11,11 +11,7 @@ import uuid
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from resilient.dist import free_port
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

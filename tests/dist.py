@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from tests.conftest import free_port
+from resilient.dist import free_port
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, env: dict, args: tuple, out: mp.Queue) -> None:

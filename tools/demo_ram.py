@@ -17,10 +17,9 @@ import subprocess
 import sys
 import time
 
-from resilient.recovery.events import read_events, read_pid
 from resilient.recovery.ram_config import node_store_dir
+from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from resilient.trainer.config import load_config
-from resilient.trainer.outputs import read_jsonl_by_step
 
 STEPS, KILL_STEP = 30, 10
 TIMEOUT_S = 300.0

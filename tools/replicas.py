@@ -35,13 +35,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
+from resilient.dist import free_port
 from resilient.errors import ConfigError
 from resilient.recovery.config import LIGHTHOUSE_ENV
-from resilient.recovery.events import PIDS_DIR, EventLog
-from resilient.trainer.outputs import GROUP_ENV
+from resilient.runfiles import GROUP_ENV, EventLog, lighthouse_pid_path, pids_dir
 
-LIGHTHOUSE_PID = "lighthouse"
-"""``<run.dir>/pids/lighthouse``: the pid of the lighthouse this launcher started (rewritten on restart)."""
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
 """torchft_lighthouse is a Python console script: it imports torch before it listens (1.5-6.5 s)."""
 
@@ -71,11 +69,6 @@ class ReplicaLaunch:
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts={self.max_restarts} must be >= 0")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lighthouse_binary() -> str:
@@ -148,7 +141,7 @@ class ReplicaJob:
 
     def start(self) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
-        os.makedirs(os.path.join(self.run_dir, PIDS_DIR), exist_ok=True)
+        os.makedirs(pids_dir(self.run_dir), exist_ok=True)
         if not self.lighthouse_url:
             self.lighthouse_port = free_port()
             start = time.monotonic()
@@ -178,7 +171,7 @@ class ReplicaJob:
             self.lighthouse_port, self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms, heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
         )  # fmt: skip
-        path = os.path.join(self.run_dir, PIDS_DIR, LIGHTHOUSE_PID)
+        path = lighthouse_pid_path(self.run_dir)
         with open(f"{path}.tmp", "w") as f:
             f.write(f"{self.lighthouse.pid}\n")
         os.replace(f"{path}.tmp", path)
@@ -227,10 +220,10 @@ class ReplicaJob:
 
     def _kill_stray_workers(self) -> None:
         """Workers left by a torchrun that died hard (they run in sessions of their own)."""
-        pids_dir = os.path.join(self.run_dir, PIDS_DIR)
-        for name in os.listdir(pids_dir) if os.path.isdir(pids_dir) else []:
+        folder = pids_dir(self.run_dir)
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
             try:
-                with open(os.path.join(pids_dir, name)) as f:
+                with open(os.path.join(folder, name)) as f:
                     pid = int(f.read().strip())
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"resilient.trainer" not in f.read():

@@ -22,14 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError, StorageError
-from resilient.recovery.events import EventLog
 from resilient.recovery.ram_tier import RamTier
+from resilient.runfiles import EventLog, group_id
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
 from resilient.trainer.build import StepHook, committed_steps, load_step_hooks
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
-from resilient.trainer.outputs import RunOutputs, StepStats, group_id, sort_sample_ids
+from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ Differences from the single-group ``Trainer`` (everything else is inherited):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,23 +27,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.faults import fault_point
-from resilient.recovery.events import EventLog
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
+from resilient.runfiles import FINAL_DIGEST, EventLog, group_id
+from resilient.state import state_digest
 from resilient.trainer.loop import StepResult, Trainer
 from resilient.trainer.model import BATCH_KEYS, count_loss_tokens
-from resilient.trainer.outputs import group_id, sort_sample_ids
+from resilient.trainer.outputs import sort_sample_ids
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
 
 log = logging.getLogger(__name__)
-
-FINAL_DIGEST = "final.json"
-"""``<run.dir>/group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
-
 
 class ReplicatedTrainer(Trainer):
     """A ``Trainer`` whose steps commit through a torchft quorum of replica groups."""
@@ -99,8 +94,7 @@ class ReplicatedTrainer(Trainer):
             self.write_restore_event(step=self.step, source="peer", nbytes=heal["bytes"], seconds=quorum.heal_s)
         if quorum.step == 0 and self.resume() is not None:
             self.sync.restore_step(self.step)
-            # "storage" for the persistent tier (tools read that name), "own"/"buddy" for the RAM tier.
-            source = "storage" if self.restored_from == "persistent" else self.restored_from
+            source = self.restored_from  # one vocabulary: own | buddy | persistent | peer | fresh
             quorum = None
         self.events.write("start", group=self.group, step=self.step, source=source, attempt=attempt,
                           heal_bytes=self.heals[-1]["bytes"] if self.heals else 0)  # fmt: skip
@@ -235,8 +229,8 @@ class ReplicatedTrainer(Trainer):
         model_state, optim_state = get_state_dict(self.parts.model, self.parts.optimizer)
         digest = {
             "step": self.step,
-            "params_sha256": _digest(model_state),
-            "optim_sha256": _digest(optim_state["state"]),
+            "params_sha256": state_digest(model_state),
+            "optim_sha256": state_digest(optim_state["state"]),
             "heals": self.heals,
         }
         if self.outputs.enabled:
@@ -244,19 +238,3 @@ class ReplicatedTrainer(Trainer):
                 json.dump(digest, f, indent=1)
         return digest
 
-
-def _digest(state: dict[str, Any]) -> str:
-    h = hashlib.sha256()
-    for key, value in _flatten(state):
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        h.update(key.encode())
-        h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _flatten(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(state, torch.Tensor):
-        return [(prefix, state)]
-    if isinstance(state, dict):
-        return [item for key in sorted(state, key=str) for item in _flatten(state[key], f"{prefix}.{key}")]
-    return []

@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from resilient.dist import free_port
 from resilient.errors import ConfigError
-from resilient.recovery.events import write_pid
 from resilient.recovery.ram_tier import RamTier
+from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, write_pid
 from resilient.trainer.build import (
     build_checkpointer,
     build_parts,
@@ -30,7 +30,7 @@ from resilient.trainer.build import (
 )
 from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.loop import Trainer
-from resilient.trainer.outputs import RunOutputs, group_dir, group_id
+from resilient.trainer.outputs import RunOutputs
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ def _setup_logging(rank: int) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _init_process_group(config: TrainConfig, device: torch.device) -> None:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -84,7 +79,7 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
         config.to_dict(),
         {"world_size": dist.get_world_size(), "group": group_id(), "device": str(device)},
     )
-    saves_log = os.path.join(outputs.directory, "saves.jsonl") if outputs.enabled else None
+    saves_log = os.path.join(outputs.directory, SAVES_FILE) if outputs.enabled else None
     trainer_class = Trainer
     if config.replica.enabled:
         from resilient.trainer.replicated import ReplicatedTrainer  # imports torchft: only when asked
@@ -107,7 +102,7 @@ def build_ram_tier(config: TrainConfig, group_directory: str) -> RamTier:
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         fingerprint={"dp_shard": config.parallel.dp_shard, "tp": config.parallel.tp},
-        stats_path=os.path.join(group_directory, "ram.jsonl"),
+        stats_path=os.path.join(group_directory, RAM_FILE),
     )
     ram.start()
     return ram
@@ -128,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
     write_pid(config.run.dir, group_id(), rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     device = resolve_device(config.run.device)
     _init_process_group(config, device)
     trainer = None

@@ -16,8 +16,8 @@ import pytest
 from resilient.chaos.inject import FaultRecord, InjectContext, advance
 from resilient.chaos.job import job_node_store_dir, job_store_root
 from resilient.chaos.scenario import REPO_ROOT, FaultSpec
-from resilient.recovery.events import pid_path
 from resilient.recovery.ram_config import RecoveryConfig
+from resilient.runfiles import pid_path
 
 pytestmark = [pytest.mark.timeout(60)]
 

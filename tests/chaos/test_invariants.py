@@ -13,7 +13,7 @@ import pytest
 
 from resilient.chaos import invariants as inv
 from resilient.chaos.hooks import digest_path
-from resilient.trainer.replicated import FINAL_DIGEST
+from resilient.runfiles import FINAL_DIGEST
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 
-from resilient.recovery.events import read_events
+from resilient.runfiles import read_events
 
 
 def pace(trainer):

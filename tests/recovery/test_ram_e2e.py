@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from resilient import Checkpointer
-from resilient.recovery.events import read_events, read_pid
 from resilient.recovery.ram_config import RecoveryConfig, node_store_dir
-from resilient.trainer.outputs import read_jsonl_by_step
+from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import kill_tree
 
 pytestmark = [pytest.mark.e2e]

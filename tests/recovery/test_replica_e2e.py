@@ -20,9 +20,7 @@ from pathlib import Path
 import pytest
 
 from resilient import Checkpointer
-from resilient.recovery.events import read_events, read_pid
-from resilient.tools.replicas import LIGHTHOUSE_PID
-from resilient.trainer.outputs import read_jsonl_by_step
+from resilient.runfiles import LIGHTHOUSE_PID, read_events, read_jsonl_by_step, read_pid
 from tests.procs import kill_tree
 
 pytestmark = [pytest.mark.e2e]
@@ -173,7 +171,7 @@ def test_every_group_killed_restores_from_storage_exactly_once(tmp_path: Path) -
     events = read_events(str(run_dir))
     restarts = [e for e in events if e["event"] == "start" and e["attempt"] > 0]
     assert sorted(e["group"] for e in restarts) == [0, 1], restarts
-    restored = [e for e in restarts if e["source"] == "storage"]
+    restored = [e for e in restarts if e["source"] == "persistent"]
     assert restored, "at least the first group back restores from storage"
     newest = max(committed_before)
     assert all(e["step"] >= newest for e in restarts), (restarts, committed_before)

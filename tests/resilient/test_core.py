@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from resilient import runfiles
-from resilient.dist import agree, all_gather_object, broadcast_object, free_port
+from resilient.dist import agree, all_gather_json, broadcast_json, free_port
 from resilient.errors import CommitError, ConfigError, RemoteError, ResilientError, from_payload, to_payload
 from resilient.state import state_digest
 from resilient.validate import check_bool, check_choice, check_int, check_number
@@ -83,8 +83,8 @@ def test_error_payload_keeps_class_message_and_remote_traceback() -> None:
 
 def _agree_worker(rank: int, world: int) -> dict:
     out: dict = {}
-    out["gathered"] = all_gather_object({"rank": rank, "pair": (rank, "x" * rank * 1000)})
-    out["broadcast"] = broadcast_object({"from": rank} if rank == 1 else None, src=1)
+    out["gathered"] = all_gather_json({"rank": rank, "pair": (rank, "x" * rank * 1000)})
+    out["broadcast"] = broadcast_json({"from": rank} if rank == 1 else None, src=1)
     out["all"] = agree(lambda: rank * 10)
     out["one"] = agree(lambda: {"steps": [1, 2]} if rank == 0 else 1 / 0, src=0)
 

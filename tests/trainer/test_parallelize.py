@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from resilient.dist import free_port
 from resilient.errors import ConfigError
 from resilient.trainer.model import ModelConfig, OmniModel, count_loss_tokens, synthetic_batch
 from resilient.trainer.parallelize import (
@@ -39,12 +39,6 @@ def _model_config() -> ModelConfig:
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64,
         audio_dim=6, video_dim=10, max_positions=64,
     )  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, worker, args: tuple) -> None:
@@ -67,7 +61,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, worker, args: tu
 def _spawn(world_size: int, worker, *args) -> list[dict]:
     """Run ``worker`` on every rank (it asserts as it goes) and return what each rank measured."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, _free_port(), out_dir, worker, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, free_port(), out_dir, worker, args), nprocs=world_size, join=True)
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from resilient import Checkpointer
+from resilient.runfiles import read_jsonl_by_step
 from resilient.trainer.config import load_config
-from resilient.trainer.outputs import read_jsonl_by_step
 from tests.procs import kill_tree
 
 pytestmark = [pytest.mark.e2e]

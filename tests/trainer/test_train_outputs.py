@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.trainer.outputs import RunOutputs, StepStats, group_dir, read_jsonl_by_step, sort_sample_ids
+from resilient.runfiles import group_dir, read_jsonl_by_step
+from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
 
 pytestmark = pytest.mark.timeout(60)
 
