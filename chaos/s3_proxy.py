@@ -65,94 +65,100 @@ class ProxyState:
             self.counts[key] += 1
 
 
-def _handler(upstream: tuple[str, int], state: ProxyState) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        _conn: http.client.HTTPConnection | None = None
+class _ProxyHandler(BaseHTTPRequestHandler):
+    """Forwards one client connection to the upstream endpoint, injecting what ``state`` has active."""
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+    upstream: tuple[str, int]
+    state: ProxyState
+    protocol_version = "HTTP/1.1"
+    _conn: http.client.HTTPConnection | None = None
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        return
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length", "0") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _reset(self) -> None:
+        # SO_LINGER with a zero timeout: close() sends RST, as a dropped connection would.
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.close()
+
+    def _forward(self) -> None:
+        self.state.count("requests")
+        body = self._body()
+        if (w := self.state.active("resets")) is not None and self.state.roll(w.rate):
+            self.state.count("resets")
+            self._reset()
             return
-
-        def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                out = b""
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                            pass
-                        return out
-                    out += self.rfile.read(size)
-                    self.rfile.readline()
-            length = int(self.headers.get("Content-Length", "0") or 0)
-            return self.rfile.read(length) if length else b""
-
-        def _reset(self) -> None:
-            # SO_LINGER with a zero timeout: close() sends RST, as a dropped connection would.
-            with contextlib.suppress(OSError):
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.close_connection = True
-            with contextlib.suppress(OSError):
-                self.connection.close()
-
-        def _forward(self) -> None:
-            state.count("requests")
-            body = self._body()
-            if (w := state.active("resets")) is not None and state.roll(w.rate):
-                state.count("resets")
-                self._reset()
-                return
-            if (w := state.active("errors")) is not None and state.roll(w.rate):
-                state.count("errors")
-                self.send_response(503, "Slow Down")
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(SLOWDOWN_BODY)))
-                self.end_headers()
-                self.wfile.write(SLOWDOWN_BODY)
-                return
-            if (w := state.active("latency")) is not None:
-                state.count("delayed")
-                time.sleep(w.delay_s)
-            self._relay(body)
-
-        def _relay(self, body: bytes) -> None:
-            for attempt in range(2):  # a kept-alive upstream connection moto closed: reconnect once
-                if self._conn is None:
-                    self._conn = http.client.HTTPConnection(*upstream, timeout=120)
-                try:
-                    self._conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-                    for key, value in self.headers.items():
-                        if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
-                            self._conn.putheader(key, value)
-                    self._conn.putheader("Content-Length", str(len(body)))
-                    self._conn.endheaders(body)
-                    response = self._conn.getresponse()
-                    data = response.read()
-                    break
-                except (http.client.HTTPException, OSError):
-                    self._conn.close()
-                    self._conn = None
-                    if attempt:
-                        raise
-            self.send_response_only(response.status, response.reason)
-            for key, value in response.getheaders():
-                if key.lower() not in _HOP_BY_HOP and not (key.lower() == "content-length" and self.command != "HEAD"):
-                    self.send_header(key, value)
-            if self.command != "HEAD":
-                self.send_header("Content-Length", str(len(data)))
+        if (w := self.state.active("errors")) is not None and self.state.roll(w.rate):
+            self.state.count("errors")
+            self.send_response(503, "Slow Down")
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(SLOWDOWN_BODY)))
             self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
+            self.wfile.write(SLOWDOWN_BODY)
+            return
+        if (w := self.state.active("latency")) is not None:
+            self.state.count("delayed")
+            time.sleep(w.delay_s)
+        self._relay(body)
 
-        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815 (http.server's names)
-
-        def finish(self) -> None:
-            with contextlib.suppress(OSError):
-                super().finish()
-            if self._conn is not None:
+    def _relay(self, body: bytes) -> None:
+        for attempt in range(2):  # a kept-alive upstream connection moto closed: reconnect once
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(*self.upstream, timeout=120)
+            try:
+                self._conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                for key, value in self.headers.items():
+                    if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                        self._conn.putheader(key, value)
+                self._conn.putheader("Content-Length", str(len(body)))
+                self._conn.endheaders(body)
+                response = self._conn.getresponse()
+                data = response.read()
+                break
+            except (http.client.HTTPException, OSError):
                 self._conn.close()
+                self._conn = None
+                if attempt:
+                    raise
+        self.send_response_only(response.status, response.reason)
+        for key, value in response.getheaders():
+            if key.lower() not in _HOP_BY_HOP and not (key.lower() == "content-length" and self.command != "HEAD"):
+                self.send_header(key, value)
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
-    return Handler
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815 (http.server's names)
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):
+            super().finish()
+        if self._conn is not None:
+            self._conn.close()
+
+
+
+def _handler(upstream: tuple[str, int], state: ProxyState) -> type[BaseHTTPRequestHandler]:
+    return type("Handler", (_ProxyHandler,), {"upstream": upstream, "state": state})
 
 
 class FaultProxy:

@@ -1,0 +1,166 @@
+"""The shape of the code, held by a test (DESIGN §2): who may import whom, and how big things get.
+
+Layers, bottom up: ``resilient`` (core) <- ``storage`` <- ``recovery`` <- ``trainer`` <- ``tools``.
+``storage.offline`` may import the storage runtime; the runtime never imports offline. ``chaos``
+sits beside ``tools``: it may use the core, storage, recovery and the trainer's recipe loader
+(``resilient.trainer.config``), and nothing imports it except ``tools`` and the tests (the trainer
+reaches its step hook by a dotted path in the config, never by an import). Lazy imports inside
+functions count the same as top-level ones.
+
+Size budget: no source file over 500 lines, no function over 60 (STYLE.md); what must be longer
+is named in ``LONG_FUNCTIONS`` with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"resilient": "", "storage": "storage", "recovery": "recovery", "trainer": "trainer", "tools": "tools",
+           "chaos": "chaos"}  # folder -> the layer name under ``resilient.``
+ORDER = ["", "storage", "recovery", "trainer", "tools"]
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS: dict[str, str] = {}
+"""``"path::function"`` -> why it is longer than MAX_FUNCTION_LINES (keep this short)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    path: str  # file, relative to the repo root
+    line: int
+    target: str  # the dotted module imported, e.g. "resilient.trainer.loop"
+
+
+def source_files(root: Path = ROOT) -> list[Path]:
+    return sorted(f for folder in FOLDERS for f in (root / folder).rglob("*.py"))
+
+
+def module_of(path: Path, root: Path = ROOT) -> str:
+    """``storage/offline/verify.py`` -> ``resilient.storage.offline.verify``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    layer = FOLDERS[parts[0]]
+    rest = [p for p in parts[1:] if p != "__init__"]
+    return ".".join(["resilient", *([layer] if layer else []), *rest])
+
+
+def imports_of(path: Path, root: Path = ROOT) -> list[Import]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = str(path.relative_to(root))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [Import(rel, node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from resilient import storage`` imports the subpackage: count the names too.
+            out += [Import(rel, node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return [i for i in out if i.target == "resilient" or i.target.startswith("resilient.")]
+
+
+def layer_of(module: str) -> str:
+    """``resilient.storage.x`` -> ``storage``; ``resilient.errors`` -> ``""`` (core)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FOLDERS.values() and parts[1] else ""
+
+
+def violation(importer: str, target: str) -> str | None:
+    """Why ``importer`` may not import ``target`` (module names), or None."""
+    src, dst = layer_of(importer), layer_of(target)
+    if importer == "resilient":
+        return None  # the package's face re-exports the public API from where it lives
+    if dst == "chaos":
+        return None if src in ("chaos", "tools") else "only tools and the tests import chaos"
+    if src == "chaos":
+        if dst == "tools":
+            return "chaos does not import tools"
+        if dst == "trainer" and not target.startswith("resilient.trainer.config"):
+            return "chaos imports only the trainer's recipe loader (resilient.trainer.config)"
+        return None
+    if ORDER.index(dst) > ORDER.index(src):
+        return f"{src or 'core'} sits below {dst} (resilient <- storage <- recovery <- trainer <- tools)"
+    offline = "resilient.storage.offline"
+    if src == "storage" and not importer.startswith(offline) and target.startswith(offline):
+        return "the storage runtime never imports storage.offline"
+    return None
+
+
+def layering_violations(root: Path = ROOT) -> list[str]:
+    out = []
+    for path in source_files(root):
+        importer = module_of(path, root)
+        for imp in imports_of(path, root):
+            why = violation(importer, imp.target)
+            if why is not None:
+                out.append(f"{imp.path}:{imp.line} imports {imp.target}: {why}")
+    return out
+
+
+def size_violations(root: Path = ROOT) -> list[str]:
+    out = []
+    for path in source_files(root):
+        rel = str(path.relative_to(root))
+        text = path.read_text()
+        if (n := text.count("\n")) > MAX_FILE_LINES:
+            out.append(f"{rel}: {n} lines (budget {MAX_FILE_LINES}: split it by concern)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in LONG_FUNCTIONS:
+                    out.append(f"{rel}:{node.lineno} {node.name}() is {length} lines (budget {MAX_FUNCTION_LINES})")
+    return out
+
+
+def test_imports_follow_the_layers() -> None:
+    assert layering_violations() == []
+
+
+def test_files_and_functions_stay_within_budget() -> None:
+    assert size_violations() == []
+
+
+def test_every_allowed_long_function_still_exists_and_is_long() -> None:
+    for key in LONG_FUNCTIONS:
+        rel, name = key.split("::")
+        tree = ast.parse((ROOT / rel).read_text())
+        lengths = [n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+        assert lengths and max(lengths) > MAX_FUNCTION_LINES, f"{key}: drop it from LONG_FUNCTIONS"
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir(exist_ok=True)
+    return tmp_path
+
+
+def test_the_checks_catch_what_they_forbid(tmp_path: Path) -> None:
+    """The rules fail on a tree that breaks them (a test that cannot fail proves nothing)."""
+    root = _tree(tmp_path, {
+        "storage/checkpointer.py": "import resilient.trainer\nfrom resilient.storage.offline import verify\n",
+        "storage/offline/verify.py": "from resilient.storage import reader\n",
+        "recovery/restore.py": "def f():\n    from resilient.trainer.loop import Trainer\n",
+        "trainer/loop.py": "from resilient.chaos import hooks\nfrom resilient.recovery import quorum\n",
+        "chaos/job.py": "from resilient.trainer.config import load_config\nfrom resilient.tools import replicas\n",
+        "chaos/inject.py": "from resilient.trainer.replicated import FINAL_DIGEST\n",
+        "tools/chaos.py": "from resilient.chaos import harness\n",
+        "resilient/errors.py": "from resilient import storage\n",
+        "resilient/big.py": "x = 1\n" * 501 + "def f():\n" + "    y = 1\n" * 60,
+    })  # fmt: skip
+    found = layering_violations(root)
+    assert [v.split(" imports ")[0] for v in found] == [
+        "chaos/inject.py:1", "chaos/job.py:2", "recovery/restore.py:2", "resilient/errors.py:1",
+        "storage/checkpointer.py:1", "storage/checkpointer.py:2", "trainer/loop.py:1",
+    ]  # fmt: skip
+    sizes = size_violations(root)
+    assert sizes == ["resilient/big.py: 562 lines (budget 500: split it by concern)",
+                     "resilient/big.py:502 f() is 61 lines (budget 60)"]  # fmt: skip
