@@ -60,8 +60,8 @@ def _device(group: Any) -> torch.device:
 
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    data = json.dumps(obj).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8)
+    data = bytearray(json.dumps(obj).encode())  # never empty: "null" at least
+    return torch.frombuffer(data, dtype=torch.uint8).to(device)
 
 
 def _decode(t: torch.Tensor) -> Any:

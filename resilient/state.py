@@ -158,7 +158,6 @@ def _tensor_items(state: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(state, torch.Tensor):
         return [(prefix, state)]
     if isinstance(state, dict):
-        return [
-            item for key in sorted(state, key=str) for item in _tensor_items(state[key], f"{prefix}.{key}" if prefix else str(key))
-        ]
+        named = [(f"{prefix}.{key}" if prefix else str(key), state[key]) for key in sorted(state, key=str)]
+        return [item for name, value in named for item in _tensor_items(value, name)]
     return []
