@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 import weakref
 from typing import Any
@@ -35,7 +36,6 @@ from resilient.manifest import (
 from resilient.metrics import JsonlSink, RestoreStats, SaveStats
 from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
-from resilient.storage.background import ProcessWriter, ThreadWriter
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
@@ -43,10 +43,9 @@ from resilient.storage.objects import open_store
 from resilient.storage.persist import PersistJob
 from resilient.storage.reader import ReadTarget, read_into
 from resilient.storage.retention import list_steps
-from resilient.storage.snapshot import take_snapshot
-from resilient.storage.staging import StagingPool
+from resilient.storage.snapshot import StagingPool, take_snapshot
 from resilient.storage.url import parse_url
-from resilient.storage.writer import now
+from resilient.storage.workers import PersistProcess, PersistThread
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class Checkpointer:
         returns when the step is committed and raises if the save failed."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        start = now()
+        start = time.perf_counter()
         stats = SaveStats(step=step, rank=self.rank)
         busy = self._make_room(stats)
         locals_, attempt = self._prepare(step, state, metadata, busy)
@@ -134,7 +133,7 @@ class Checkpointer:
         plans = self._plan()
         snap = take_snapshot(plans, locals_, self.rank, self._pool, timeout_s=self.config.commit_timeout_s,
                              stream=self._side_stream(locals_))
-        stats.snapshot_s = now() - start
+        stats.snapshot_s = time.perf_counter() - start
         job = PersistJob(
             step=step, attempt=attempt, rank=self.rank, world_size=self.world_size, plans=plans,
             regions=snap.regions, values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
@@ -149,7 +148,7 @@ class Checkpointer:
 
     def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
         """Load the newest committed step (or ``step``) into ``state`` in place; returns the step."""
-        start = now()
+        start = time.perf_counter()
         chosen, manifest = self._agree_on_manifest(step)
         leaves = flatten_state(state)
         match = match_state(manifest, leaves, url=self.url, strict=strict)
@@ -166,7 +165,7 @@ class Checkpointer:
         match.apply_values(manifest, self.rank)
         reads = 1 + len(targets)
         self.storage_reads += reads
-        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=now() - start,
+        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start,
                              storage_reads=reads)
         self.restore_stats.append(stats)
         log.info("[rank %d] restored step %d from %s (%d bytes)", self.rank, chosen, self.url, nbytes,
@@ -175,9 +174,9 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every save in flight is committed; raise the first error not yet raised."""
-        deadline = now() + self.config.close_timeout_s
+        deadline = time.perf_counter() + self.config.close_timeout_s
         for handle in list(self._inflight):
-            if not handle._done.wait(max(0.0, deadline - now())):
+            if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
                 raise CommitError(f"save of step {handle.step} did not finish within "
                                   f"{self.config.close_timeout_s:.0f} s (close_timeout_s)")
         self._raise_latched()
@@ -206,11 +205,11 @@ class Checkpointer:
             return False
         if self.config.if_busy == "skip":
             return True
-        t0 = now()
+        t0 = time.perf_counter()
         oldest = self._inflight.pop(0)
         if not oldest._done.wait(self.config.commit_timeout_s):
             raise CommitError(f"save of step {oldest.step} still persisting after {self.config.commit_timeout_s:.0f} s")
-        stats.waited_s = now() - t0
+        stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"
         return False
 
@@ -286,9 +285,9 @@ class Checkpointer:
     def _writer_for(self):
         if self._writer is None:
             if self.config.writer == "process":
-                self._writer = ProcessWriter(self.location, self._ledger.on_done, nice=self.config.writer_nice)
+                self._writer = PersistProcess(self.location, self._ledger.on_done, nice=self.config.writer_nice)
             else:
-                self._writer = ThreadWriter(self.location, self.store, self._context, self._ledger.on_done,
+                self._writer = PersistThread(self.location, self.store, self._context, self._ledger.on_done,
                                             nice=self.config.writer_nice)
             # A Checkpointer dropped without close() must not leave its writer (and the staging
             # memory it holds) behind: the writer knows only the ledger, never the Checkpointer.

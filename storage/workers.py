@@ -1,4 +1,5 @@
-"""Background persist: one named writer thread, or one writer process fed through shared memory.
+"""Where stages 2 and 3 of a save run: one named writer thread (``PersistThread``), or one writer
+process fed through shared memory (``PersistProcess``).
 
 Both run the same ``run_persist`` on a ``PersistJob``; the choice is a measured trade-off (see
 ``CheckpointerConfig.writer``). Completion — stats or the error — is reported to ``on_done`` from
@@ -19,7 +20,7 @@ from typing import Any
 from resilient.errors import CommitError, ConfigError, IntegrityError, ResilientError, StorageError
 from resilient.metrics import SaveStats
 from resilient.storage.persist import PersistJob, run_persist
-from resilient.storage.staging import StagingBuffer
+from resilient.storage.snapshot import StagingBuffer
 from resilient.storage.url import Location
 
 OnDone = Callable[[Any, StagingBuffer, SaveStats | None, BaseException | None], None]
@@ -48,7 +49,7 @@ def _drain_writers() -> None:
             thread.join(_EXIT_JOIN_TIMEOUT_S)
 
 
-class ThreadWriter:
+class PersistThread:
     """TensorStore's C++ I/O releases the GIL; the Python work per region here is a few calls."""
 
     def __init__(self, location: Location, store, context, on_done: OnDone, nice: int = 0) -> None:
@@ -114,7 +115,7 @@ def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
             results.put((job_id, "error", type(e).__name__, str(e)))
 
 
-class ProcessWriter:
+class PersistProcess:
     """A spawned writer process (TensorStore must not cross a fork) reading the staging buffers
     from shared memory; training's GIL never runs persist code."""
 
