@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from resilient.errors import CommitError, ConfigError, IntegrityError, ResilientError, StorageError
+from resilient.errors import CommitError, ConfigError, StorageError, from_payload, to_payload
 from resilient.metrics import SaveStats
 from resilient.storage.persist import PersistJob, run_persist
 from resilient.storage.snapshot import StagingBuffer
@@ -90,9 +90,6 @@ class PersistThread:
             raise CommitError(f"the checkpoint writer thread did not stop within {timeout_s:.0f} s")
 
 
-_ERROR_TYPES = {c.__name__: c for c in (CommitError, StorageError, IntegrityError, ConfigError)}
-
-
 def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
     if nice:
         os.nice(nice)  # every thread of the writer, TensorStore's pool included, yields to training
@@ -111,8 +108,8 @@ def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
         try:
             stats = run_persist(PersistJob.from_json(json.loads(job_json)), buffers[buf_id], location, store, context)
             results.put((job_id, "ok", stats.to_json()))
-        except BaseException as e:
-            results.put((job_id, "error", type(e).__name__, str(e)))
+        except BaseException as e:  # crosses back as JSON: its class, message and traceback
+            results.put((job_id, "error", to_payload(e)))
 
 
 class PersistProcess:
@@ -170,9 +167,8 @@ class PersistProcess:
             if msg[1] == "ok":
                 d = {k: v for k, v in msg[2].items() if k not in ("event", "throughput_gib_s")}
                 self._on_done(handle, buffer, SaveStats(**d), None)
-            else:
-                cls = _ERROR_TYPES.get(msg[2], ResilientError)
-                self._on_done(handle, buffer, None, cls(msg[3]))
+            else:  # the same class where known, the writer process's traceback as its cause
+                self._on_done(handle, buffer, None, from_payload(msg[2]))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
