@@ -18,15 +18,7 @@ from typing import Any
 import torch
 
 from resilient import dist
-from resilient.errors import (
-    CommitError,
-    ConfigError,
-    IntegrityError,
-    ResilientError,
-    RestoreError,
-    StateError,
-    StorageError,
-)
+from resilient.errors import CommitError, ConfigError, RestoreError, StateError
 from resilient.layout import ArrayPlan, LocalTensor, describe_json, describe_local, plan_arrays
 from resilient.manifest import (
     MANIFEST,
@@ -48,22 +40,6 @@ from resilient.storage.url import parse_url
 from resilient.storage.workers import PersistProcess, PersistThread
 
 log = logging.getLogger(__name__)
-
-_ERRORS = {c.__name__: c for c in (StateError, StorageError, CommitError, ConfigError, RestoreError, IntegrityError)}
-
-
-def _encode_error(err: BaseException) -> dict:
-    return {"type": type(err).__name__, "message": str(err)}
-
-
-def _raise_gathered(errors: list[tuple[int, dict]]) -> None:
-    """Raise the first rank's error on every rank, so all ranks fail the same way, together."""
-    if not errors:
-        return
-    rank, err = errors[0]
-    cls = _ERRORS.get(err["type"], ResilientError)
-    others = f" (and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""
-    raise cls(f"[rank {rank}{others}] {err['message']}")
 
 
 class Checkpointer:
@@ -216,38 +192,17 @@ class Checkpointer:
     def _prepare(
         self, step: int, state: dict, metadata: dict | None, busy: bool
     ) -> tuple[dict[str, LocalTensor], str | None]:
-        """Describe local state; rank 0 also checks storage and the step. One all-gather carries it
-        all, plus each rank's busy flag and background error, so every rank decides the same:
-        raise together, skip together, or save together (no rank is left waiting in a collective)."""
-        payload: dict = {"error": None, "tensors": [], "values": {}, "busy": busy}
-        locals_: dict[str, LocalTensor] = {}
+        """Every rank describes its state (``_describe``) in one ``dist.agree``, which carries each
+        rank's busy flag and background error too, so every rank decides the same: raise together,
+        skip together, or save together (no rank is left waiting in a collective)."""
         latched = self._take_latched()
+        locals_: dict[str, LocalTensor] = {}
         try:
-            if latched is not None:
-                raise latched
-            for fqn, leaf in flatten_state(state).items():
-                if leaf.is_tensor:
-                    locals_[fqn] = describe_local(fqn, leaf.value.detach())
-                else:
-                    payload["values"][fqn] = leaf.value
-            json.dumps(metadata)
-            described = [describe_json(t) for t in locals_.values()]
-            # Layouts rarely change between saves: send ours only when it did (the all-gather is on
-            # the training thread's critical path).
-            payload["tensors"] = described if described != self._sent_tensors else None
-            self._sent_tensors = described
-            if self.rank == 0:
-                self._precheck(step)
-                payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
-        except (ResilientError, TypeError, ValueError) as e:
-            if not isinstance(e, ResilientError):
-                e = StateError(f"metadata is not JSON-able: {e}")
-            payload["error"] = _encode_error(e)
-        gathered = [json.loads(p) for p in dist.all_gather_object(json.dumps(payload), self.group)]
-        errors = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"]]
-        if errors:
+            gathered = dist.agree(lambda: self._describe(step, state, metadata, busy, latched, locals_),
+                                  group=self.group)
+        except Exception:
             self._sent_tensors = None  # every rank resends its layout next time: none was recorded
-            _raise_gathered(errors)
+            raise
         for rank, p in enumerate(gathered):
             if p["tensors"] is not None:
                 self._peer_tensors[rank] = p["tensors"]
@@ -256,6 +211,36 @@ class Checkpointer:
         if any(p["busy"] for p in gathered):
             return locals_, None
         return locals_, gathered[0]["attempt"]
+
+    def _describe(
+        self, step: int, state: dict, metadata: dict | None, busy: bool, latched: BaseException | None,
+        locals_: dict[str, LocalTensor],
+    ) -> dict:
+        """This rank's part of the save decision (fills ``locals_``); rank 0 also checks storage and
+        the step and draws the attempt id. A latched background error is raised here, so that it
+        reaches every rank, with its class."""
+        if latched is not None:
+            raise latched
+        values = {}
+        for fqn, leaf in flatten_state(state).items():
+            if leaf.is_tensor:
+                locals_[fqn] = describe_local(fqn, leaf.value.detach())
+            else:
+                values[fqn] = leaf.value
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as e:
+            raise StateError(f"metadata is not JSON-able: {e}") from e
+        described = [describe_json(t) for t in locals_.values()]
+        # Layouts rarely change between saves: send ours only when it did (the all-gather is on
+        # the training thread's critical path).
+        changed = described != self._sent_tensors
+        payload: dict = {"busy": busy, "values": values, "tensors": described if changed else None}
+        self._sent_tensors = described
+        if self.rank == 0:
+            self._precheck(step)
+            payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
+        return payload
 
     def _precheck(self, step: int) -> None:
         self.store.check_root(create=True)
@@ -314,22 +299,18 @@ class Checkpointer:
     # -- load --------------------------------------------------------------------------------
 
     def _agree_on_manifest(self, step: int | None) -> tuple[int, Manifest]:
-        """Rank 0 picks the step and reads its manifest; every rank gets the same one."""
-        payload: dict = {}
-        if self.rank == 0:
-            try:
-                chosen = self._resolve_step(step)
-                data = self.store.read(f"{step_dir(chosen)}/{MANIFEST}")
-                if data is None:
-                    raise RestoreError(f"step {chosen} vanished from {self.url} while loading; retry")
-                payload = {"step": chosen, "manifest": data.decode()}
-            except ResilientError as e:
-                payload = {"error": _encode_error(e)}
-        payload = dist.broadcast_object(payload, 0, self.group)
-        if "error" in payload:
-            _raise_gathered([(0, payload["error"])])
-        where = f"{self.url}/{step_dir(payload['step'])}/{MANIFEST}"
-        return payload["step"], Manifest.loads(payload["manifest"].encode(), where=where)
+        """Rank 0 picks the step and reads its manifest; every rank gets the same one (or the same error)."""
+
+        def read() -> dict:
+            chosen = self._resolve_step(step)
+            data = self.store.read(f"{step_dir(chosen)}/{MANIFEST}")
+            if data is None:
+                raise RestoreError(f"step {chosen} vanished from {self.url} while loading; retry")
+            return {"step": chosen, "manifest": data.decode()}
+
+        got = dist.agree(read, group=self.group, src=0)
+        where = f"{self.url}/{step_dir(got['step'])}/{MANIFEST}"
+        return got["step"], Manifest.loads(got["manifest"].encode(), where=where)
 
     def _resolve_step(self, step: int | None) -> int:
         self.store.check_root(create=False)
