@@ -103,8 +103,8 @@ def finished(run: RunData, timeout_s: float) -> dict[str, Any]:
 
 
 def commits_verify(run: RunData, corrupted: dict[int, str]) -> dict[str, Any]:
-    from resilient.storage.inspect import list_checkpoint, open_checkpoint
-    from resilient.storage.verify import verify_step
+    from resilient.storage.offline.catalog import list_checkpoint, open_checkpoint
+    from resilient.storage.offline.verify import verify_step
 
     try:
         listing = list_checkpoint(run.checkpoint_url)
@@ -206,8 +206,8 @@ def twin_match(run: RunData, twin: RunData | None, atol: float) -> tuple[dict[st
     same = all(run_final[k] == twin_final[k] for k in ("params_sha256", "optim_sha256"))
     if same:
         return result(True, "final parameters and optimizer state bit-identical to the twin"), details
-    from resilient.storage.diff import diff_steps
-    from resilient.storage.inspect import open_checkpoint
+    from resilient.storage.offline.catalog import open_checkpoint
+    from resilient.storage.offline.diff import diff_steps
 
     try:
         diff = diff_steps(open_checkpoint(run.checkpoint_url, run.steps),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 import weakref
 from typing import Any
@@ -17,15 +18,7 @@ from typing import Any
 import torch
 
 from resilient import dist
-from resilient.errors import (
-    CommitError,
-    ConfigError,
-    IntegrityError,
-    ResilientError,
-    RestoreError,
-    StateError,
-    StorageError,
-)
+from resilient.errors import CommitError, ConfigError, RestoreError, StateError
 from resilient.layout import ArrayPlan, LocalTensor, describe_json, describe_local, plan_arrays
 from resilient.manifest import (
     MANIFEST,
@@ -35,7 +28,6 @@ from resilient.manifest import (
 from resilient.metrics import JsonlSink, RestoreStats, SaveStats
 from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
-from resilient.storage.background import ProcessWriter, ThreadWriter
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
@@ -43,28 +35,11 @@ from resilient.storage.objects import open_store
 from resilient.storage.persist import PersistJob
 from resilient.storage.reader import ReadTarget, read_into
 from resilient.storage.retention import list_steps
-from resilient.storage.snapshot import take_snapshot
-from resilient.storage.staging import StagingPool
+from resilient.storage.snapshot import StagingPool, take_snapshot
 from resilient.storage.url import parse_url
-from resilient.storage.writer import now
+from resilient.storage.workers import PersistProcess, PersistThread
 
 log = logging.getLogger(__name__)
-
-_ERRORS = {c.__name__: c for c in (StateError, StorageError, CommitError, ConfigError, RestoreError, IntegrityError)}
-
-
-def _encode_error(err: BaseException) -> dict:
-    return {"type": type(err).__name__, "message": str(err)}
-
-
-def _raise_gathered(errors: list[tuple[int, dict]]) -> None:
-    """Raise the first rank's error on every rank, so all ranks fail the same way, together."""
-    if not errors:
-        return
-    rank, err = errors[0]
-    cls = _ERRORS.get(err["type"], ResilientError)
-    others = f" (and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""
-    raise cls(f"[rank {rank}{others}] {err['message']}")
 
 
 class Checkpointer:
@@ -123,7 +98,7 @@ class Checkpointer:
         returns when the step is committed and raises if the save failed."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        start = now()
+        start = time.perf_counter()
         stats = SaveStats(step=step, rank=self.rank)
         busy = self._make_room(stats)
         locals_, attempt = self._prepare(step, state, metadata, busy)
@@ -134,7 +109,7 @@ class Checkpointer:
         plans = self._plan()
         snap = take_snapshot(plans, locals_, self.rank, self._pool, timeout_s=self.config.commit_timeout_s,
                              stream=self._side_stream(locals_))
-        stats.snapshot_s = now() - start
+        stats.snapshot_s = time.perf_counter() - start
         job = PersistJob(
             step=step, attempt=attempt, rank=self.rank, world_size=self.world_size, plans=plans,
             regions=snap.regions, values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
@@ -149,7 +124,7 @@ class Checkpointer:
 
     def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
         """Load the newest committed step (or ``step``) into ``state`` in place; returns the step."""
-        start = now()
+        start = time.perf_counter()
         chosen, manifest = self._agree_on_manifest(step)
         leaves = flatten_state(state)
         match = match_state(manifest, leaves, url=self.url, strict=strict)
@@ -166,7 +141,7 @@ class Checkpointer:
         match.apply_values(manifest, self.rank)
         reads = 1 + len(targets)
         self.storage_reads += reads
-        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=now() - start,
+        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start,
                              storage_reads=reads)
         self.restore_stats.append(stats)
         log.info("[rank %d] restored step %d from %s (%d bytes)", self.rank, chosen, self.url, nbytes,
@@ -175,9 +150,9 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every save in flight is committed; raise the first error not yet raised."""
-        deadline = now() + self.config.close_timeout_s
+        deadline = time.perf_counter() + self.config.close_timeout_s
         for handle in list(self._inflight):
-            if not handle._done.wait(max(0.0, deadline - now())):
+            if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
                 raise CommitError(f"save of step {handle.step} did not finish within "
                                   f"{self.config.close_timeout_s:.0f} s (close_timeout_s)")
         self._raise_latched()
@@ -206,49 +181,28 @@ class Checkpointer:
             return False
         if self.config.if_busy == "skip":
             return True
-        t0 = now()
+        t0 = time.perf_counter()
         oldest = self._inflight.pop(0)
         if not oldest._done.wait(self.config.commit_timeout_s):
             raise CommitError(f"save of step {oldest.step} still persisting after {self.config.commit_timeout_s:.0f} s")
-        stats.waited_s = now() - t0
+        stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"
         return False
 
     def _prepare(
         self, step: int, state: dict, metadata: dict | None, busy: bool
     ) -> tuple[dict[str, LocalTensor], str | None]:
-        """Describe local state; rank 0 also checks storage and the step. One all-gather carries it
-        all, plus each rank's busy flag and background error, so every rank decides the same:
-        raise together, skip together, or save together (no rank is left waiting in a collective)."""
-        payload: dict = {"error": None, "tensors": [], "values": {}, "busy": busy}
-        locals_: dict[str, LocalTensor] = {}
+        """Every rank describes its state (``_describe``) in one ``dist.agree``, which carries each
+        rank's busy flag and background error too, so every rank decides the same: raise together,
+        skip together, or save together (no rank is left waiting in a collective)."""
         latched = self._take_latched()
+        locals_: dict[str, LocalTensor] = {}
         try:
-            if latched is not None:
-                raise latched
-            for fqn, leaf in flatten_state(state).items():
-                if leaf.is_tensor:
-                    locals_[fqn] = describe_local(fqn, leaf.value.detach())
-                else:
-                    payload["values"][fqn] = leaf.value
-            json.dumps(metadata)
-            described = [describe_json(t) for t in locals_.values()]
-            # Layouts rarely change between saves: send ours only when it did (the all-gather is on
-            # the training thread's critical path).
-            payload["tensors"] = described if described != self._sent_tensors else None
-            self._sent_tensors = described
-            if self.rank == 0:
-                self._precheck(step)
-                payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
-        except (ResilientError, TypeError, ValueError) as e:
-            if not isinstance(e, ResilientError):
-                e = StateError(f"metadata is not JSON-able: {e}")
-            payload["error"] = _encode_error(e)
-        gathered = [json.loads(p) for p in dist.all_gather_object(json.dumps(payload), self.group)]
-        errors = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"]]
-        if errors:
+            gathered = dist.agree(lambda: self._describe(step, state, metadata, busy, latched, locals_),
+                                  group=self.group)
+        except Exception:
             self._sent_tensors = None  # every rank resends its layout next time: none was recorded
-            _raise_gathered(errors)
+            raise
         for rank, p in enumerate(gathered):
             if p["tensors"] is not None:
                 self._peer_tensors[rank] = p["tensors"]
@@ -257,6 +211,36 @@ class Checkpointer:
         if any(p["busy"] for p in gathered):
             return locals_, None
         return locals_, gathered[0]["attempt"]
+
+    def _describe(
+        self, step: int, state: dict, metadata: dict | None, busy: bool, latched: BaseException | None,
+        locals_: dict[str, LocalTensor],
+    ) -> dict:
+        """This rank's part of the save decision (fills ``locals_``); rank 0 also checks storage and
+        the step and draws the attempt id. A latched background error is raised here, so that it
+        reaches every rank, with its class."""
+        if latched is not None:
+            raise latched
+        values = {}
+        for fqn, leaf in flatten_state(state).items():
+            if leaf.is_tensor:
+                locals_[fqn] = describe_local(fqn, leaf.value.detach())
+            else:
+                values[fqn] = leaf.value
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as e:
+            raise StateError(f"metadata is not JSON-able: {e}") from e
+        described = [describe_json(t) for t in locals_.values()]
+        # Layouts rarely change between saves: send ours only when it did (the all-gather is on
+        # the training thread's critical path).
+        changed = described != self._sent_tensors
+        payload: dict = {"busy": busy, "values": values, "tensors": described if changed else None}
+        self._sent_tensors = described
+        if self.rank == 0:
+            self._precheck(step)
+            payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
+        return payload
 
     def _precheck(self, step: int) -> None:
         self.store.check_root(create=True)
@@ -286,9 +270,9 @@ class Checkpointer:
     def _writer_for(self):
         if self._writer is None:
             if self.config.writer == "process":
-                self._writer = ProcessWriter(self.location, self._ledger.on_done, nice=self.config.writer_nice)
+                self._writer = PersistProcess(self.location, self._ledger.on_done, nice=self.config.writer_nice)
             else:
-                self._writer = ThreadWriter(self.location, self.store, self._context, self._ledger.on_done,
+                self._writer = PersistThread(self.location, self.store, self._context, self._ledger.on_done,
                                             nice=self.config.writer_nice)
             # A Checkpointer dropped without close() must not leave its writer (and the staging
             # memory it holds) behind: the writer knows only the ledger, never the Checkpointer.
@@ -315,22 +299,18 @@ class Checkpointer:
     # -- load --------------------------------------------------------------------------------
 
     def _agree_on_manifest(self, step: int | None) -> tuple[int, Manifest]:
-        """Rank 0 picks the step and reads its manifest; every rank gets the same one."""
-        payload: dict = {}
-        if self.rank == 0:
-            try:
-                chosen = self._resolve_step(step)
-                data = self.store.read(f"{step_dir(chosen)}/{MANIFEST}")
-                if data is None:
-                    raise RestoreError(f"step {chosen} vanished from {self.url} while loading; retry")
-                payload = {"step": chosen, "manifest": data.decode()}
-            except ResilientError as e:
-                payload = {"error": _encode_error(e)}
-        payload = dist.broadcast_object(payload, 0, self.group)
-        if "error" in payload:
-            _raise_gathered([(0, payload["error"])])
-        where = f"{self.url}/{step_dir(payload['step'])}/{MANIFEST}"
-        return payload["step"], Manifest.loads(payload["manifest"].encode(), where=where)
+        """Rank 0 picks the step and reads its manifest; every rank gets the same one (or the same error)."""
+
+        def read() -> dict:
+            chosen = self._resolve_step(step)
+            data = self.store.read(f"{step_dir(chosen)}/{MANIFEST}")
+            if data is None:
+                raise RestoreError(f"step {chosen} vanished from {self.url} while loading; retry")
+            return {"step": chosen, "manifest": data.decode()}
+
+        got = dist.agree(read, group=self.group, src=0)
+        where = f"{self.url}/{step_dir(got['step'])}/{MANIFEST}"
+        return got["step"], Manifest.loads(got["manifest"].encode(), where=where)
 
     def _resolve_step(self, step: int | None) -> int:
         self.store.check_root(create=False)

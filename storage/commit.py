@@ -1,28 +1,48 @@
-"""The commit protocol (DESIGN §5): receipts -> coverage check -> manifest -> latest.
+"""Stage 3 of a save (DESIGN §5, §6), commit: receipts -> coverage check -> manifest -> latest.
 
 Each rank writes its shards under the attempt prefix, then a small JSON receipt of what it wrote.
-The coordinator waits for every receipt (files, not collectives: this also runs on background
-threads, where a collective on the training process group could deadlock), checks that every
-shard of every array is covered exactly once, and only then creates ``manifest.json`` with an
-atomic create-if-absent. A kill at any instant before that leaves the previous step as it was.
+The coordinator (rank 0, ``commit_step``) waits for every receipt (files, not collectives: this
+also runs on background threads, where a collective on the training process group could
+deadlock), checks that every shard of every array is covered exactly once, and only then creates
+``manifest.json`` with an atomic create-if-absent. A kill at any instant before that leaves the
+previous step as it was. The other ranks (``wait_for_commit``) count their save as done once the
+manifest names their attempt, and give up early when a failure marker says it never will.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from resilient.errors import CommitError
+from resilient.errors import CommitError, ResilientError
+from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box
-from resilient.manifest import LATEST, MANIFEST, Manifest, step_dir
+from resilient.manifest import (
+    LATEST,
+    MANIFEST,
+    ArrayEntry,
+    Manifest,
+    array_path,
+    encode_values,
+    library_versions,
+    step_dir,
+)
 from resilient.storage.objects import ObjectStore
+from resilient.storage.retention import KeepLast, apply_retention
 
+if TYPE_CHECKING:  # persist.py imports this module: the job type is for annotations only
+    from resilient.storage.persist import PersistJob
+
+log = logging.getLogger(__name__)
 RECEIPTS = "receipts"
 FAILURES = "failures"
+COMMIT_RANK = -1  # failure marker name used by the coordinator when the commit itself fails
 
 
 def receipt_key(attempt_key: str, rank: int) -> str:
@@ -121,3 +141,75 @@ def update_latest(store: ObjectStore, step: int) -> None:
     except ValueError:
         pass
     store.write(LATEST, json.dumps({"step": step}).encode())
+
+
+# -- the coordinator's side ----------------------------------------------------------------------
+
+
+def commit_step(job: PersistJob, store: ObjectStore) -> None:
+    """Rank 0: commit ``job``'s step once every rank's receipt is in, then apply retention. On
+    failure a marker (``COMMIT_RANK``) tells the waiting ranks to stop waiting."""
+    try:
+        _commit(job, store)
+    except Exception as e:
+        write_failure(store, job.attempt_key, COMMIT_RANK, e)
+        raise
+
+
+def _commit(job: PersistJob, store: ObjectStore) -> None:
+    receipts = wait_for_receipts(store, job.attempt_key, job.world_size, timeout_s=job.commit_timeout_s, step=job.step)
+    check_coverage(job.plans, receipts, job.step)
+    fault_point("commit.before_manifest")
+    crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
+    arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}
+    manifest = Manifest(
+        step=job.step, attempt=job.attempt, world_size=job.world_size, arrays=arrays,
+        values=encode_values(job.values), metadata=job.metadata, versions=library_versions(),
+    )
+    commit_manifest(store, manifest)
+    log.info("[rank 0] committed step %d to %s (%d arrays, %.1f MiB)", job.step, store.location.url,
+             len(arrays), manifest.total_bytes / 2**20, extra={"event": "commit", "step": job.step})
+    try:
+        apply_retention(store, KeepLast(job.keep_last))
+    except ResilientError as e:  # the step is committed; a failed cleanup is retried after the next commit
+        log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
+
+
+def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
+    """The manifest entry of a planned array, with each region's crc32c (keyed by (fqn, offsets))."""
+    return ArrayEntry(
+        fqn=p.fqn, path=array_path(p.fqn), shape=list(p.shape), dtype=p.dtype, shard_shape=list(p.shard_shape),
+        inner_shape=list(p.inner_shape), nbytes=p.nbytes, placements=list(p.placements),
+        mesh_shape=list(p.mesh_shape), mesh_dim_names=list(p.mesh_dim_names),
+        regions=[{**r.box.to_json(), "writer": r.writer, "crc32c": crcs[(p.fqn, r.box.offsets)]} for r in p.regions],
+    )
+
+
+# -- everyone else's side ------------------------------------------------------------------------
+
+
+def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
+    """Non-coordinators: the save counts as done once the manifest names this attempt."""
+    key = f"{step_dir(job.step)}/{MANIFEST}"
+    deadline = time.monotonic() + job.commit_timeout_s
+    delay, polls = 0.002, 0
+    while True:
+        polls += 1
+        data = store.read(key)
+        if data is not None:
+            if json.loads(data).get("attempt") != job.attempt:
+                raise CommitError(f"step {job.step} was committed by another attempt; this save was discarded")
+            return
+        # A listing costs more than a read: look for failure markers on every 8th poll only.
+        failures = store.list_children(f"{job.attempt_key}/{FAILURES}") if polls % 8 == 0 else []
+        if failures:
+            first = json.loads(store.read(f"{job.attempt_key}/{FAILURES}/{failures[0]}") or b"{}")
+            who = "the commit" if first.get("rank") == COMMIT_RANK else f"rank {first.get('rank')}"
+            raise CommitError(f"step {job.step} not committed: {who} failed: {first.get('error')}")
+        if time.monotonic() > deadline:
+            raise CommitError(
+                f"step {job.step} not committed within {job.commit_timeout_s:.0f} s (rank 0 never wrote "
+                f"{store.location.url}/{key}); the previous step is intact"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)

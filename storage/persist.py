@@ -1,51 +1,41 @@
-"""One save's background work: write the staged regions, report a receipt, commit (rank 0).
+"""Stage 2 of a save (DESIGN §6), persist: write this rank's staged regions into zarr arrays (and,
+on rank 0, the zarr.json documents), report a receipt, then hand over to stage 3 (``commit.py``).
 
 A ``PersistJob`` is plain data (JSON-able), so the same ``run_persist`` runs on the writer thread
 or in a writer process. Nothing here issues a collective: ranks coordinate through receipts and
 the manifest in storage, so a slow or dead rank can never deadlock the training process group.
+
+All opens are issued before any write and all writes before any wait, so TensorStore keeps the
+whole save in flight at once (resolving futures one by one was many times slower here).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import asdict, dataclass, field
 
+import crc32c
+import numpy as np
 import torch
 
 from resilient.dtypes import to_numpy, torch_dtype
-from resilient.errors import CommitError, ResilientError, StorageError
+from resilient.errors import ResilientError, StorageError
 from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box, Region, plan_from_json, plan_to_json
-from resilient.manifest import MANIFEST, ArrayEntry, Manifest, array_path, encode_values, library_versions, step_dir
+from resilient.manifest import array_path, step_dir
 from resilient.metrics import SaveStats
-from resilient.storage.commit import (
-    FAILURES,
-    check_coverage,
-    commit_manifest,
-    failure_key,
-    wait_for_receipts,
-    write_failure,
-    write_receipt,
+from resilient.storage.arrays import (
+    kvstore_spec,
+    open_array,
+    plan_metadata,
+    zarr_array_document,
+    zarr_group_document,
 )
+from resilient.storage.commit import commit_step, wait_for_commit, write_failure, write_receipt
 from resilient.storage.objects import ObjectStore
-from resilient.storage.retention import KeepLast, apply_retention
+from resilient.storage.snapshot import StagedRegion
 from resilient.storage.url import Location
-from resilient.storage.writer import RegionData, write_regions, write_zarr_documents
-
-log = logging.getLogger(__name__)
-COMMIT_RANK = -1  # failure marker name used by the coordinator when the commit itself fails
-
-
-@dataclass(slots=True)
-class StagedRegion:
-    """A region of this rank's snapshot: where its bytes sit in the staging buffer."""
-
-    fqn: str
-    box: Box
-    offset: int
-    nbytes: int
 
 
 @dataclass(slots=True)
@@ -99,12 +89,11 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     t1 = time.perf_counter()
     if job.rank == 0:
         try:
-            _commit(job, store)
+            commit_step(job, store)
         except Exception as e:
-            write_failure(store, job.attempt_key, COMMIT_RANK, e)
             raise _as_resilient(e, job, location) from e
     else:
-        _wait_for_commit(job, store)
+        wait_for_commit(job, store)
     stats.commit_s = time.perf_counter() - t1
     return stats
 
@@ -124,60 +113,51 @@ def _region_data(job: PersistJob, buffer: torch.Tensor) -> list[RegionData]:
     return items
 
 
-def _commit(job: PersistJob, store: ObjectStore) -> None:
-    receipts = wait_for_receipts(store, job.attempt_key, job.world_size, timeout_s=job.commit_timeout_s, step=job.step)
-    check_coverage(job.plans, receipts, job.step)
-    fault_point("commit.before_manifest")
-    crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
-    arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}
-    manifest = Manifest(
-        step=job.step, attempt=job.attempt, world_size=job.world_size, arrays=arrays,
-        values=encode_values(job.values), metadata=job.metadata, versions=library_versions(),
-    )
-    commit_manifest(store, manifest)
-    log.info("[rank 0] committed step %d to %s (%d arrays, %.1f MiB)", job.step, store.location.url,
-             len(arrays), manifest.total_bytes / 2**20, extra={"event": "commit", "step": job.step})
-    try:
-        apply_retention(store, KeepLast(job.keep_last))
-    except ResilientError as e:  # the step is committed; a failed cleanup is retried after the next commit
-        log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
+@dataclass(slots=True)
+class RegionData:
+    """One region this rank writes, with its bytes already in host memory."""
+
+    plan: ArrayPlan
+    region: Region
+    data: np.ndarray  # C-contiguous, shape == region.box.sizes
 
 
-def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
-    """The manifest entry of a planned array, with each region's crc32c (keyed by (fqn, offsets))."""
-    return ArrayEntry(
-        fqn=p.fqn, path=array_path(p.fqn), shape=list(p.shape), dtype=p.dtype, shard_shape=list(p.shard_shape),
-        inner_shape=list(p.inner_shape), nbytes=p.nbytes, placements=list(p.placements),
-        mesh_shape=list(p.mesh_shape), mesh_dim_names=list(p.mesh_dim_names),
-        regions=[{**r.box.to_json(), "writer": r.writer, "crc32c": crcs[(p.fqn, r.box.offsets)]} for r in p.regions],
-    )
+def write_regions(location: Location, attempt_key: str, items: list[RegionData], context) -> list[dict]:
+    """Write every region; returns the receipt entries (fqn, box, bytes, crc32c of the raw bytes)."""
+    opened = {}
+    for item in items:
+        fqn = item.plan.fqn
+        if fqn not in opened:
+            opened[fqn] = open_array(location, f"{attempt_key}/{array_path(fqn)}", plan_metadata(item.plan), context)
+    pending = []
+    receipt = []
+    for i, item in enumerate(items):
+        store = opened[item.plan.fqn].result()
+        pending.append(store[item.region.box.slices()].write(item.data))
+        receipt.append({
+            "fqn": item.plan.fqn,
+            **item.region.box.to_json(),
+            "nbytes": int(item.data.nbytes),
+            "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)),
+        })
+        if i == 0:
+            fault_point("persist.first_region_issued")
+    for future in pending:
+        future.result()
+    fault_point("persist.regions_written")
+    return receipt
 
 
-def _wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
-    """Non-coordinators: the save counts as done once the manifest names this attempt."""
-    key = f"{step_dir(job.step)}/{MANIFEST}"
-    deadline = time.monotonic() + job.commit_timeout_s
-    delay, polls = 0.002, 0
-    while True:
-        polls += 1
-        data = store.read(key)
-        if data is not None:
-            if json.loads(data).get("attempt") != job.attempt:
-                raise CommitError(f"step {job.step} was committed by another attempt; this save was discarded")
-            return
-        # A listing costs more than a read: look for failure markers on every 8th poll only.
-        failures = store.list_children(f"{job.attempt_key}/{FAILURES}") if polls % 8 == 0 else []
-        if failures:
-            first = json.loads(store.read(f"{job.attempt_key}/{FAILURES}/{failures[0]}") or b"{}")
-            who = "the commit" if first.get("rank") == COMMIT_RANK else f"rank {first.get('rank')}"
-            raise CommitError(f"step {job.step} not committed: {who} failed: {first.get('error')}")
-        if time.monotonic() > deadline:
-            raise CommitError(
-                f"step {job.step} not committed within {job.commit_timeout_s:.0f} s (rank 0 never wrote "
-                f"{store.location.url}/{key}); the previous step is intact"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, ArrayPlan], context, step: int) -> list:
+    """Start writing ``zarr.json`` for the attempt group, every intermediate group and every array
+    (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python); returns the futures."""
+    import tensorstore as ts
 
-
-__all__ = ["COMMIT_RANK", "PersistJob", "manifest_entry", "StagedRegion", "failure_key", "run_persist"]
+    kv = ts.KvStore.open(kvstore_spec(location, attempt_key), context=context).result()
+    docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})}
+    for fqn, plan in plans.items():
+        parts = array_path(fqn).split("/")
+        for depth in range(1, len(parts)):
+            docs.setdefault("/".join(parts[:depth]) + "/zarr.json", zarr_group_document())
+        docs["/".join(parts) + "/zarr.json"] = zarr_array_document(plan_metadata(plan), {"fqn": fqn})
+    return [kv.write(key, json.dumps(doc).encode()) for key, doc in docs.items()]

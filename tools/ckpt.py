@@ -56,7 +56,7 @@ def _update(bar):
 
 def _selected_bytes(manifest, patterns: list[str] | None) -> int:
     """The progress bar's total: the bytes of the tensors the command will read."""
-    from resilient.storage.inspect import select
+    from resilient.storage.offline.catalog import select
 
     return sum(manifest.arrays[f].nbytes for f in select(sorted(manifest.arrays), patterns))
 
@@ -65,7 +65,7 @@ def _selected_bytes(manifest, patterns: list[str] | None) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from resilient.storage.inspect import list_checkpoint
+    from resilient.storage.offline.catalog import list_checkpoint
 
     listing = list_checkpoint(args.root)
     out.emit_json(listing) if args.json else out.render_ls(listing)
@@ -73,7 +73,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from resilient.storage.inspect import open_checkpoint, summarize
+    from resilient.storage.offline.catalog import open_checkpoint, summarize
 
     summary = summarize(open_checkpoint(args.url, args.step), args.tensors)
     out.emit_json(summary) if args.json else out.render_inspect(summary)
@@ -81,10 +81,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from resilient.storage.convert import StreamConfig
-    from resilient.storage.inspect import open_checkpoint, open_root
+    from resilient.storage.offline.catalog import open_checkpoint, open_root
+    from resilient.storage.offline.convert import StreamConfig
+    from resilient.storage.offline.verify import verify_step
     from resilient.storage.retention import list_steps
-    from resilient.storage.verify import verify_step
 
     if args.all:
         _, store, url_step = open_root(args.url)
@@ -103,9 +103,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from resilient.storage.convert import StreamConfig
-    from resilient.storage.diff import diff_steps
-    from resilient.storage.inspect import open_checkpoint
+    from resilient.storage.offline.catalog import open_checkpoint
+    from resilient.storage.offline.convert import StreamConfig
+    from resilient.storage.offline.diff import diff_steps
 
     a, b = open_checkpoint(args.a), open_checkpoint(args.b)
     bar = _bar(args, "diff", _selected_bytes(a.manifest, args.tensors) + _selected_bytes(b.manifest, args.tensors))
@@ -119,7 +119,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from resilient.storage.convert import ConvertRequest, StreamConfig, convert
+    from resilient.storage.offline.convert import ConvertRequest, StreamConfig, convert
 
     req = ConvertRequest(args.src, args.dst, args.to, args.src_format, args.step, args.out_step, args.tensors,
                          args.dtype, args.trust_pickle)
@@ -141,10 +141,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from resilient.storage.convert import StreamConfig
-    from resilient.storage.inspect import open_checkpoint
-    from resilient.storage.rechunk import chunks_layout, mesh_layout, parse_chunks, parse_mesh, reshard
-    from resilient.storage.resilient_sink import default_layout
+    from resilient.storage.offline.catalog import open_checkpoint
+    from resilient.storage.offline.convert import StreamConfig
+    from resilient.storage.offline.reshard import chunks_layout, mesh_layout, parse_chunks, parse_mesh, reshard
+    from resilient.storage.offline.sink import default_layout
 
     config = StreamConfig(max_memory=args.max_memory)
     if args.mesh:
@@ -166,7 +166,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from resilient.storage.prune import prune
+    from resilient.storage.offline.prune import prune
 
     result = prune(args.root, args.keep_last, dry_run=args.dry_run)
     out.emit_json(result) if args.json else out.render_prune(result)
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert(sub) -> None:
-    from resilient.storage.convert import FORMATS
+    from resilient.storage.offline.convert import FORMATS
 
     p = sub.add_parser("convert", help="resilient <-> safetensors / torch / DCP, streamed",
                        description="Convert a checkpoint, tensor by tensor, in bounded memory. The source "

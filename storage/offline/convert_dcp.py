@@ -28,8 +28,8 @@ from resilient.dtypes import from_numpy, itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError, IntegrityError, StateError
 from resilient.layout import Box
 from resilient.state import flatten_state
-from resilient.storage.blocks import Done, c_order_blocks, numpy_dtype
-from resilient.storage.sources import SourceState, TensorInfo
+from resilient.storage.offline.sources import SourceState, TensorInfo
+from resilient.storage.offline.streaming import Done, c_order_blocks, numpy_dtype
 
 METADATA = ".metadata"
 

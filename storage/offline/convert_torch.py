@@ -21,9 +21,9 @@ from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype, zarr_n
 from resilient.errors import ConfigError, IntegrityError
 from resilient.layout import Box
 from resilient.state import flatten_state
-from resilient.storage.blocks import Done, c_order_blocks, linear_offset
-from resilient.storage.convert_safetensors import pack_files
-from resilient.storage.sources import SourceState, TensorInfo
+from resilient.storage.offline.convert_safetensors import pack_files
+from resilient.storage.offline.sources import SourceState, TensorInfo
+from resilient.storage.offline.streaming import Done, c_order_blocks, linear_offset
 
 INDEX = "pytorch_model.bin.index.json"
 _SUFFIXES = (".bin", ".pt", ".pth")

@@ -21,8 +21,8 @@ import numpy as np
 from resilient.dtypes import itemsize
 from resilient.errors import ConfigError, IntegrityError
 from resilient.layout import Box
-from resilient.storage.blocks import Done, c_order_blocks, linear_offset, numpy_dtype
-from resilient.storage.sources import SourceState, TensorInfo
+from resilient.storage.offline.sources import SourceState, TensorInfo
+from resilient.storage.offline.streaming import Done, c_order_blocks, linear_offset, numpy_dtype
 
 INDEX = "model.safetensors.index.json"
 _TO_ST = {

@@ -23,13 +23,12 @@ from resilient.errors import CommitError, ConfigError
 from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, ArrayPlan, Box, Region, choose_inner_shape, edge_grid
 from resilient.manifest import MANIFEST, Manifest, array_path, library_versions, step_dir
 from resilient.storage.arrays import make_context, open_array, plan_metadata
-from resilient.storage.blocks import grid_boxes
-from resilient.storage.commit import commit_manifest
+from resilient.storage.commit import commit_manifest, manifest_entry
 from resilient.storage.objects import open_store
-from resilient.storage.persist import manifest_entry
-from resilient.storage.sources import SourceState, TensorInfo
+from resilient.storage.offline.sources import SourceState, TensorInfo
+from resilient.storage.offline.streaming import grid_boxes
+from resilient.storage.persist import write_zarr_documents
 from resilient.storage.url import Location
-from resilient.storage.writer import write_zarr_documents
 
 Layout = Callable[[TensorInfo], tuple[tuple[int, ...], tuple[int, ...]]]  # info -> (shard, inner)
 

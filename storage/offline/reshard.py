@@ -20,10 +20,10 @@ from collections.abc import Callable
 from resilient.dtypes import itemsize
 from resilient.errors import ConfigError
 from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, Box, choose_inner_shape
-from resilient.storage.convert import StreamConfig, resilient_sink, stream
-from resilient.storage.inspect import open_checkpoint
-from resilient.storage.resilient_sink import Layout, output_shard_shape
-from resilient.storage.sources import ResilientSource, TensorInfo
+from resilient.storage.offline.catalog import open_checkpoint
+from resilient.storage.offline.convert import StreamConfig, resilient_sink, stream
+from resilient.storage.offline.sink import Layout, output_shard_shape
+from resilient.storage.offline.sources import ResilientSource, TensorInfo
 
 _SHARD = re.compile(r"^_?S\((\d+)")
 ChunkRule = tuple[str, tuple[int, ...], tuple[int, ...] | None]  # glob, shard shape, inner shape

@@ -23,10 +23,10 @@ from resilient.dtypes import itemsize
 from resilient.errors import ConfigError, StorageError
 from resilient.layout import Box
 from resilient.manifest import LATEST, MANIFEST, parse_step_dir
-from resilient.storage.blocks import FLOAT_DTYPES, Pending, Pipeline, numpy_dtype
-from resilient.storage.inspect import open_checkpoint, select, split_step_url
-from resilient.storage.resilient_sink import Layout, ResilientSink, default_layout
-from resilient.storage.sources import ResilientSource, SourceState, TensorInfo, TensorSource
+from resilient.storage.offline.catalog import open_checkpoint, select, split_step_url
+from resilient.storage.offline.sink import Layout, ResilientSink, default_layout
+from resilient.storage.offline.sources import ResilientSource, SourceState, TensorInfo, TensorSource
+from resilient.storage.offline.streaming import FLOAT_DTYPES, Pending, Pipeline, numpy_dtype
 
 FORMATS = ("resilient", "safetensors", "torch", "dcp")
 
@@ -113,15 +113,15 @@ def open_source(url: str, fmt: str, *, step: int | None = None, trust_pickle: bo
     if not os.path.exists(path):
         raise StorageError(f"{path} does not exist; check the path")
     if fmt == "safetensors":
-        from resilient.storage.convert_safetensors import SafetensorsSource
+        from resilient.storage.offline.convert_safetensors import SafetensorsSource
 
         return SafetensorsSource(path)
     if fmt == "torch":
-        from resilient.storage.convert_torch import TorchSource
+        from resilient.storage.offline.convert_torch import TorchSource
 
         return TorchSource(path)
     if fmt == "dcp":
-        from resilient.storage.convert_dcp import DcpSource
+        from resilient.storage.offline.convert_dcp import DcpSource
 
         return DcpSource(path, trust_pickle=trust_pickle, cache_bytes=cache_bytes)
     raise ConfigError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -246,17 +246,17 @@ def _write(source: TensorSource, infos: list[TensorInfo], state: SourceState, me
         return {"step": manifest.step, "url": sink.url}
     directory = _empty_target(req.dst)
     if req.to == "dcp":
-        from resilient.storage.convert_dcp import write_dcp
+        from resilient.storage.offline.convert_dcp import write_dcp
 
         src_dtype = {i.fqn: i.dtype for i in source.tensors()}
         casts = {i.fqn: cast_function(src_dtype[i.fqn], i.dtype) for i in infos}
         return write_dcp(source, infos, casts, state, directory, block_bytes=config.block_bytes, on_block=update)
     if req.to == "safetensors":
-        from resilient.storage.convert_safetensors import SafetensorsSink
+        from resilient.storage.offline.convert_safetensors import SafetensorsSink
 
         sink = SafetensorsSink(directory, max_file_bytes=config.max_shard_size, block_bytes=config.block_bytes)
     else:
-        from resilient.storage.convert_torch import TorchSink
+        from resilient.storage.offline.convert_torch import TorchSink
 
         sink = TorchSink(directory, max_file_bytes=min(config.max_shard_size, config.budget_bytes),
                          block_bytes=config.block_bytes)

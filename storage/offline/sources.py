@@ -16,8 +16,8 @@ import numpy as np
 
 from resilient.layout import Box
 from resilient.storage.arrays import array_metadata, make_context, open_array, read_error
-from resilient.storage.blocks import Pending
-from resilient.storage.inspect import CheckpointRef
+from resilient.storage.offline.catalog import CheckpointRef
+from resilient.storage.offline.streaming import Pending
 
 
 @dataclass(frozen=True, slots=True)

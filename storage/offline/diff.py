@@ -17,9 +17,9 @@ import numpy as np
 
 from resilient.dtypes import itemsize
 from resilient.layout import Box
-from resilient.storage.blocks import Both, Pipeline, c_order_blocks
-from resilient.storage.inspect import CheckpointRef, select
-from resilient.storage.sources import ResilientSource
+from resilient.storage.offline.catalog import CheckpointRef, select
+from resilient.storage.offline.sources import ResilientSource
+from resilient.storage.offline.streaming import Both, Pipeline, c_order_blocks
 
 
 @dataclass(slots=True)

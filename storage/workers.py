@@ -1,4 +1,5 @@
-"""Background persist: one named writer thread, or one writer process fed through shared memory.
+"""Where stages 2 and 3 of a save run: one named writer thread (``PersistThread``), or one writer
+process fed through shared memory (``PersistProcess``).
 
 Both run the same ``run_persist`` on a ``PersistJob``; the choice is a measured trade-off (see
 ``CheckpointerConfig.writer``). Completion — stats or the error — is reported to ``on_done`` from
@@ -16,10 +17,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from resilient.errors import CommitError, ConfigError, IntegrityError, ResilientError, StorageError
+from resilient.errors import CommitError, ConfigError, StorageError, from_payload, to_payload
 from resilient.metrics import SaveStats
 from resilient.storage.persist import PersistJob, run_persist
-from resilient.storage.staging import StagingBuffer
+from resilient.storage.snapshot import StagingBuffer
 from resilient.storage.url import Location
 
 OnDone = Callable[[Any, StagingBuffer, SaveStats | None, BaseException | None], None]
@@ -48,7 +49,7 @@ def _drain_writers() -> None:
             thread.join(_EXIT_JOIN_TIMEOUT_S)
 
 
-class ThreadWriter:
+class PersistThread:
     """TensorStore's C++ I/O releases the GIL; the Python work per region here is a few calls."""
 
     def __init__(self, location: Location, store, context, on_done: OnDone, nice: int = 0) -> None:
@@ -89,9 +90,6 @@ class ThreadWriter:
             raise CommitError(f"the checkpoint writer thread did not stop within {timeout_s:.0f} s")
 
 
-_ERROR_TYPES = {c.__name__: c for c in (CommitError, StorageError, IntegrityError, ConfigError)}
-
-
 def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
     if nice:
         os.nice(nice)  # every thread of the writer, TensorStore's pool included, yields to training
@@ -110,11 +108,11 @@ def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
         try:
             stats = run_persist(PersistJob.from_json(json.loads(job_json)), buffers[buf_id], location, store, context)
             results.put((job_id, "ok", stats.to_json()))
-        except BaseException as e:
-            results.put((job_id, "error", type(e).__name__, str(e)))
+        except BaseException as e:  # crosses back as JSON: its class, message and traceback
+            results.put((job_id, "error", to_payload(e)))
 
 
-class ProcessWriter:
+class PersistProcess:
     """A spawned writer process (TensorStore must not cross a fork) reading the staging buffers
     from shared memory; training's GIL never runs persist code."""
 
@@ -169,9 +167,8 @@ class ProcessWriter:
             if msg[1] == "ok":
                 d = {k: v for k, v in msg[2].items() if k not in ("event", "throughput_gib_s")}
                 self._on_done(handle, buffer, SaveStats(**d), None)
-            else:
-                cls = _ERROR_TYPES.get(msg[2], ResilientError)
-                self._on_done(handle, buffer, None, cls(msg[3]))
+            else:  # the same class where known, the writer process's traceback as its cause
+                self._on_done(handle, buffer, None, from_payload(msg[2]))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from resilient.errors import ConfigError, StorageError
 from resilient.manifest import parse_step_dir
-from resilient.storage.inspect import open_root, read_latest
+from resilient.storage.offline.catalog import open_root, read_latest
 from resilient.storage.retention import KeepLast, delete_step_keys, list_steps, plan_retention
 
 
