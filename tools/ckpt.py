@@ -11,7 +11,7 @@
 URLs are local paths, file:///..., or s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL); a URL may
 name a checkpoint root (its newest step) or one step directory. Exit codes: 0 ok; 1 a finding
 (corruption, a difference, a damaged manifest); 2 a usage or access error, one line on stderr.
-Thin by design: all logic lives in resilient.storage (inspect, verify, diff, convert, rechunk, prune).
+Thin by design: all logic lives in resilient.storage.offline (catalog, verify, diff, convert, reshard, prune).
 """
 
 from __future__ import annotations
