@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError, StorageError
-from resilient.recovery.ram_tier import RamTier
+from resilient.recovery.ram.tier import RamTier
 from resilient.runfiles import EventLog, group_id
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
