@@ -40,8 +40,8 @@ def _state(mib: float, value: float) -> dict:
 
 
 def _tier(rank: int, store: str, run_dir: str, replication: bool = True):
-    from resilient.recovery.ram_config import RecoveryConfig
-    from resilient.recovery.ram_tier import RamTier
+    from resilient.recovery.config import RecoveryConfig
+    from resilient.recovery.ram.tier import RamTier
 
     config = RecoveryConfig(store_dir=store, ranks_per_node=1, replication_timeout_s=600, replication=replication)
     tier = RamTier(config, keep=2, run_dir=run_dir, group=0, rank=rank, world_size=WORLD,
@@ -74,7 +74,8 @@ def _drop_page_cache(directory: str) -> None:
 
 def restore_bench(rank: int, mib: float, root: str) -> dict:
     from resilient import Checkpointer
-    from resilient.recovery.ram_config import RecoveryConfig, node_store_dir
+    from resilient.recovery.config import RecoveryConfig
+    from resilient.recovery.ram.store import node_store_dir
 
     # Plain tensors are replicated in a checkpoint: every rank holds the same values and loads them all.
     state = _state(mib, 1.0)
@@ -116,7 +117,7 @@ def restore_bench(rank: int, mib: float, root: str) -> dict:
 
 
 def overhead_bench(rank: int, mib: float, steps: int, batch: int, root: str) -> dict:
-    from resilient.recovery.ram_tier import RamTier  # noqa: F401  (import cost outside the loop)
+    from resilient.recovery.ram.tier import RamTier  # noqa: F401  (import cost outside the loop)
 
     width = int((mib * 2**20 / 3 / 4 / 4) ** 0.5)
     results = {}

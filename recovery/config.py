@@ -1,30 +1,30 @@
-"""``[replica]``: replica groups across which torchft keeps training through group loss.
+"""``[replica]`` and ``[recovery]``: the recovery package's two config sections.
 
-Kept free of torchft imports: the trainer's config loads it whether or not replication is on.
+- ``[replica]`` (``QuorumConfig``): replica groups across which torchft keeps training through group loss;
+- ``[recovery]`` (``RecoveryConfig``): where the RAM tier keeps node-local snapshots, and how nodes
+  pair up. The snapshot cadence itself is ``checkpoint.memory_every`` / ``checkpoint.memory_keep``
+  (the trainer's checkpoint section); this section says where and with whom. The store layout it
+  configures is described in ``resilient.recovery.ram.store``.
+
+Kept free of torch and torchft imports: the trainer's config loads both sections whether or not
+replication or the RAM tier is on.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
+from resilient.validate import check_bool, check_int, check_number
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """Where the launcher puts the lighthouse URL (torchft's own Manager reads the same variable)."""
 
 
-def _check_seconds(key: str, value: object, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"replica.{key}={value!r} must be a number of seconds in [{low}, {high}]")
-    if not low <= value <= high:
-        raise ConfigError(f"replica.{key}={value} is out of range: allowed [{low}, {high}] seconds")
-
-
-def _check_int(key: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"replica.{key}={value!r} must be an integer in [{low}, {high}]")
+def _check_seconds(key: str, value: object, low: float, high: float) -> float:
+    return check_number(f"replica.{key}", value, low, high, unit="seconds")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,16 +54,15 @@ class QuorumConfig:
     (a dead peer's sockets close at once)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"replica.enabled={self.enabled!r} must be true or false")
-        _check_int("groups", self.groups, 1, 4096)
+        check_bool("replica.enabled", self.enabled)
+        check_int("replica.groups", self.groups, 1, 4096)
         if not isinstance(self.lighthouse, str):
             raise ConfigError(f"replica.lighthouse={self.lighthouse!r} must be a URL string")
         if self.lighthouse and not self.lighthouse.startswith(("http://", "https://")):
             raise ConfigError(f"replica.lighthouse={self.lighthouse!r} must look like http://HOST:PORT")
-        _check_int("min_replica_size", self.min_replica_size, 1, max(self.groups, 1))
+        check_int("replica.min_replica_size", self.min_replica_size, 1, max(self.groups, 1))
         _check_seconds("quorum_timeout_s", self.quorum_timeout_s, 1.0, 86400.0)
-        _check_int("quorum_retries", self.quorum_retries, 1, 10_000)
+        check_int("replica.quorum_retries", self.quorum_retries, 1, 10_000)
         _check_seconds("timeout_s", self.timeout_s, 1.0, 86400.0)
         _check_seconds("connect_timeout_s", self.connect_timeout_s, 1.0, 3600.0)
         _check_seconds("collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
@@ -95,3 +94,52 @@ def _lcm_upto(n: int) -> int:
     for k in range(2, n + 1):
         out = out * k // math.gcd(out, k)
     return out
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryConfig:
+    """The RAM tier's store and buddy replication (active when ``checkpoint.memory_every > 0``)."""
+
+    store_dir: str = ""
+    """Root of the node-local stores; empty: ``/dev/shm/resilient/<run-id>``. Must outlive the
+    worker processes (tmpfs or a local disk), so a restarted worker finds its snapshots."""
+    ranks_per_node: int = 0
+    """Ranks per node; 0: torchrun's ``LOCAL_WORLD_SIZE`` (one real node per host). Set it to
+    simulate several nodes on one machine: each gets its own store directory and buddy."""
+    failure_domains: list[str] = field(default_factory=list)
+    """One label per node (e.g. its rack or power domain), in node order; a buddy is always on a
+    node with another label. Empty: every node is its own domain."""
+    max_store_bytes: int = 0
+    """Upper bound on the bytes one node keeps (own + buddy copies); the oldest snapshots go first.
+    0: no bound beyond ``checkpoint.memory_keep`` snapshots per rank."""
+    replication: bool = True
+    """Copy every RAM snapshot to the buddy node (off: a lost node falls back to storage)."""
+    replication_bytes_per_s: float = 0.0
+    """Bandwidth budget of buddy replication per rank; 0: unlimited."""
+    replication_timeout_s: float = 120.0
+    """Longest one buddy copy (or fetch) may take before it is abandoned and reported."""
+    background_nice: int = 10
+    """Nice value of the tier's background threads (checksum, publish, buddy copy, receiving copies):
+    they take the CPU time training leaves rather than compete with it; 0 = same priority."""
+    bind_host: str = ""
+    """Interface the replication channel listens on; empty: the job's own (MASTER_ADDR's), so
+    nothing outside the job's network reaches it."""
+    stale_after_s: float = 86400.0
+    """Stores of other runs untouched this long are removed at start (only directories this code
+    created, marked by their ``store.json``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store_dir, str):
+            raise ConfigError(f"recovery.store_dir={self.store_dir!r} must be a path (a string)")
+        check_int("recovery.ranks_per_node", self.ranks_per_node, 0, 1 << 20)
+        if not isinstance(self.failure_domains, list) or not all(isinstance(d, str) for d in self.failure_domains):
+            raise ConfigError(f"recovery.failure_domains={self.failure_domains!r} must be a list of strings, "
+                              "one per node")  # fmt: skip
+        check_int("recovery.max_store_bytes", self.max_store_bytes, 0, 1 << 50)
+        check_bool("recovery.replication", self.replication)
+        check_number("recovery.replication_bytes_per_s", self.replication_bytes_per_s, 0.0, 1e13)
+        check_number("recovery.replication_timeout_s", self.replication_timeout_s, 1.0, 86400.0)
+        check_int("recovery.background_nice", self.background_nice, 0, 19)
+        if not isinstance(self.bind_host, str):
+            raise ConfigError(f"recovery.bind_host={self.bind_host!r} must be a host name or address")
+        check_number("recovery.stale_after_s", self.stale_after_s, 60.0, 365 * 86400.0)

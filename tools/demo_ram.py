@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from resilient.recovery.ram_config import node_store_dir
+from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from resilient.trainer.config import load_config
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from resilient.errors import ConfigError, StorageError
+from resilient.errors import ConfigError
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.config import CheckpointerConfig
 from resilient.trainer.config import TrainConfig
@@ -90,21 +90,6 @@ def build_checkpointer(config: TrainConfig, saves_log: str | None) -> Checkpoint
             metrics_path=saves_log,
         ),
     )
-
-
-def committed_steps(checkpointer: Checkpointer) -> list[int]:
-    """Committed steps under the checkpoint root; [] for a root that does not exist yet.
-
-    A missing local directory or empty memory store means a fresh run; a missing bucket or an
-    unreachable endpoint is an error (starting afresh there would silently drop a run's progress).
-    """
-    checkpointer.store.check_root(create=True)
-    try:
-        return checkpointer.steps()
-    except StorageError:
-        if checkpointer.location.scheme == "memory":
-            return []
-        raise
 
 
 def load_step_hooks(paths: list[str], trainer: Trainer) -> list[StepHook]:

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.errors import ConfigError
-from resilient.recovery.config import QuorumConfig, check_rows_divisible
-from resilient.recovery.ram_config import RecoveryConfig
+from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
 from resilient.trainer.data import DataConfig
 from resilient.trainer.model import ModelConfig
 from resilient.trainer.parallelize import ParallelConfig, check_model_compatible

@@ -21,12 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
-from resilient.errors import ResilientError, StorageError
-from resilient.recovery.ram_tier import RamTier
-from resilient.runfiles import EventLog, group_id
+from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
-from resilient.trainer.build import StepHook, committed_steps, load_step_hooks
+from resilient.trainer.build import StepHook, load_step_hooks
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
@@ -85,78 +84,28 @@ class Trainer:
     def install_configured_hooks(self) -> None:
         self.step_hooks.extend(load_step_hooks(self.config.run.step_hooks, self))
 
-    def resume(self) -> int | None:
+    def resume(self, peer: PeerHeal | None = None) -> RestoreResult:
         """Restore the newest state any tier holds, decided by all ranks together before anything is
-        loaded: the RAM tier's newest common step when it is not older than the newest committed
-        checkpoint, else that checkpoint (on any mesh), else a fresh start. Returns the step."""
-        if not self.config.checkpoint.resume:
-            return None
-        start = time.perf_counter()
-        listing_error: StorageError | None = None
-        try:
-            steps = self._committed_steps()
-        except StorageError as e:
-            if self.ram is None:
-                raise
-            # Storage unreachable: snapshots in RAM may still restore the run (newest known step).
-            log.warning("[rank %d] %s; trying the RAM tier alone", rdist.get_rank(), e)
-            steps, listing_error = [], e
-        persistent = steps[-1] if steps else None
-        state = capture_state(self.parts, self.step, self.tokens_seen)
-        reads_before = self.checkpointer.storage_reads
-        excluded: list[dict[str, Any]] = []
-        loaded, source, nbytes = None, "fresh", 0
-        if self.ram is not None:
-            ram = self.ram.restore(state, persistent)
-            excluded = ram.excluded
-            if ram.source is not None:
-                loaded, source, nbytes = ram.step, ram.source, ram.bytes
-        if loaded is None and listing_error is not None:
-            raise listing_error
-        if loaded is None and persistent is not None:
-            loaded, source = self.checkpointer.load(state, step=persistent), "persistent"
-            nbytes = self.checkpointer.restore_stats[-1].bytes_read
-        self.restored_from = source
-        if loaded is not None:
-            self.step, self.tokens_seen = apply_state(self.parts, state)
-            self.resumed_from = self._saved_step = loaded
-        seconds = time.perf_counter() - start
-        reads = self.checkpointer.storage_reads - reads_before
-        self.write_restore_event(step=self.step, source=source, nbytes=nbytes, seconds=seconds, storage_reads=reads,
-                                 excluded=excluded)  # fmt: skip
-        if loaded is None:
-            self.outputs.message(f"no checkpoint under {self.checkpointer.url}: starting at step 0")
-        else:
-            where = "this node's RAM" if source == "own" else "the buddy node's RAM" if source == "buddy" else \
-                self.checkpointer.url
-            self.outputs.message(
-                f"resumed from step {loaded} of {where} on dp_shard={self.config.parallel.dp_shard} "
-                f"x tp={self.config.parallel.tp} in {seconds:.2f} s"
-            )
-        return loaded
+        loaded (``resilient.recovery.restore``: peer, own RAM, buddy RAM, persistent, fresh): the RAM
+        tier's newest common step when it is not older than the newest committed checkpoint, else
+        that checkpoint (on any mesh), else a fresh start. ``peer``: the heal of the first quorum."""
+        p = self.config.parallel
+        result = restore(
+            lambda: capture_state(self.parts, self.step, self.tokens_seen), self._apply_restored,
+            checkpointer=self.checkpointer, ram=self.ram, run_dir=self.config.run.dir, peer=peer,
+            resume=self.config.checkpoint.resume, say=self.outputs.message, layout=f"dp_shard={p.dp_shard} x tp={p.tp}",
+        )  # fmt: skip
+        self.restored_from = result.source
+        if result.loaded:
+            self.resumed_from = self._saved_step = result.step
+        return result
 
-    def write_restore_event(self, *, step: int, source: str, nbytes: int, seconds: float, **extra: Any) -> None:
-        """One line per rank in ``<run.dir>/events.jsonl``: where this rank's state came from."""
-        events = EventLog(self.config.run.dir, enabled=True)
-        try:
-            events.write("restore", group=group_id(), rank=rdist.get_rank(), step=step, source=source,
-                         bytes=nbytes, seconds=round(seconds, 6), **extra)  # fmt: skip
-        finally:
-            events.close()
+    def _apply_restored(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = apply_state(self.parts, state)
 
     def _committed_steps(self) -> list[int]:
-        """Rank 0 lists the checkpoint root; every rank gets the list, or the same error (a rank
-        raising alone would leave its peers waiting in the broadcast until the collective timeout)."""
-        reply: dict[str, Any] = {}
-        if rdist.get_rank() == 0:
-            try:
-                reply = {"steps": committed_steps(self.checkpointer)}
-            except ResilientError as e:
-                reply = {"error": str(e)}
-        reply = rdist.broadcast_object(reply)
-        if "error" in reply:
-            raise StorageError(f"cannot list checkpoints to resume from: {reply['error']}")
-        return reply["steps"]
+        """Committed checkpoint steps, the same list (or error) on every rank (collective)."""
+        return committed_steps(self.checkpointer)
 
     def run(self) -> None:
         """Train until ``run.steps`` steps are committed, checkpointing on the way and at the end."""

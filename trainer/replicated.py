@@ -32,6 +32,7 @@ from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.faults import fault_point
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
+from resilient.recovery.restore import PeerHeal
 from resilient.runfiles import FINAL_DIGEST, EventLog, group_id
 from resilient.state import state_digest
 from resilient.trainer.loop import StepResult, Trainer
@@ -88,15 +89,14 @@ class ReplicatedTrainer(Trainer):
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.events.write("joining", group=self.group, attempt=attempt)
         quorum = self.sync.start_step()
-        source = "peer" if quorum.healed and quorum.step > 0 else "fresh"
-        if source == "peer":
-            heal = self.heals[-1] if self.heals else {"bytes": 0, "fetch_s": 0.0}
-            self.write_restore_event(step=self.step, source="peer", nbytes=heal["bytes"], seconds=quorum.heal_s)
-        if quorum.step == 0 and self.resume() is not None:
+        if quorum.healed and quorum.step > 0:
+            heal = self.heals[-1] if self.heals else {"bytes": 0}
+            self.resume(peer=PeerHeal(step=self.step, bytes=heal["bytes"], seconds=quorum.heal_s))
+        elif quorum.step == 0 and self.resume().loaded:
             self.sync.restore_step(self.step)
-            source = self.restored_from  # one vocabulary: own | buddy | persistent | peer | fresh
             quorum = None
-        self.events.write("start", group=self.group, step=self.step, source=source, attempt=attempt,
+        # One vocabulary: own | buddy | persistent | peer | fresh.
+        self.events.write("start", group=self.group, step=self.step, source=self.restored_from, attempt=attempt,
                           heal_bytes=self.heals[-1]["bytes"] if self.heals else 0)  # fmt: skip
         return quorum
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from resilient.dist import free_port
 from resilient.errors import ConfigError
-from resilient.recovery.ram_tier import RamTier
+from resilient.recovery.ram.tier import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, write_pid
 from resilient.trainer.build import (
     build_checkpointer,

@@ -16,7 +16,7 @@ import pytest
 from resilient.chaos.inject import FaultRecord, InjectContext, advance
 from resilient.chaos.job import job_node_store_dir, job_store_root
 from resilient.chaos.scenario import REPO_ROOT, FaultSpec
-from resilient.recovery.ram_config import RecoveryConfig
+from resilient.recovery.config import RecoveryConfig
 from resilient.runfiles import pid_path
 
 pytestmark = [pytest.mark.timeout(60)]

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from resilient import Checkpointer
-from resilient.recovery.ram_config import RecoveryConfig, node_store_dir
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import kill_tree
 

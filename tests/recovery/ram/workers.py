@@ -1,4 +1,5 @@
-"""Rank functions for the RAM-tier tests (module level: spawned processes import them)."""
+"""Helpers of the RAM-tier tests: states, a one-snapshot writer, and rank functions (module level:
+spawned processes import them)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,24 @@ import os
 
 import torch
 
-from resilient.recovery.ram_config import RecoveryConfig
-from resilient.recovery.ram_tier import RamTier
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.store import RankStore, SnapshotIndex, checksum, layout_tensors, tensor_view
+from resilient.recovery.ram.tier import RamTier
+
+
+def write_snapshot(store: RankStore, step: int, value: float, *, publish: bool = True) -> str:
+    """Put a two-tensor snapshot of ``step`` (values ``value``) into ``store``; returns its slot."""
+    tensors = {"a": torch.full((5, 3), value), "b": torch.full((4,), value).bfloat16()}
+    entries, nbytes = layout_tensors(tensors)
+    slot, data = store.reserve(nbytes)
+    for entry in entries:
+        tensor_view(data, entry).copy_(tensors[entry.fqn])
+        entry.crc32c = checksum(data, entry)
+    if publish:
+        store.publish(SnapshotIndex(step=step, rank=0, topology={}, tensors=entries, values={"v": value},
+                                    slot=slot, nbytes=nbytes))  # fmt: skip
+        store.release(slot)
+    return slot
 
 
 def state_of(rank: int, step: int) -> dict:
@@ -65,3 +82,19 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
         "optim_step": float(state["optim"]["step"]),
         "train": state["train"],
     }
+
+
+def start_failing_on(rank: int, world: int, store_dir: str, bad_rank: int) -> dict:
+    """Start a tier whose channel cannot listen on ``bad_rank`` (an address no interface has)."""
+    bind_host = "203.0.113.1" if rank == bad_rank else ""  # TEST-NET-3: never a local address
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1, bind_host=bind_host)
+    ram = RamTier(config, keep=1, run_dir=os.path.join(store_dir, "run"), group=0, rank=rank, world_size=world,
+                  fingerprint={})  # fmt: skip
+    try:
+        ram.start()
+    except Exception as e:
+        server = ram._server
+        return {"type": type(e).__name__, "message": str(e),
+                "server_closed": server is None or server._closing.is_set()}  # fmt: skip
+    ram.close()
+    return {"type": None}

@@ -1,5 +1,16 @@
 """The node-local snapshot store of the RAM tier: files in tmpfs that outlive the worker processes.
 
+Paths (the contract tools and ``resilient-chaos`` rely on)::
+
+    <store_dir>/group<G>/node<N>/           one simulated or real node of replica group G
+        own/rank<R>/step-<S>.json            index of rank R's snapshot of step S (visible = complete)
+        own/rank<R>/slot<K>.bin              the bytes, in a reused slot file
+        buddy/rank<R>/...                    copies this node keeps for rank R of its buddy node
+
+``store_dir`` (``recovery.store_dir``) defaults to ``/dev/shm/resilient/<run-id>``, run-id a hash of
+the absolute run.dir, so a restarted worker of the same run finds it and two runs on one machine
+never share it.
+
 One ``RankStore`` directory per rank (``own/rank<R>`` for this node's ranks, ``buddy/rank<R>`` for
 the copies kept for a buddy node). A snapshot is two files:
 
@@ -17,6 +28,7 @@ never sees its bytes change. Nothing here is pickled.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -31,11 +43,16 @@ from typing import Any
 
 import crc32c
 import torch
+from torch.distributed.tensor import DTensor
 
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
+from resilient.errors import ConfigError
+from resilient.recovery.config import RecoveryConfig
+from resilient.state import Leaf
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STORE_ROOT = "/dev/shm/resilient"
 INDEX_VERSION = 1
 ALIGN = 64
 STORE_MARKER = "store.json"
@@ -95,6 +112,21 @@ class SnapshotIndex:
 
 def _json_crc(body: dict[str, Any]) -> int:
     return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def local_tensors(leaves: dict[str, Leaf]) -> dict[str, torch.Tensor]:
+    """This rank's own bytes of every tensor leaf (a DTensor's local shard): what a snapshot holds."""
+    out = {}
+    for fqn, leaf in leaves.items():
+        if leaf.is_tensor:
+            value = leaf.value
+            out[fqn] = value.to_local() if isinstance(value, DTensor) else value
+    return out
+
+
+def json_values(leaves: dict[str, Leaf]) -> dict[str, Any]:
+    """The non-tensor leaves (data cursor, RNG, counters): a snapshot's index holds them as JSON."""
+    return {fqn: leaf.value for fqn, leaf in leaves.items() if not leaf.is_tensor}
 
 
 def layout_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
@@ -299,3 +331,34 @@ def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> lis
             removed.append(entry.path)
             log.info("removed the RAM store of a dead run: %s (unused for %.0f s)", entry.path, age)
     return removed
+
+
+# --- where the stores are -------------------------------------------------------------------------
+
+
+def run_id(run_dir: str) -> str:
+    """Stable across restarts of one run, different for two runs on one machine."""
+    return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+
+
+def store_root(config: RecoveryConfig, run_dir: str) -> str:
+    """``<store_dir>``: the configured one, else ``/dev/shm/resilient/<run-id>``."""
+    if config.store_dir:
+        return os.path.abspath(config.store_dir)
+    return os.path.join(DEFAULT_STORE_ROOT, run_id(run_dir))
+
+
+def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int) -> str:
+    """The directory of node ``node`` of replica group ``group`` (wipe it to simulate losing the node)."""
+    return os.path.join(store_root(config, run_dir), f"group{group}", f"node{node}")
+
+
+def ranks_per_node(config: RecoveryConfig, world_size: int) -> int:
+    """Ranks per (simulated) node: the config, else torchrun's LOCAL_WORLD_SIZE, else the world."""
+    per_node = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % per_node:
+        raise ConfigError(
+            f"recovery.ranks_per_node={per_node} must divide the group's world size {world_size} "
+            f"(every node holds the same number of ranks)"
+        )
+    return per_node

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery import channel
-from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.ram import wire
+from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,9 +80,9 @@ def _wait_for(predicate, timeout_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def _raw_session(server: ReplicationServer, secret: bytes, rank: int = 7) -> tuple[channel._Session, int]:
+def _raw_session(server: ReplicationServer, secret: bytes, rank: int = 7) -> tuple[wire.Session, int]:
     sock = socket.create_connection(server.address, timeout=10.0)
-    return channel._client_handshake(sock, secret, rank, timeout_s=10.0)
+    return wire.client_handshake(sock, secret, rank, timeout_s=10.0)
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -157,9 +157,9 @@ def test_client_sends_no_data_to_a_server_that_cannot_prove_the_secret(secret):
             conn, _ = listener.accept()
             with conn:
                 conn.settimeout(2.0)
-                conn.sendall(channel._GREETING.pack(channel._MAGIC, secrets.token_bytes(32)))
-                hello = conn.recv(channel._HELLO.size, socket.MSG_WAITALL)
-                conn.sendall(channel._WELCOME.pack(1 << 30, secrets.token_bytes(32)))
+                conn.sendall(wire.GREETING.pack(wire.MAGIC, secrets.token_bytes(32)))
+                hello = conn.recv(wire.HELLO.size, socket.MSG_WAITALL)
+                conn.sendall(wire.WELCOME.pack(1 << 30, secrets.token_bytes(32)))
                 try:
                     while chunk := conn.recv(65536):
                         received.extend(chunk)
@@ -174,7 +174,7 @@ def test_client_sends_no_data_to_a_server_that_cannot_prove_the_secret(secret):
             client.put("rank5/step-000000001", {}, b"private snapshot bytes")
         client.close()
         thread.join(timeout=10.0)
-    assert len(received) == channel._HELLO.size  # the hello, and not one byte of the snapshot
+    assert len(received) == wire.HELLO.size  # the hello, and not one byte of the snapshot
     assert b"private snapshot bytes" not in received
 
 
@@ -186,7 +186,7 @@ def test_client_sends_no_data_to_a_server_that_cannot_prove_the_secret(secret):
 def test_garbage_connection_is_refused_and_server_keeps_serving(server, secret, handler, garbage):
     with socket.create_connection(server.address, timeout=10.0) as raw:
         # Read the greeting first: a reset provoked by the garbage could discard it unread.
-        assert raw.recv(channel._GREETING.size, socket.MSG_WAITALL)[:8] == channel._MAGIC
+        assert raw.recv(wire.GREETING.size, socket.MSG_WAITALL)[:8] == wire.MAGIC
         raw.sendall(garbage)
         assert _closed_by_server(raw)
     _wait_for(lambda: len(server.rejected) == 1)
@@ -221,7 +221,7 @@ def test_tampered_message_is_refused_and_nothing_stored(server, secret, handler,
     elif where == "mac":
         mac[0] ^= 0x01
     else:
-        head[channel._PREFIX.size - 1] ^= 0x01  # payload_len 4096 -> 4097, then the MAC arrives one byte early
+        head[wire.PREFIX.size - 1] ^= 0x01  # payload_len 4096 -> 4097, then the MAC arrives one byte early
     session.sock.sendall(head + payload + mac + (b"\0" if where == "prefix" else b""))
     with session.sock:
         assert _closed_by_server(session.sock)
@@ -261,7 +261,7 @@ def test_declared_payload_over_max_is_refused_without_reading_it(secret, handler
         session, advertised = _raw_session(server, secret)
         assert advertised == 1024
         # Declare 1 TiB and send none of it: only a refusal before reading can answer this.
-        session.sock.sendall(channel._PREFIX.pack(20, 1 << 40))
+        session.sock.sendall(wire.PREFIX.pack(20, 1 << 40))
         reply = session.receive(1 << 20)
         assert reply.op == "error"
         assert "declared payload of 1099511627776 bytes exceeds max_message_bytes=1024" in reply.meta["message"]

@@ -1,0 +1,93 @@
+"""The buddy side of the RAM tier: what a rank serves over the replication channel, the secret the
+channel is keyed with, and the address it listens on.
+
+Rank r's snapshots are copied to ``pairing.buddy_of(r)`` on another node; that rank's
+``BuddyHandler`` stores each copy only after checking it (sender, key, size, every tensor's
+crc32c), and serves it back only to the rank it belongs to.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from resilient import dist as rdist
+from resilient.errors import ResilientError
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.store import SnapshotIndex, first_corruption
+
+if TYPE_CHECKING:
+    from resilient.recovery.ram.tier import RamTier
+
+SECRET_BYTES = 32
+
+
+def snapshot_key(rank: int, step: int) -> str:
+    """The channel key of ``rank``'s snapshot of ``step``."""
+    return f"rank{rank}/step-{step:09d}"
+
+
+class BuddyHandler:
+    """Serves the replication channel from this rank's node store."""
+
+    def __init__(self, tier: RamTier) -> None:
+        self._tier = tier
+
+    def put(self, sender_rank: int, key: str, header: dict, payload: memoryview) -> None:
+        tier = self._tier
+        if tier.pairing.buddy_of(sender_rank) != tier.rank:
+            raise ResilientError(f"rank {tier.rank} does not keep rank {sender_rank}'s snapshots")
+        index = SnapshotIndex.from_json(header["index"])
+        if index.rank != sender_rank or key != snapshot_key(sender_rank, index.step) or len(payload) != index.nbytes:
+            raise ResilientError(f"copy {key} from rank {sender_rank} does not match its index")
+        store = tier.buddy_store(sender_rank)
+        slot, data = store.reserve(index.nbytes)
+        try:
+            data.numpy()[:] = payload
+            reason = first_corruption(index, data)
+            if reason is not None:
+                raise ResilientError(f"copy {key} from rank {sender_rank}: {reason}")
+            index.slot = slot  # where the bytes are HERE (to_json re-computes the index checksum)
+            store.publish(index)
+        finally:
+            store.release(slot)
+
+    def get(self, requester_rank: int, key: str) -> tuple[dict, memoryview] | None:
+        tier = self._tier
+        rank_part, _, step_part = key.partition("/")
+        if rank_part != f"rank{requester_rank}":
+            raise ResilientError(f"rank {requester_rank} may fetch only its own snapshots, not {key}")
+        index = tier.buddy_store(requester_rank).indexes().get(int(step_part.removeprefix("step-")))
+        if index is None:
+            return None
+        data = tier.buddy_store(requester_rank).data(index)
+        return {"index": index.to_json()}, memoryview(data.numpy())
+
+
+def shared_secret() -> bytes:
+    """The job's channel key, the same on every rank (collective over the group's process group).
+
+    Handed out over the group's own process group (the job's rendezvous), never written anywhere.
+    """
+    secret = torch.frombuffer(bytearray(secrets.token_bytes(SECRET_BYTES)), dtype=torch.uint8).clone()
+    if rdist.is_distributed():
+        dist.broadcast(secret, src=0)
+    return bytes(secret.tolist())
+
+
+def bind_host(config: RecoveryConfig) -> str:
+    """``recovery.bind_host``, else the local address of the interface that reaches the job's master."""
+    if config.bind_host:
+        return config.bind_host
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    # The job's own network: connecting a UDP socket sends nothing, and gethostname() can resolve
+    # to 127.0.1.1.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(master), port))
+        return probe.getsockname()[0]

@@ -1,0 +1,208 @@
+"""The RAM tier's one collective restore decision: own snapshot, else the buddy's copy.
+
+Collective over the group and decided before anything is loaded: every rank reports the snapshots
+it can supply (its own, and the copies it keeps for its buddies), every rank computes the same
+choice — the newest step every rank can get from RAM, if it is at least the newest persistent
+step — then each rank fetches and verifies its part (own store, else its buddy's copy). If any rank
+cannot, that step is excluded for all and the decision is taken again; the caller falls back to
+storage when no RAM step is left. Only snapshots taken on the same topology (world size, ranks per
+node, mesh, tensor layout) are candidates.
+
+Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
+fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
+while its peers wait in the next collective; anything else (a bug) is raised on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from resilient import dist as rdist
+from resilient.recovery.ram.buddy import snapshot_key
+from resilient.recovery.ram.channel import ChannelError
+from resilient.recovery.ram.pairing import Pairing
+from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
+from resilient.state import Leaf, flatten_state, set_leaf
+
+if TYPE_CHECKING:
+    from resilient.recovery.ram.tier import RamTier
+
+log = logging.getLogger(__name__)
+
+Report = dict[str, Any]
+"""One rank's offer: ``{"own": [steps], "kept": {"<rank>": [steps]}}`` (JSON: rank keys are strings)."""
+
+
+@dataclass(slots=True)
+class RamRestore:
+    """The outcome of one restore decision on this rank."""
+
+    step: int | None
+    source: str | None  # "own" | "buddy" | None (no RAM step: storage or fresh)
+    bytes: int = 0
+    seconds: float = 0.0
+    excluded: list[dict[str, Any]] = field(default_factory=list)
+
+
+def restore_from_ram(tier: RamTier, state: dict[str, Any], persistent_step: int | None) -> RamRestore:
+    """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it is
+    not older than ``persistent_step``. Returns what was decided (source None: not from RAM)."""
+    start = time.perf_counter()
+    decision = _Decision(tier, flatten_state(state))
+    reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
+    ruled_out: set[int] = set()
+    while True:
+        step = choose_step(tier.pairing, reports, ruled_out)
+        if step is None or (persistent_step is not None and step < persistent_step):
+            return RamRestore(None, None, excluded=decision.excluded, seconds=time.perf_counter() - start)
+        verdicts = rdist.agree(functools.partial(decision.fetch, step, reports), what=f"RAM restore of step {step}")
+        if all(verdicts):
+            rdist.agree(functools.partial(decision.apply, step), what=f"RAM restore of step {step}")
+            assert decision.fetched is not None
+            source, index, _ = decision.fetched
+            return RamRestore(step, source, index.nbytes, time.perf_counter() - start, decision.excluded)
+        failed = [r for r, ok in enumerate(verdicts) if not ok]
+        log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", tier.rank, step, failed)
+        ruled_out.add(step)
+
+
+def choose_step(pairing: Pairing, reports: list[Report], ruled_out: set[int]) -> int | None:
+    """The newest step every rank can get from its own store or its buddy's (same on every rank)."""
+    common: set[int] | None = None
+    for rank, report in enumerate(reports):
+        available = set(report["own"])
+        holder = pairing.buddy_of(rank)
+        if holder is not None:
+            available |= set(reports[holder]["kept"].get(str(rank), []))
+        common = available if common is None else common & available
+    candidates = (common or set()) - ruled_out
+    return max(candidates) if candidates else None
+
+
+class _Decision:
+    """This rank's side of one decision: what it offers, what it fetched, what it excluded and why."""
+
+    def __init__(self, tier: RamTier, leaves: dict[str, Leaf]) -> None:
+        self.tier, self.leaves = tier, leaves
+        self.excluded: list[dict[str, Any]] = []
+        self.fetched: tuple[str, SnapshotIndex, torch.Tensor] | None = None
+
+    def _exclude(self, step: int | None, source: str, reason: str) -> None:
+        self.excluded.append({"step": step, "source": source, "reason": reason})
+
+    # -- report ------------------------------------------------------------------------------
+
+    def report(self) -> Report:
+        """The steps this rank can supply; whatever goes wrong reading its store, it offers nothing."""
+        try:
+            return self._report()
+        except Exception as e:
+            self._exclude(None, "own", f"store unreadable: {type(e).__name__}: {e}")
+            return {"own": [], "kept": {}}
+
+    def _report(self) -> Report:
+        tier = self.tier
+        own = []
+        indexes = tier.own.indexes()
+        for reason in tier.own.unreadable:
+            self._exclude(None, "own", reason)
+        for step, index in sorted(indexes.items()):
+            reason = self.incompatible(index)
+            if reason is None:
+                own.append(step)
+            else:
+                self._exclude(step, "own", reason)
+        kept = {str(r): sorted(tier.buddy_store(r).indexes()) for r in tier.pairing.kept_by(tier.rank)}
+        return {"own": own, "kept": kept}
+
+    def incompatible(self, index: SnapshotIndex) -> str | None:
+        """Why ``index`` cannot go into this training state (None: it can)."""
+        if index.topology != self.tier.topology:
+            return f"taken on another topology {index.topology} (now {self.tier.topology})"
+        layout = {e.fqn: (e.dtype, e.shape) for e in index.tensors}
+        current = {e.fqn: (e.dtype, e.shape) for e in layout_tensors(local_tensors(self.leaves))[0]}
+        if layout != current:
+            differ = sorted(set(layout.items()) ^ set(current.items()), key=str)[:3]
+            return f"tensor layout differs from the training state (e.g. {differ})"
+        if set(index.values) != {fqn for fqn, leaf in self.leaves.items() if not leaf.is_tensor}:
+            return "JSON values differ from the training state"
+        return None
+
+    # -- fetch -------------------------------------------------------------------------------
+
+    def fetch(self, step: int, reports: list[Report]) -> bool:
+        """This rank's vote on ``step``: True once its snapshot is fetched and verified."""
+        self.fetched = None
+        try:
+            self.fetched = self._fetch(step, reports)
+        except Exception as e:
+            self._exclude(step, "own", f"{type(e).__name__}: {e}")
+        return self.fetched is not None
+
+    def _fetch(self, step: int, reports: list[Report]) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
+        rank = self.tier.rank
+        if step in reports[rank]["own"]:
+            own = self._own_verified(step)
+            if not isinstance(own, str):
+                return own
+            self._exclude(step, "own", own)
+            log.warning("[rank %d] own RAM snapshot of step %d unusable: %s", rank, step, own)
+        holder = self.tier.pairing.buddy_of(rank)
+        if holder is None or step not in reports[holder]["kept"].get(str(rank), []):
+            return None
+        return self._fetch_from_buddy(step, holder)
+
+    def _own_verified(self, step: int) -> tuple[str, SnapshotIndex, torch.Tensor] | str:
+        """This rank's own snapshot of ``step`` if it verifies, else why not."""
+        try:
+            index = self.tier.own.indexes().get(step)
+            if index is None:
+                return "gone from the store"
+            data = self.tier.own.data(index)
+            return first_corruption(index, data) or ("own", index, data)
+        except Exception as e:  # a missing slot file, an I/O error: the buddy's copy may still do
+            return f"{type(e).__name__}: {e}"
+
+    def _fetch_from_buddy(self, step: int, holder: int) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
+        try:
+            with self.tier.connect_to(holder) as client:
+                reply = client.get(snapshot_key(self.tier.rank, step))
+        except ChannelError as e:
+            self._exclude(step, "buddy", f"fetch from rank {holder} failed: {e}")
+            return None
+        if reply is None:
+            self._exclude(step, "buddy", f"rank {holder} no longer has it")
+            return None
+        header, payload = reply
+        index = SnapshotIndex.from_json(header["index"])
+        # The client hands over the bytearray it received into: no further copy.
+        data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        reason = first_corruption(index, data) or self.incompatible(index)
+        if reason is not None:
+            self._exclude(step, "buddy", reason)
+            return None
+        return "buddy", index, data
+
+    # -- apply -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def apply(self, step: int) -> None:
+        """Copy the fetched snapshot of ``step`` into the training state, then hide the abandoned timeline."""
+        assert self.fetched is not None
+        _, index, data = self.fetched
+        tensors = local_tensors(self.leaves)
+        for entry in index.tensors:
+            tensors[entry.fqn].copy_(tensor_view(data, entry))
+        for fqn, value in index.values.items():
+            set_leaf(self.leaves[fqn], value)
+        # Snapshots after the restored step belong to the abandoned timeline: hidden, so a later
+        # decision can never mix them with snapshots of the new one.
+        self.tier.own.remove_newer(step)
+        for rank in self.tier.pairing.kept_by(self.tier.rank):
+            self.tier.buddy_store(rank).remove_newer(step)

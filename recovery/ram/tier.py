@@ -1,0 +1,293 @@
+"""The RAM tier: frequent snapshots in node memory, copied to a buddy node, restored without storage.
+
+``snapshot(step, state)`` (training thread) copies this rank's local tensors into a reused slot of
+its node store: one memcpy, the only part training waits for. A background thread then computes
+the crc32c of every tensor, publishes the index (the snapshot becomes visible) and streams it to
+the buddy rank over the replication channel (authenticated, never the training process group).
+Only the newest snapshot is replicated: a snapshot whose copy has not started when the next one
+arrives is not sent (recorded as "superseded").
+
+``restore(state, persistent_step)`` is the collective RAM restore decision of
+``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
+tiers. The buddy side (what this rank serves to and keeps for others) is ``ram.buddy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from resilient import dist as rdist
+from resilient.errors import StorageError
+from resilient.metrics import JsonlSink
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
+from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
+from resilient.recovery.ram.pairing import Pairing
+from resilient.recovery.ram.restore import RamRestore, restore_from_ram
+from resilient.recovery.ram.store import (
+    DEFAULT_STORE_ROOT,
+    RankStore,
+    SnapshotIndex,
+    check_private_dir,
+    checksum,
+    clean_stale_stores,
+    json_values,
+    layout_tensors,
+    local_tensors,
+    mark_store,
+    node_store_dir,
+    ranks_per_node,
+    store_root,
+    tensor_view,
+)
+from resilient.state import flatten_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Job:
+    index: SnapshotIndex
+    data: torch.Tensor
+    copy_s: float
+
+
+class RamTier:
+    """Node-local snapshots of one rank, replicated to its buddy; see the module docstring."""
+
+    def __init__(
+        self,
+        config: RecoveryConfig,
+        *,
+        keep: int,
+        run_dir: str,
+        group: int,
+        rank: int,
+        world_size: int,
+        fingerprint: dict[str, Any],
+        stats_path: str | None = None,
+    ) -> None:
+        self.config, self.keep, self.group, self.rank = config, keep, group, rank
+        self.pairing = Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains))
+        self.node = self.pairing.node_of(rank)
+        self.root = store_root(config, run_dir)
+        self.node_dir = node_store_dir(config, run_dir, group, self.node)
+        self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), keep)
+        self.topology = {"world_size": world_size, "ranks_per_node": self.pairing.ranks_per_node, "group": group,
+                         **fingerprint}  # fmt: skip
+        self.stats = JsonlSink(stats_path)
+        self._buddy_stores: dict[int, RankStore] = {}
+        self._stores_lock = threading.Lock()
+        self._server: ReplicationServer | None = None
+        self._client: ReplicationClient | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the store and the replication channel (collective: exchanges the channel addresses
+        and the job's secret over the group's process group, once, before training). A failure on
+        one rank is raised on every rank, so no peer waits in a collective for it."""
+        self._secret = shared_secret()
+        try:
+            self._addresses = rdist.agree(self._open)
+        except Exception:
+            if self._server is not None:
+                self._server.close()
+            raise
+        buddy = self.pairing.buddy_of(self.rank)
+        if buddy is not None and self.config.replication:
+            self._client = ReplicationClient(self._secret, tuple(self._addresses[buddy]), rank=self.rank,
+                                             timeout_s=self.config.replication_timeout_s,
+                                             bytes_per_s=self.config.replication_bytes_per_s)  # fmt: skip
+        self._worker = threading.Thread(target=self._run, name="resilient-ram-tier", daemon=True)
+        self._worker.start()
+
+    def _open(self) -> list[Any]:
+        """This rank's store and channel server; returns the server's address."""
+        try:
+            self._open_store()
+            self._server = ReplicationServer(self._secret, BuddyHandler(self), host=bind_host(self.config),
+                                             timeout_s=self.config.replication_timeout_s,
+                                             thread_nice=self.config.background_nice)  # fmt: skip
+            self._server.start()
+        except Exception as e:
+            hint = "set recovery.store_dir to a writable local directory, or checkpoint.memory_every=0"
+            raise StorageError(f"cannot start the RAM tier under {self.node_dir}: {type(e).__name__}: {e} "
+                               f"({hint})") from e  # fmt: skip
+        return list(self._server.address)
+
+    def _open_store(self) -> None:
+        check_private_dir(os.path.dirname(self.root) if self._default_root else self.root)
+        mark_store(self.root)
+        if self.rank == 0 and self._default_root:
+            clean_stale_stores(DEFAULT_STORE_ROOT, self.root, self.config.stale_after_s)
+
+    @property
+    def _default_root(self) -> bool:
+        return os.path.dirname(self.root) == DEFAULT_STORE_ROOT
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the snapshot in flight (published and replicated), stop the channel; bounded."""
+        if self._worker is not None:
+            try:
+                self._queue.put(None, timeout=timeout_s)
+            except queue.Full:
+                log.warning("[rank %d] RAM tier worker busy for %.0f s at close: not waiting for it", self.rank,
+                            timeout_s)  # fmt: skip
+            self._worker.join(timeout_s)
+            if self._worker.is_alive():
+                log.warning("[rank %d] RAM tier worker still running after %.0f s: abandoned", self.rank, timeout_s)
+            self._worker = None
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.close()
+
+    def buddy_store(self, rank: int) -> RankStore:
+        with self._stores_lock:  # server threads and the restore path share one store per rank
+            store = self._buddy_stores.get(rank)
+            if store is None:
+                directory = os.path.join(self.node_dir, "buddy", f"rank{rank}")
+                store = self._buddy_stores[rank] = RankStore(directory, self.keep)
+            return store
+
+    def connect_to(self, rank: int) -> ReplicationClient:
+        """A new channel client to ``rank``'s server (the restore fetches its buddy copy with it)."""
+        return ReplicationClient(self._secret, tuple(self._addresses[rank]), rank=self.rank,
+                                 timeout_s=self.config.replication_timeout_s)  # fmt: skip
+
+    # -- snapshot ----------------------------------------------------------------------------
+
+    def snapshot(self, step: int, state: dict[str, Any]) -> bool:
+        """Copy this rank's state into the node store; checksum, publish and replicate in the
+        background. Never blocks on the background work and never raises into training (the tier
+        is an optimization): a snapshot that cannot be taken is skipped, logged and recorded.
+        Returns whether it was taken."""
+        start = time.perf_counter()
+        reason = self._take_latched()
+        if reason is None and self._queue.full():
+            reason = "busy: the previous snapshot is still being published or copied to the buddy"
+        if reason is None:
+            try:
+                job = self._copy(step, state, start)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+        if reason is not None:
+            log.warning("[rank %d] RAM snapshot of step %d skipped: %s", self.rank, step, reason)
+            self.stats.write({"event": "ram_snapshot", "group": self.group, "rank": self.rank, "step": step,
+                              "outcome": "skipped", "reason": reason})  # fmt: skip
+            return False
+        self._queue.put_nowait(job)
+        return True
+
+    def _copy(self, step: int, state: dict[str, Any], start: float) -> _Job:
+        leaves = flatten_state(state)
+        tensors = local_tensors(leaves)
+        entries, nbytes = layout_tensors(tensors)
+        self._check_budget(nbytes)
+        slot, data = self.own.reserve(nbytes)
+        try:
+            for entry in entries:
+                tensor_view(data, entry).copy_(tensors[entry.fqn])
+        except BaseException:
+            self.own.release(slot)
+            raise
+        index = SnapshotIndex(step=step, rank=self.rank, topology=self.topology, tensors=entries,
+                              values=json_values(leaves), slot=slot, nbytes=nbytes)  # fmt: skip
+        return _Job(index, data, time.perf_counter() - start)
+
+    def _check_budget(self, nbytes: int) -> None:
+        """``recovery.max_store_bytes``: slot files in use plus the new one must fit (spare slots
+        are dropped first); otherwise the snapshot is skipped, never the store overrun."""
+        limit = self.config.max_store_bytes
+        if not limit:
+            return
+        stores = [self.own, *(self.buddy_store(r) for r in self.pairing.kept_by(self.rank))]
+        if sum(s.bytes_used() for s in stores) + nbytes <= limit:
+            return
+        for store in stores:
+            store.drop_spare_slots()
+        used = sum(s.bytes_used() for s in stores)
+        if used + nbytes > limit:
+            raise StorageError(f"recovery.max_store_bytes={limit}: {used} bytes in use, "
+                               f"the snapshot needs {nbytes} more")
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        """Block until the snapshots handed over so far are published and replicated; raises
+        StorageError naming the wait if that takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise StorageError(f"[rank {self.rank}] RAM snapshots still publishing or replicating after "
+                                   f"{timeout_s:.0f} s (recovery.replication_timeout_s)")  # fmt: skip
+            time.sleep(0.01)
+
+    def _take_latched(self) -> str | None:
+        if self._error is None:
+            return None
+        error, self._error = self._error, None
+        return f"the previous snapshot failed: {type(error).__name__}: {error}"
+
+    def _run(self) -> None:
+        lower_thread_priority(self.config.background_nice)
+        while (job := self._queue.get()) is not None:
+            try:
+                self._publish_and_replicate(job)
+            except Exception as e:  # latched: the next snapshot() reports it (and is skipped)
+                log.warning("[rank %d] RAM snapshot of step %d failed: %s", self.rank, job.index.step, e)
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _publish_and_replicate(self, job: _Job) -> None:
+        index, data = job.index, job.data
+        start = time.perf_counter()
+        for entry in index.tensors:
+            entry.crc32c = checksum(data, entry)
+        self.own.publish(index)
+        mark_store(self.root)
+        record = {"event": "ram_snapshot", "group": self.group, "rank": self.rank, "step": index.step,
+                  "bytes": index.nbytes, "copy_s": round(job.copy_s, 6),
+                  "publish_s": round(time.perf_counter() - start, 6)}  # fmt: skip
+        try:
+            record["replication"] = self._replicate(index, data)
+        finally:
+            self.own.release(index.slot)
+            self.stats.write(record)
+
+    def _replicate(self, index: SnapshotIndex, data: torch.Tensor) -> dict[str, Any]:
+        buddy = self.pairing.buddy_of(self.rank)
+        if self._client is None:
+            return {"outcome": "off" if buddy is not None else "no_buddy_node"}
+        if not self._queue.empty():
+            return {"outcome": "superseded", "buddy": buddy}  # a newer snapshot is waiting: send that one
+        start = time.perf_counter()
+        try:
+            self._client.put(snapshot_key(self.rank, index.step), {"index": index.to_json()}, memoryview(data.numpy()))
+        except ChannelError as e:
+            # The snapshot stays valid locally; only the node-loss protection of this step is missing.
+            log.warning("[rank %d] copy of step %d to buddy rank %d failed: %s", self.rank, index.step, buddy, e)
+            return {"outcome": "failed", "buddy": buddy, "error": str(e)}
+        seconds = time.perf_counter() - start
+        return {"outcome": "copied", "buddy": buddy, "bytes": index.nbytes, "seconds": round(seconds, 6),
+                "bytes_per_s": round(index.nbytes / max(seconds, 1e-9))}  # fmt: skip
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def restore(self, state: dict[str, Any], persistent_step: int | None) -> RamRestore:
+        """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it
+        is not older than ``persistent_step``. Returns what was decided (source None: not from RAM);
+        see ``resilient.recovery.ram.restore``."""
+        return restore_from_ram(self, state, persistent_step)

@@ -1,0 +1,260 @@
+"""The replication channel's wire format: framing, message MACs and the mutual handshake.
+
+Protocol, version 1 (integers big-endian, ``|`` is concatenation, ``sn``/``cn`` are 32-byte nonces)::
+
+    S -> C  MAGIC(8) | sn
+    C -> S  rank(i64) | cn | HMAC(secret, "resilient/channel/v1/client" | sn | cn | rank)
+    S -> C  max_message_bytes(u64) | HMAC(secret, "resilient/channel/v1/server" | sn | cn | rank | max)
+    then messages both ways:
+            header_len(u32) | payload_len(u64) | header JSON {"op","key","meta"} | payload | MAC(32)
+            MAC = HMAC(K, direction | seq(u64) | header_len | payload_len | header | payload)
+            K   = HMAC(secret, "resilient/channel/v1/session" | sn | cn | rank)
+
+- Both sides pick a fresh nonce, so neither proof can be replayed; distinct domain tags stop a proof
+  being reflected back. A bad client proof makes the server close without answering; the client
+  checks the server's proof before it sends any data, so it never hands a snapshot to an impostor.
+- ``direction`` is ``c2s`` or ``s2c``; ``seq`` counts messages per direction from 0 and is NOT sent:
+  the receiver uses the number it expects, so a replayed, dropped or reordered message fails its MAC,
+  and the per-connection key K makes a message recorded on one connection worthless on another.
+- The receiver refuses ``header_len`` > 1 MiB or ``payload_len`` > ``max_message_bytes`` before reading
+  them, reads the whole payload into a buffer it owns, and parses or acts on nothing until the MAC
+  verifies: ``handler.put`` only ever sees a complete, authenticated message.
+
+Nothing here opens, accepts or serves a connection (``resilient.recovery.ram.channel`` does); this
+module turns bytes on a connected socket into authenticated messages and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from resilient.errors import ConfigError, StorageError
+
+MAGIC = b"RSLCHAN1"
+_NONCE_BYTES = 32
+_MAC_BYTES = 32  # SHA-256
+_MIN_SECRET_BYTES = 16  # an HMAC key shorter than this is guessable; token_bytes(32) is the norm
+GREETING = struct.Struct(f">8s{_NONCE_BYTES}s")
+HELLO = struct.Struct(f">q{_NONCE_BYTES}s{_MAC_BYTES}s")
+WELCOME = struct.Struct(f">Q{_MAC_BYTES}s")
+PREFIX = struct.Struct(">IQ")
+_U64 = struct.Struct(">Q")
+_I64 = struct.Struct(">q")
+_MAX_HEADER_BYTES = 1 << 20
+_CHUNK_BYTES = 1 << 20  # sendall's timeout covers the whole call, so big payloads go out in chunks
+_THROTTLE_SLICE_S = 0.1  # a throttled chunk is ~0.1 s of traffic, so the receiver never waits long
+_MIN_THROTTLE_CHUNK = 4096
+_TAG_CLIENT = b"resilient/channel/v1/client"
+_TAG_SERVER = b"resilient/channel/v1/server"
+_TAG_SESSION = b"resilient/channel/v1/session"
+_CLIENT_TO_SERVER = b"c2s"
+_SERVER_TO_CLIENT = b"s2c"
+EMPTY = memoryview(b"")
+
+
+class ChannelError(StorageError):
+    """The replication channel refused, lost or timed out a connection or message (names peer and key)."""
+
+
+class PeerClosed(ChannelError):
+    """The peer closed the connection; the handshake rephrases it (a refusal looks exactly like this)."""
+
+
+class OversizedMessage(ChannelError):
+    """A declared length is over the limit; the server answers once and closes, the payload unread."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    op: str
+    key: str
+    meta: dict
+    payload: bytearray
+
+
+def check_secret(secret: bytes) -> bytes:
+    """``secret`` as bytes, if it is long enough to be an HMAC key."""
+    if not isinstance(secret, bytes | bytearray) or len(secret) < _MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"secret must be bytes of at least {_MIN_SECRET_BYTES} (use secrets.token_bytes(32) from the rendezvous)"
+        )
+    return bytes(secret)
+
+
+def _proof(secret: bytes, tag: bytes, server_nonce: bytes, client_nonce: bytes, rank: int, extra: bytes = b"") -> bytes:
+    return hmac.new(secret, tag + server_nonce + client_nonce + _I64.pack(rank) + extra, hashlib.sha256).digest()
+
+
+def describe(error: BaseException) -> str:
+    """A socket error in words for a ChannelError message (a timeout's own text is empty)."""
+    if isinstance(error, TimeoutError):
+        return "no progress within the timeout"
+    return str(error) or type(error).__name__
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, what: str, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; with ``deadline`` the whole read must finish by then (handshakes)."""
+    received = 0
+    while received < view.nbytes:
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            count = sock.recv_into(view[received:], min(view.nbytes - received, _CHUNK_BYTES))
+        except TimeoutError as e:
+            raise ChannelError(f"timed out waiting for {what} ({received} of {view.nbytes} bytes arrived)") from e
+        if count == 0:
+            raise PeerClosed(f"peer closed the connection during {what} ({received} of {view.nbytes} bytes arrived)")
+        received += count
+
+
+def _recv_struct(sock: socket.socket, layout: struct.Struct, what: str, deadline: float | None = None) -> tuple:
+    buffer = bytearray(layout.size)
+    _recv_exactly(sock, memoryview(buffer), what, deadline)
+    return layout.unpack(buffer)
+
+
+def _send_payload(sock: socket.socket, payload: memoryview, bytes_per_s: float) -> None:
+    chunk = _CHUNK_BYTES
+    if bytes_per_s > 0:
+        chunk = int(min(_CHUNK_BYTES, max(_MIN_THROTTLE_CHUNK, bytes_per_s * _THROTTLE_SLICE_S)))
+    start = time.monotonic()
+    for offset in range(0, payload.nbytes, chunk):
+        piece = payload[offset : offset + chunk]
+        sock.sendall(piece)
+        if bytes_per_s > 0:
+            # Sleep until the bytes sent so far fit the budget, so the average rate never exceeds it
+            # and the training job's own traffic keeps its share of the NIC.
+            delay = start + (offset + piece.nbytes) / bytes_per_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+
+def encode_header(op: str, key: str, meta: dict) -> bytes:
+    """A message header as sent; ConfigError for one that is not JSON or over the size limit."""
+    try:
+        header = json.dumps({"op": op, "key": key, "meta": meta}, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"header of key {key!r} is not JSON-serialisable: {e}") from e
+    if len(header) > _MAX_HEADER_BYTES:
+        raise ConfigError(f"header of key {key!r} is {len(header)} bytes; the limit is {_MAX_HEADER_BYTES}")
+    return header
+
+
+def _decode_header(header: bytearray) -> tuple[str, str, dict]:
+    try:
+        fields = json.loads(header)
+        op, key, meta = fields["op"], fields["key"], fields["meta"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise ChannelError(f"authenticated message has a malformed header: {describe(e)}") from e
+    if not (isinstance(op, str) and isinstance(key, str) and isinstance(meta, dict)):
+        raise ChannelError("authenticated message has a malformed header: op/key/meta have wrong types")
+    return op, key, meta
+
+
+class Session:
+    """One authenticated connection: its key and the two implicit sequence numbers."""
+
+    def __init__(self, sock: socket.socket, key: bytes, *, send_tag: bytes, recv_tag: bytes) -> None:
+        self.sock = sock
+        self._key = key
+        self._send_tag, self._recv_tag = send_tag, recv_tag
+        self._send_seq = self._recv_seq = 0
+
+    def _mac(self, tag: bytes, seq: int) -> hmac.HMAC:
+        return hmac.new(self._key, tag + _U64.pack(seq), hashlib.sha256)
+
+    def seal(self, op: str, key: str, meta: dict, payload: memoryview = EMPTY) -> tuple[bytes, bytes]:
+        """Frame one message as (prefix + header, MAC); the payload itself goes out uncopied."""
+        header = encode_header(op, key, meta)
+        head = PREFIX.pack(len(header), payload.nbytes) + header
+        mac = self._mac(self._send_tag, self._send_seq)
+        mac.update(head)
+        mac.update(payload)
+        self._send_seq += 1
+        return head, mac.digest()
+
+    def send(self, op: str, key: str, meta: dict, payload: memoryview = EMPTY, bytes_per_s: float = 0.0) -> None:
+        head, mac = self.seal(op, key, meta, payload)
+        self.sock.sendall(head)
+        _send_payload(self.sock, payload, bytes_per_s)
+        self.sock.sendall(mac)
+
+    def receive(self, max_payload_bytes: int) -> Message:
+        prefix = bytearray(PREFIX.size)
+        _recv_exactly(self.sock, memoryview(prefix), "a message prefix")
+        header_len, payload_len = PREFIX.unpack(prefix)
+        # Lengths are checked before reading: an oversized declaration must not make us allocate it.
+        if header_len > _MAX_HEADER_BYTES:
+            raise OversizedMessage(f"declared header of {header_len} bytes exceeds the {_MAX_HEADER_BYTES} limit")
+        if payload_len > max_payload_bytes:
+            raise OversizedMessage(
+                f"declared payload of {payload_len} bytes exceeds max_message_bytes={max_payload_bytes}"
+            )
+        mac = self._mac(self._recv_tag, self._recv_seq)
+        mac.update(prefix)
+        header = bytearray(header_len)
+        _recv_exactly(self.sock, memoryview(header), "a message header")
+        mac.update(header)
+        payload = bytearray(payload_len)
+        self._recv_hashing(memoryview(payload), mac)
+        received = bytearray(_MAC_BYTES)
+        _recv_exactly(self.sock, memoryview(received), "a message MAC")
+        if not hmac.compare_digest(mac.digest(), bytes(received)):
+            raise ChannelError(f"message #{self._recv_seq} failed its MAC check (tampered, replayed or reordered)")
+        self._recv_seq += 1
+        op, key, meta = _decode_header(header)
+        return Message(op, key, meta, payload)
+
+    def _recv_hashing(self, view: memoryview, mac: hmac.HMAC) -> None:
+        # Hash each chunk as it lands, while it is still in cache, instead of a second pass at the end.
+        for offset in range(0, view.nbytes, _CHUNK_BYTES):
+            piece = view[offset : offset + _CHUNK_BYTES]
+            _recv_exactly(self.sock, piece, f"a payload (its chunk at byte {offset} of {view.nbytes})")
+            mac.update(piece)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> tuple[Session, int]:
+    """Prove the secret to the server and make it prove it back; returns the session and its size limit."""
+    deadline = time.monotonic() + timeout_s
+    magic, server_nonce = _recv_struct(sock, GREETING, "the server greeting", deadline)
+    if magic != MAGIC:
+        raise ChannelError("peer is not a replication channel server (unexpected greeting)")
+    client_nonce = secrets.token_bytes(_NONCE_BYTES)
+    sock.sendall(HELLO.pack(rank, client_nonce, _proof(secret, _TAG_CLIENT, server_nonce, client_nonce, rank)))
+    try:
+        max_bytes, server_proof = _recv_struct(sock, WELCOME, "the server's proof", deadline)
+    except PeerClosed as e:
+        raise ChannelError(
+            "server closed the connection after our proof: it refused us, so this process's job secret "
+            "differs from the server's (check that both got it from the same rendezvous)"
+        ) from e
+    expected = _proof(secret, _TAG_SERVER, server_nonce, client_nonce, rank, _U64.pack(max_bytes))
+    if not hmac.compare_digest(expected, server_proof):
+        raise ChannelError("server failed to prove it knows the job secret; no data was sent to it")
+    sock.settimeout(timeout_s)
+    key = _proof(secret, _TAG_SESSION, server_nonce, client_nonce, rank)
+    return Session(sock, key, send_tag=_CLIENT_TO_SERVER, recv_tag=_SERVER_TO_CLIENT), max_bytes
+
+
+def server_handshake(
+    sock: socket.socket, secret: bytes, max_message_bytes: int, timeout_s: float
+) -> tuple[Session, int]:
+    """Check the client's proof (closing on failure, without answering) and prove the secret back."""
+    deadline = time.monotonic() + timeout_s
+    server_nonce = secrets.token_bytes(_NONCE_BYTES)
+    sock.sendall(GREETING.pack(MAGIC, server_nonce))
+    rank, client_nonce, client_proof = _recv_struct(sock, HELLO, "the client hello", deadline)
+    if not hmac.compare_digest(_proof(secret, _TAG_CLIENT, server_nonce, client_nonce, rank), client_proof):
+        raise ChannelError(f"handshake refused: proof of claimed rank {rank} does not match the job secret")
+    limit = _U64.pack(max_message_bytes)
+    sock.sendall(WELCOME.pack(max_message_bytes, _proof(secret, _TAG_SERVER, server_nonce, client_nonce, rank, limit)))
+    sock.settimeout(timeout_s)
+    key = _proof(secret, _TAG_SESSION, server_nonce, client_nonce, rank)
+    return Session(sock, key, send_tag=_SERVER_TO_CLIENT, recv_tag=_CLIENT_TO_SERVER), rank

@@ -1,0 +1,26 @@
+"""The buddy side (``recovery/ram/buddy.py``): what a rank stores for its buddy, and how."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from resilient.recovery.ram.buddy import BuddyHandler
+from resilient.recovery.ram.pairing import Pairing
+from resilient.recovery.ram.store import RankStore, first_corruption
+from tests.recovery.ram.workers import write_snapshot
+
+
+def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
+    sender = RankStore(str(tmp_path / "sender"), keep=2)
+    for step in (1, 2, 3):  # the sender's slot names run ahead of the receiver's
+        write_snapshot(sender, step, float(step))
+    index = sender.indexes()[3]
+    index.rank = 0
+    assert index.slot != "slot0.bin"
+    kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
+    handler = BuddyHandler(SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1,
+                                            buddy_store=lambda rank: kept))  # fmt: skip
+    handler.put(0, "rank0/step-000000003", {"index": index.to_json()}, memoryview(sender.data(index).numpy()))
+    copy = kept.indexes()[3]
+    assert copy.slot == "slot0.bin" and first_corruption(copy, kept.data(copy)) is None
+    assert copy.values == {"v": 3.0}

@@ -1,0 +1,101 @@
+"""The RAM tier's one collective restore decision (``recovery/ram/restore.py``), on real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.pairing import Pairing
+from resilient.recovery.ram.restore import choose_step
+from resilient.recovery.ram.store import RankStore, node_store_dir
+from tests.dist import run_world
+from tests.recovery.ram import workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.dist
+def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog):
+    store_dir = str(tmp_path / "store")
+    results = run_world(workers.take_snapshots, 3, store_dir, [2, 4], timeout_s=90)
+    for rank, result in enumerate(results):
+        copied = [r["replication"] for r in result["stats"]]
+        assert [c["outcome"] for c in copied] == ["copied", "copied"] and copied[0]["buddy"] == (rank + 1) % 3
+        assert [r["step"] for r in result["stats"]] == [2, 4]
+    secret = results[0]["secret"]
+    assert {r["secret"] for r in results} == {secret}
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    shutil.rmtree(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1))  # node 1 is replaced
+    restored = run_world(workers.restore, 3, store_dir, None, timeout_s=90)
+    assert [r["source"] for r in restored] == ["own", "buddy", "own"]
+    for rank, r in enumerate(restored):
+        assert r["step"] == 4 and r["w"] == rank * 1000 + 4 and r["b_equal"] and r["optim_step"] == 4.0
+        assert r["train"] == {"step": 4, "rank": rank}
+    # The job's secret is in no file the tier wrote.
+    for path in Path(store_dir).rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert secret.encode() not in data and bytes.fromhex(secret) not in data, path
+
+
+@pytest.mark.dist
+def test_corrupt_snapshot_falls_back_to_the_buddy_copy_then_to_an_older_step(tmp_path):
+    store_dir = str(tmp_path / "store")
+    run_world(workers.take_snapshots, 2, store_dir, [2, 4], timeout_s=90)
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    run_dir = os.path.join(store_dir, "run")
+    own0 = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 0), "own", "rank0"), keep=2)
+    index = own0.indexes()[4]
+    own0.data(index)[index.tensors[0].offset] ^= 1  # rank 0's own step 4 is corrupt
+    restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
+    assert [(r["step"], r["source"]) for r in restored] == [(4, "buddy"), (4, "own")]
+    assert restored[0]["excluded"] == [{"step": 4, "source": "own", "reason": "crc32c mismatch in tensor 'model.w'"}]
+    # Now rank 0's buddy copy of step 4 (kept on node 1) is corrupt too: step 4 goes for everyone.
+    kept = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 1), "buddy", "rank0"), keep=2)
+    kept.data(kept.indexes()[4])[index.tensors[0].offset] ^= 1
+    restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
+    assert [(r["step"], r["source"]) for r in restored] == [(2, "own"), (2, "own")]
+    assert [r["w"] for r in restored] == [2.0, 1002.0]
+    assert {e["source"] for e in restored[0]["excluded"]} == {"own", "buddy"}
+
+
+@pytest.mark.dist
+def test_newer_persistent_step_or_other_world_size_means_no_ram_restore(tmp_path):
+    store_dir = str(tmp_path / "store")
+    run_world(workers.take_snapshots, 2, store_dir, [2, 4], timeout_s=90)
+    newer = run_world(workers.restore, 2, store_dir, 6, timeout_s=90)
+    assert [(r["step"], r["source"]) for r in newer] == [(None, None), (None, None)]
+    resized = run_world(workers.restore, 1, store_dir, None, timeout_s=90)
+    assert resized[0]["source"] is None
+    assert any("another topology" in e["reason"] for e in resized[0]["excluded"])
+
+
+@pytest.mark.dist
+def test_missing_slot_file_falls_back_to_the_buddy_without_hanging(tmp_path):
+    store_dir = str(tmp_path / "store")
+    run_world(workers.take_snapshots, 2, store_dir, [2], timeout_s=90)
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    own = Path(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1)) / "own" / "rank1"
+    for slot in own.glob("slot*.bin"):
+        slot.unlink()
+    restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
+    assert [(r["step"], r["source"]) for r in restored] == [(2, "own"), (2, "buddy")]
+    assert "FileNotFoundError" in restored[1]["excluded"][0]["reason"]
+
+
+def test_the_choice_is_the_newest_step_every_rank_gets_from_its_own_store_or_its_buddy():
+    pairing = Pairing(world_size=3, ranks_per_node=1)  # rank r's copies are kept by rank r+1
+    reports = [
+        {"own": [2, 4, 6], "kept": {"2": [4, 6]}},
+        {"own": [2], "kept": {"0": [2, 4, 6]}},  # rank 1 lost 4 and 6 ...
+        {"own": [2, 4, 6], "kept": {"1": [2, 4]}},  # ... but rank 2 keeps its copy of 4
+    ]
+    assert choose_step(pairing, reports, set()) == 4
+    assert choose_step(pairing, reports, {4}) == 2
+    assert choose_step(pairing, reports, {2, 4}) is None
+    alone = Pairing(world_size=2, ranks_per_node=2)  # one node: no buddies, own snapshots only
+    assert choose_step(alone, [{"own": [1, 3], "kept": {}}, {"own": [3], "kept": {}}], set()) == 3

@@ -1,0 +1,55 @@
+"""The RAM tier's lifecycle and snapshots (``recovery/ram/tier.py``), one process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from resilient.errors import ConfigError
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.tier import RamTier
+from tests.dist import run_world
+from tests.recovery.ram import workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_snapshot_never_blocks_training_and_never_raises(tmp_path):
+    ram = workers.tier(0, 1, str(tmp_path / "store"))  # one process, no process group
+    try:
+        ram._queue.put_nowait(None)  # the worker is busy (a slow buddy copy, say)...
+        ram._worker.join(5)  # ...made permanent here: the worker took the stop and left
+        ram._queue.put_nowait(workers)  # the queue is full and nobody takes from it
+        start = time.monotonic()
+        assert ram.snapshot(3, workers.state_of(0, 3)) is False
+        assert time.monotonic() - start < 5.0
+        assert ram.stats.records[-1]["outcome"] == "skipped" and "busy" in ram.stats.records[-1]["reason"]
+        ram._queue.get_nowait()
+        ram._error = OSError(28, "No space left on device")
+        assert ram.snapshot(4, workers.state_of(0, 4)) is False
+        assert "No space left on device" in ram.stats.records[-1]["reason"]
+    finally:
+        ram._worker = None
+        ram.close()
+
+
+def test_failure_domains_come_from_the_config_and_are_checked():
+    config = RecoveryConfig(store_dir="/nonexistent", ranks_per_node=1, failure_domains=["a", "a", "b", "b"])
+    tier = RamTier(config, keep=1, run_dir="run", group=0, rank=1, world_size=4, fingerprint={})
+    assert tier.pairing.buddy_of(1) == 2  # the next node is in the same rack "a": skipped
+    with pytest.raises(ConfigError, match="recovery.failure_domains has 2 labels for 4 nodes"):
+        RamTier(RecoveryConfig(ranks_per_node=1, failure_domains=["a", "b"]), keep=1, run_dir="run", group=0,
+                rank=0, world_size=4, fingerprint={})  # fmt: skip
+    with pytest.raises(ConfigError, match="must be a list of strings"):
+        RecoveryConfig(failure_domains="rack-a")
+
+
+@pytest.mark.dist
+def test_a_start_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    results = run_world(workers.start_failing_on, 2, str(tmp_path / "store"), 1, timeout_s=90)
+    assert [r["type"] for r in results] == ["StorageError", "StorageError"]
+    assert results[0]["message"] == results[1]["message"]
+    assert results[0]["message"].startswith("[rank 1] cannot start the RAM tier under ")
+    assert "recovery.store_dir" in results[0]["message"] and "203.0.113.1" in results[0]["message"]
+    assert all(r["server_closed"] for r in results)  # rank 0's listening server did not outlive the failure
