@@ -182,8 +182,9 @@ class Trainer:
         snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
         nothing and is tried again (same global batch)."""
         start = time.perf_counter()
-        cursor = self.parts.pipeline.cursor
         batch, data_wait = self._next_batch()
+        # Read after _next_batch: a replica group that heals in its quorum gets its peer's cursor there.
+        cursor = self.parts.pipeline.cursor
         result = self.train_step(batch)
         self._record_attempt(result)
         if not result.committed:

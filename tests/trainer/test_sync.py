@@ -4,7 +4,8 @@
 groups meet: a sync that refuses a commit leaves the state untouched (the attempt is retried on the
 same batch), and a sync that mirrors two identical groups (every sum doubled) gives the same update
 as one group, bit for bit: the loss is normalized by the doubled token count and the halved
-gradients are summed back.
+gradients are summed back. What a step logs follows the cursor as it is once the step's batch is
+taken (a replica group heals inside its quorum, which moves the cursor).
 """
 
 from __future__ import annotations
@@ -76,20 +77,38 @@ def test_local_sync_is_identity_and_always_commits() -> None:
     assert count.to(sync.token_count_dtype) is count
 
 
+def _heal_in_first_quorum(trainer: Any) -> None:
+    """The data side of a heal inside the first step's quorum, from a peer one step ahead: the
+    cursor moves while the step's batch is fetched (only what is logged is checked)."""
+    fetch, healed = trainer._next_batch, []
+
+    def next_batch() -> tuple[dict[str, Any], float]:
+        if not healed:
+            trainer.parts.pipeline.commit_step()
+            healed.append(True)
+        return fetch()
+
+    trainer._next_batch = next_batch
+
+
 def _train(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Three trainers in this one-rank gloo world, one per sync; what each logged and counted."""
+    """Four trainers in this one-rank gloo world; what each logged and counted."""
     from resilient.trainer.config import load_config
     from resilient.trainer.train import build_trainer
 
     results = {}
-    for name, sync in (("local", None), ("refused", _RefuseFirstCommit()), ("mirrored", _TwoIdenticalGroups())):
+    variants = {"local": None, "refused": _RefuseFirstCommit(), "mirrored": _TwoIdenticalGroups(), "healed": None}
+    for name, sync in variants.items():
         run_dir = os.path.join(root, name)
         overrides = [f"run.dir={run_dir}", "parallel.dp_shard=1", "parallel.tp=1", f"run.steps={STEPS}",
+                     "data.log_samples=true",
                      "data.num_workers=0"]  # rows built in this process: run_world ranks are daemons
         trainer = build_trainer(load_config(TINY, overrides), torch.device("cpu"))
         results[name] = {"default_sync": type(trainer.sync).__name__}
         if sync is not None:
             trainer.sync = sync
+        if name == "healed":
+            _heal_in_first_quorum(trainer)
         hook_steps: list[int] = []
         trainer.step_hooks.append(lambda step, trainer, seen=hook_steps: seen.append(step))
         try:
@@ -102,6 +121,7 @@ def _train(rank: int, world: int, root: str) -> dict[str, Any]:
             hook_steps=hook_steps,
             logged=[(r["loss"], r["text_loss"], r["loss_tokens"], r["grad_norm"], r["lr"]) for r in metrics],
             steps_logged=[r["step"] for r in metrics],
+            samples=[r["sample_ids"] for r in read_jsonl(trainer.outputs.samples_path)],
         )
     return results
 
@@ -119,3 +139,6 @@ def test_one_step_over_the_sync(tmp_path: Path) -> None:
     assert [tuple(values) for values in refused["logged"]] == REFERENCE
     # Two identical groups: the job's token count doubles, every other value is the same to the bit.
     assert [tuple(values) for values in mirrored["logged"]] == [(a, b, 2 * n, c, d) for a, b, n, c, d in REFERENCE]
+    assert local["samples"] == refused["samples"] == mirrored["samples"] and len(local["samples"]) == STEPS
+    # Healed one step ahead: its step k trained, and logged, the batch the others trained at step k + 1.
+    assert results["healed"]["samples"][:2] == local["samples"][1:]
