@@ -84,7 +84,14 @@ class ReplicaGroupSync:
 
     ``state_dict``/``load_state_dict``: the training state a healing group receives. Its JSON part
     must be identical in every group: the ranks of one group may heal from different groups.
+
+    Structurally a ``resilient.trainer.sync.StepSync``: the trainer's one train step calls
+    ``allreduce_sum`` / ``allreduce_gradients`` / ``should_commit`` on it.
     """
+
+    token_count_dtype = torch.float64
+    """The loss-token count crosses the groups in float64 (exact below 2**53; the trainer's step
+    sums it in this dtype over dp_shard too, then normalizes the loss by it in float32)."""
 
     def __init__(
         self,

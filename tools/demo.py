@@ -33,9 +33,8 @@ from typing import Any
 from resilient import Checkpointer
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from resilient.tools.demo_ram import run_ram_phase
-from resilient.tools.replicas import ReplicaJob, ReplicaLaunch
-from resilient.tools.train import run, torchrun_command
 from resilient.trainer.config import load_config
+from resilient.trainer.launch import ReplicaJob, ReplicaLaunch, run, torchrun_command
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "demo.toml")
 RUN_DIR = os.path.abspath(os.environ.get("RESILIENT_DEMO_DIR", "runs/demo"))

@@ -4,21 +4,22 @@
 
 runs ``torchrun --standalone --nproc-per-node 4 -m resilient.trainer --config ... --set ...`` and
 exits with its exit code. SIGINT / SIGTERM go to torchrun, which stops its workers; if it has not
-exited ``--grace-s`` seconds later, it is killed. Thin by design: all logic lives in the trainer.
+exited ``--grace-s`` seconds later, it is killed.
 
     resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml [--lighthouse URL]
 
-runs G replica groups under a torchft quorum instead (see ``resilient.tools.replicas``).
+runs G replica groups under a torchft quorum instead. An argparse shell: the launcher is
+``resilient.trainer.launch``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
-from types import FrameType
+
+from resilient.errors import ConfigError
+from resilient.trainer.config import load_config
+from resilient.trainer.launch import ReplicaLaunch, run, run_replicated, torchrun_command, trainer_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,69 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line for one group (standalone: a local rendezvous on a free port)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    max_restarts = getattr(args, "max_restarts", None)
-    if max_restarts:
-        command += ["--max-restarts", str(max_restarts)]
-    command += ["-m", "resilient.trainer"]
-    if args.config:
-        command += ["--config", args.config]
-    for item in args.overrides:
-        command += ["--set", item]
-    return command
-
-
-def run(command: list[str], grace_s: float) -> int:
-    """Run ``command``, forwarding SIGINT/SIGTERM to it; returns its exit code (128 + N if killed by
-    signal N, as a shell reports it)."""
-    # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
-    # second SIGINT would cut short torchrun's shutdown of its workers.
-    # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(command, start_new_session=True, env=env)
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        # No timeout on a training run itself; the trainer bounds its own waits. Signals interrupt it.
-        code = proc.wait()
-        return 128 - code if code < 0 else code
-    except BaseException:
-        _stop(proc, grace_s)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if proc.poll() is None:
-            _stop(proc, grace_s)
-
-
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=grace_s)
-
-
-def trainer_args(args: argparse.Namespace) -> list[str]:
-    out = ["--config", args.config] if args.config else []
-    return out + [arg for item in args.overrides for arg in ("--set", item)]
-
-
 def run_replica_groups(args: argparse.Namespace) -> int:
-    # Imported here: the single-group path stays a thin wrapper that never imports torch.
-    from resilient.errors import ConfigError
-    from resilient.tools.replicas import ReplicaLaunch, run_replicated
-    from resilient.trainer.config import load_config
-
     try:
         overrides = [*args.overrides, "replica.enabled=true", f"replica.groups={args.replica_groups}"]
         config = load_config(args.config, overrides)

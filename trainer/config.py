@@ -15,7 +15,6 @@ the data section unless the recipe sets them.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from collections.abc import Iterable
@@ -27,22 +26,7 @@ from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_d
 from resilient.trainer.data import DataConfig
 from resilient.trainer.model import ModelConfig
 from resilient.trainer.parallelize import ParallelConfig, check_model_compatible
-
-
-def _check_int(key: str, value: object, low: int, high: int | None = None) -> None:
-    allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r} must be an integer {allowed}")
-    if value < low or (high is not None and value > high):
-        raise ConfigError(f"{key}={value} is out of range: allowed {allowed}")
-
-
-def _check_number(key: str, value: object, low: float, high: float, *, open_low: bool = False) -> None:
-    allowed = f"{'(' if open_low else '['}{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{key}={value!r} must be a finite number in {allowed}")
-    if value < low or value > high or (open_low and value == low):
-        raise ConfigError(f"{key}={value} is out of range: allowed {allowed}")
+from resilient.validate import check_bool, check_choice, check_int, check_number
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,13 +54,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
             raise ConfigError(f"run.dir={self.dir!r} must be a non-empty path")
-        _check_int("run.steps", self.steps, 0)
-        _check_int("run.seed", self.seed, 0, 2**31 - 1)
-        _check_int("run.log_every", self.log_every, 1)
-        _check_number("run.peak_flops", self.peak_flops, 0.0, 1e20, open_low=True)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"run.device={self.device!r} must be one of ['auto', 'cpu', 'cuda']")
-        _check_number("run.collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
+        check_int("run.steps", self.steps, 0)
+        check_int("run.seed", self.seed, 0, 2**31 - 1)
+        check_int("run.log_every", self.log_every, 1)
+        check_number("run.peak_flops", self.peak_flops, 0.0, 1e20, open_low=True)
+        check_choice("run.device", self.device, ("auto", "cpu", "cuda"))
+        check_number("run.collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
         if not isinstance(self.step_hooks, list) or not all(isinstance(h, str) and ":" in h for h in self.step_hooks):
             raise ConfigError(f"run.step_hooks={self.step_hooks!r} must be a list of 'package.module:factory'")
 
@@ -96,8 +79,7 @@ class DataSection:
     """Write ``samples.jsonl``: the sample ids the whole job consumed at each committed step."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.log_samples, bool):
-            raise ConfigError(f"data.log_samples={self.log_samples!r} must be true or false")
+        check_bool("data.log_samples", self.log_samples)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,18 +105,18 @@ class OptimConfig:
     """Clip the global gradient norm to this (0: no clipping); >= 0."""
 
     def __post_init__(self) -> None:
-        _check_number("optim.lr", self.lr, 0.0, 10.0, open_low=True)
-        _check_number("optim.weight_decay", self.weight_decay, 0.0, 10.0)
+        check_number("optim.lr", self.lr, 0.0, 10.0, open_low=True)
+        check_number("optim.weight_decay", self.weight_decay, 0.0, 10.0)
         if not isinstance(self.betas, list | tuple) or len(self.betas) != 2:
             raise ConfigError(f"optim.betas={self.betas!r} must be a list of two numbers in [0, 1)")
         for i, beta in enumerate(self.betas):
-            _check_number(f"optim.betas[{i}]", beta, 0.0, 0.999999)
+            check_number(f"optim.betas[{i}]", beta, 0.0, 0.999999)
         self.betas = [float(b) for b in self.betas]
-        _check_number("optim.eps", self.eps, 0.0, 1.0, open_low=True)
-        _check_int("optim.warmup_steps", self.warmup_steps, 0)
-        _check_int("optim.decay_steps", self.decay_steps, 0)
-        _check_number("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _check_number("optim.grad_clip", self.grad_clip, 0.0, 1e9)
+        check_number("optim.eps", self.eps, 0.0, 1.0, open_low=True)
+        check_int("optim.warmup_steps", self.warmup_steps, 0)
+        check_int("optim.decay_steps", self.decay_steps, 0)
+        check_number("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_number("optim.grad_clip", self.grad_clip, 0.0, 1e9)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,16 +146,14 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
             raise ConfigError(f"checkpoint.url={self.url!r} must be a string (a path or a URL)")
-        _check_int("checkpoint.persist_every", self.persist_every, 1)
-        _check_int("checkpoint.keep_last", self.keep_last, 0)
-        if not isinstance(self.resume, bool):
-            raise ConfigError(f"checkpoint.resume={self.resume!r} must be true or false")
-        for name, allowed in (("writer", ("thread", "process")), ("if_busy", ("wait", "skip"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be one of {list(allowed)}")
-        _check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
-        _check_int("checkpoint.memory_every", self.memory_every, 0)
-        _check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
+        check_int("checkpoint.persist_every", self.persist_every, 1)
+        check_int("checkpoint.keep_last", self.keep_last, 0)
+        check_bool("checkpoint.resume", self.resume)
+        check_choice("checkpoint.writer", self.writer, ("thread", "process"))
+        check_choice("checkpoint.if_busy", self.if_busy, ("wait", "skip"))
+        check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
+        check_int("checkpoint.memory_every", self.memory_every, 0)
+        check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
 
 
 # Model fields that the data fixes: the model must accept every token the pipeline produces.

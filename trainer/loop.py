@@ -1,10 +1,13 @@
 """The training loop of one replica group: resume, step, log, checkpoint, hooks.
 
-One step on every rank: take this data-parallel share's batch (prefetched; the same batch until
-committed), all-reduce the loss-token count over dp_shard so the summed gradients are those of the
-global mean loss, forward/backward, clip, AdamW + schedule, commit the data cursor; then save if due,
-log, and run the step hooks. Gradients are summed over dp_shard by FSDP2 (divide factor 1): see
-``resilient.trainer.parallelize``.
+One step on every rank, written once for a lone group and for replica groups: take this
+data-parallel share's batch (the same batch until committed), sum the loss-token count over
+dp_shard and then over the replica groups so the summed gradients are those of the global mean
+loss, forward/backward, sum the gradients over the groups, clip, and if the step commits AdamW +
+schedule and move the data cursor; then save if due, log, and run the step hooks. Gradients are
+summed over dp_shard by FSDP2 (divide factor 1): see ``resilient.trainer.parallelize``. What crosses
+the groups goes through ``self.sync`` (``resilient.trainer.sync``): ``LocalSync`` here,
+torchft's ``ReplicaGroupSync`` in ``resilient.trainer.replicated``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
+from resilient.trainer.sync import LocalSync, StepSync
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ class StepResult:
     loss_tokens: int
     grad_norm: float
     lr: float
+    committed: bool
+    """The sync committed the step: the optimizer stepped (else it is retried on the same batch)."""
 
 
 class Trainer:
@@ -65,6 +71,8 @@ class Trainer:
         self.outputs = outputs
         self.device = device
         self.dp_group = mesh["dp_shard"].get_group()
+        self.sync: StepSync = LocalSync()
+        """Sums and commit vote across replica groups (ReplicatedTrainer puts its torchft sync here)."""
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: int | None = None
@@ -119,10 +127,17 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
 
     def _iteration(self) -> None:
+        """One step attempt. A committed step moves the data cursor and the step count, saves and
+        snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
+        nothing and is tried again (same global batch)."""
         start = time.perf_counter()
-        batch = self.parts.pipeline.next_batch()
-        data_wait = time.perf_counter() - start
+        batch, data_wait = self._next_batch()
+        # Read after _next_batch: a replica group that heals in its quorum gets its peer's cursor there.
+        cursor = self.parts.pipeline.cursor
         result = self.train_step(batch)
+        self._record_attempt(result)
+        if not result.committed:
+            return
         self.parts.pipeline.commit_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
@@ -133,29 +148,49 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
         if self.config.data.log_samples:
-            self.outputs.samples(self.step, self._gather_sample_ids(batch))
+            # The whole global batch's ids, from the cursor: the same on every rank and in every group.
+            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))
         for hook in self.step_hooks:
             hook(self.step, self)
 
+    def _next_batch(self) -> tuple[dict[str, Any], float]:
+        """This rank's share of the global batch at the data cursor (prefetched), and the seconds
+        spent waiting for it."""
+        start = time.perf_counter()
+        batch = self.parts.pipeline.next_batch()
+        return batch, time.perf_counter() - start
+
+    def _record_attempt(self, result: StepResult) -> None:
+        """Called after every step attempt, committed or not (replica groups log their quorum)."""
+
     def train_step(self, batch: dict[str, Any]) -> StepResult:
-        """Forward, backward, clip and update on this rank's share of a global batch."""
+        """Forward, backward, clip and, if the step commits, update, on this rank's share of a global
+        batch. Every sum runs over dp_shard (the process group), then over the replica groups (the
+        sync), in that order."""
         inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
-        global_tokens = count_loss_tokens(inputs)
+        global_tokens = count_loss_tokens(inputs).to(self.sync.token_count_dtype)
         dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self.sync.allreduce_sum(global_tokens)
         out = self.parts.model(inputs, loss_normalizer=global_tokens)
         out.loss.backward()
+        # FSDP2 summed the gradients over dp_shard; summing over the groups makes the gradient of
+        # the global mean loss, identical bits in every group (one reduction result, broadcast).
+        self.sync.allreduce_gradients(self.parts.model.parameters())
         grad_norm = self._clip_gradients()
-        lr = self.parts.optimizer.param_groups[0]["lr"]
-        if self._pending_save is not None:
-            # Under CUDA the last save's snapshot copy may still run on a side stream: the update
-            # must not change the parameters under it (a no-op on CPU, where the copy is done).
-            self._pending_save.wait_staged()
-        self.parts.optimizer.step()
-        self.parts.scheduler.step()
-        self.parts.optimizer.zero_grad(set_to_none=True)
-        # Each rank's loss is its summed loss over the GLOBAL token count: the dp sum is the global mean.
+        # Each rank's loss is its summed loss over the GLOBAL token count: the sum is the global mean.
         sums = torch.stack([out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double()])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self.sync.allreduce_sum(sums)
+        lr = self.parts.optimizer.param_groups[0]["lr"]
+        committed = self.sync.should_commit()
+        if committed:
+            if self._pending_save is not None:
+                # Under CUDA the last save's snapshot copy may still run on a side stream: the update
+                # must not change the parameters under it (a no-op on CPU, where the copy is done).
+                self._pending_save.wait_staged()
+            self.parts.optimizer.step()
+            self.parts.scheduler.step()
+        self.parts.optimizer.zero_grad(set_to_none=True)
         loss, text_sum, text_tokens = sums.tolist()
         return StepResult(
             loss=loss,
@@ -163,6 +198,7 @@ class Trainer:
             loss_tokens=int(global_tokens),
             grad_norm=grad_norm,
             lr=lr,
+            committed=committed,
         )
 
     def _clip_gradients(self) -> float:
@@ -172,12 +208,6 @@ class Trainer:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
-
-    def _gather_sample_ids(self, batch: dict[str, Any]) -> list[str]:
-        """Every sample id the whole group consumed this step (rank 0 gets them; tp peers repeat theirs)."""
-        local = sorted({sid for row in batch["sample_ids"] for sid in row})
-        gathered = rdist.all_gather_object(local)
-        return sort_sample_ids({sid for ids in gathered for sid in ids})
 
     def _stats(self, result: StepResult, step_time: float, data_wait: float, ckpt_stall: float) -> StepStats:
         return StepStats(
@@ -197,16 +227,26 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    def is_due(self, every: int, *, at_end: bool = False) -> bool:
+        """Whether a cadence of ``every`` steps (0: never) falls on the current step; with
+        ``at_end``, the run's last step is due too."""
+        return (every > 0 and self.step % every == 0) or (at_end and self.step == self.config.run.steps)
+
     def maybe_save(self) -> None:
-        """Save every ``persist_every`` steps and at the last step (once per step)."""
-        due = self.step % self.config.checkpoint.persist_every == 0 or self.step == self.config.run.steps
-        if due and self._saved_step != self.step:
+        """Save every ``persist_every`` steps and at the last step (once per step), if this trainer
+        writes the step (``_saves_this_step``)."""
+        due = self.is_due(self.config.checkpoint.persist_every, at_end=True)
+        if due and self._saved_step != self.step and self._saves_this_step():
             self.save()
+
+    def _saves_this_step(self) -> bool:
+        """A lone group writes every due step (replica groups: one group per step)."""
+        return True
 
     def maybe_snapshot(self) -> None:
         """RAM tier: snapshot into the node store every ``memory_every`` steps (a memcpy; the
         checksum, publish and buddy copy run in the background)."""
-        if self.ram is not None and self.step % self.config.checkpoint.memory_every == 0:
+        if self.ram is not None and self.is_due(self.config.checkpoint.memory_every):
             self.ram.snapshot(self.step, capture_state(self.parts, self.step, self.tokens_seen))
 
     def save(self) -> SaveHandle:

@@ -1,15 +1,16 @@
 """The trainer as one replica group of several: a step commits across the groups of its quorum.
 
-Differences from the single-group ``Trainer`` (everything else is inherited):
+The step itself is ``Trainer``'s, over a torchft ``ReplicaGroupSync`` instead of ``LocalSync``: the
+loss is normalized by the token count summed over every share of every participating group, and
+gradients are summed across groups, so the update does not depend on how many groups took part; the
+optimizer steps, and the data cursor moves, only if ``should_commit()`` (a failed step is retried on
+the same global batch with the new quorum). What is replica-specific lives here:
 
-- each step starts with a torchft quorum; a group that is behind heals inside it from a live peer
-  (model, optimizer, scheduler, data cursor, step: no storage read) and trains that same step;
+- each step attempt starts with a torchft quorum; a group that is behind heals inside it from a
+  live peer (model, optimizer, scheduler, data cursor, step: no storage read) and trains that same
+  step (the heal callbacks ``_heal_state`` / ``_load_heal_state``);
 - exactly-once data: the global batch at the cursor is split over the PARTICIPATING groups
-  (share = participating_rank x dp_shard + dp_rank of participants x dp_shard); the loss is
-  normalized by the token count summed over every share, and gradients are summed across groups,
-  so the update does not depend on how many groups took part;
-- the optimizer steps, and the data cursor moves, only if ``should_commit()``; a failed step is
-  retried on the same global batch with the new quorum;
+  (share = participating_rank x dp_shard + dp_rank of participants x dp_shard);
 - a persistent checkpoint is written once per step, by the group of participating rank 0 (the
   storage commit protocol makes a group dying mid-save leave no committed step);
 - ``samples.jsonl`` lists the whole job's sample ids of every step this group committed;
@@ -24,8 +25,6 @@ import os
 import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from resilient import dist as rdist
@@ -36,27 +35,26 @@ from resilient.recovery.restore import PeerHeal
 from resilient.runfiles import FINAL_DIGEST, EventLog, group_id
 from resilient.state import state_digest
 from resilient.trainer.loop import StepResult, Trainer
-from resilient.trainer.model import BATCH_KEYS, count_loss_tokens
-from resilient.trainer.outputs import sort_sample_ids
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
 
 log = logging.getLogger(__name__)
 
+
 class ReplicatedTrainer(Trainer):
     """A ``Trainer`` whose steps commit through a torchft quorum of replica groups."""
+
+    sync: ReplicaGroupSync
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group_id()
         self.rank = rdist.get_rank()
-        self.sync: ReplicaGroupSync | None = None
         self.events = EventLog(self.config.run.dir, enabled=self.rank == 0)
         self.last_quorum: QuorumInfo | None = None
+        """The quorum of the current (or last) step attempt."""
+        self._joined: QuorumInfo | None = None
+        """A quorum already joined for the next step attempt (the run's first, see ``run``)."""
         self.heals: list[dict[str, Any]] = []
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def run(self) -> None:
         # get_state_dict() on an optimizer without state runs a zero-lr step to create it (Adam's
         # step becomes 1). A group serving a heal does that; do it in EVERY group up front so the
         # numerics never depend on who served whom (a storage restore overwrites it anyway).
@@ -69,10 +67,13 @@ class ReplicatedTrainer(Trainer):
             state_dict=self._heal_state,
             load_state_dict=self._load_heal_state,
         )
-        quorum = self._first_quorum()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._joined = self._first_quorum()
         while self.step < self.config.run.steps:
-            self._iteration(quorum)
-            quorum = None
+            self._iteration()
         self.finish()
         self.write_final_digest()
         self.events.write("done", group=self.group, step=self.step)
@@ -105,8 +106,7 @@ class ReplicatedTrainer(Trainer):
             super().close()
         finally:
             self.events.close()
-            if self.sync is not None:
-                self.sync.shutdown()
+            self.sync.shutdown()
 
     # -- healing state -----------------------------------------------------------------------
 
@@ -136,14 +136,13 @@ class ReplicatedTrainer(Trainer):
         parts.pipeline.load_state_dict(state["data"])
         self.step, self.tokens_seen = int(state["train"]["step"]), int(state["train"]["tokens_seen"])
 
-    # -- one step ----------------------------------------------------------------------------
+    # -- one step: quorum, batch share, step event (the step itself is Trainer.train_step) ------
 
-    def _iteration(self, quorum: QuorumInfo | None = None) -> None:
-        """One step attempt; ``quorum``: one already joined for it (the run's first)."""
-        assert self.sync is not None
+    def _next_batch(self) -> tuple[dict[str, Any], float]:
+        """Join this attempt's quorum (healing first if behind), then take this group's share of
+        the global batch at the cursor. The wait excludes the time spent in the quorum."""
         start = time.perf_counter()
-        if quorum is None:
-            quorum = self.sync.start_step()
+        quorum, self._joined = self._joined or self.sync.start_step(), None
         self.last_quorum = quorum
         if quorum.step != self.step:
             raise ResilientError(
@@ -157,69 +156,29 @@ class ReplicatedTrainer(Trainer):
             )
         dp = self.config.parallel.dp_shard
         share = quorum.participating_rank * dp + self.mesh["dp_shard"].get_local_rank()
-        cursor = self.parts.pipeline.cursor
-        batch = self.parts.pipeline.batch_for_step(cursor, share, quorum.num_participants * dp)
-        data_wait = time.perf_counter() - start - quorum.quorum_s
-        result, committed = self._replicated_step(batch)
+        batch = self.parts.pipeline.batch_for_step(self.parts.pipeline.cursor, share, quorum.num_participants * dp)
+        return batch, time.perf_counter() - start - quorum.quorum_s
+
+    def _record_attempt(self, result: StepResult) -> None:
+        """Rank 0 of each group appends the attempt and its quorum to ``<run.dir>/events.jsonl``."""
+        quorum = self.last_quorum
+        assert quorum is not None
         self.events.write(
-            "step", group=self.group, step=quorum.step + 1, committed=committed, quorum_id=quorum.quorum_id,
+            "step", group=self.group, step=quorum.step + 1, committed=result.committed, quorum_id=quorum.quorum_id,
             members=quorum.members, participants=quorum.num_participants,
             participating_rank=quorum.participating_rank, healed=quorum.healed, heal_bytes=quorum.heal_bytes,
             heal_s=round(quorum.heal_s, 4), quorum_s=round(quorum.quorum_s, 4),
         )  # fmt: skip
-        if not committed:
+        if not result.committed:
             log.warning("[group %d rank %d] step %d not committed; retrying it with a new quorum",
                         self.group, self.rank, quorum.step + 1)  # fmt: skip
-            return
-        self.parts.pipeline.commit_step()
-        self.step += 1
-        self.tokens_seen += self.tokens_per_step
-        stall_start = time.perf_counter()
-        if quorum.participating_rank == 0:
-            self.maybe_save()
-        self.maybe_snapshot()
-        ckpt_stall = time.perf_counter() - stall_start
-        self.outputs.step(self._stats(result, time.perf_counter() - start, data_wait, ckpt_stall))
-        if self.config.data.log_samples:
-            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))
-        for hook in self.step_hooks:
-            hook(self.step, self)
 
-    def _replicated_step(self, batch: dict[str, Any]) -> tuple[StepResult, bool]:
-        """``Trainer.train_step`` with the cross-group sums and the commit vote."""
-        assert self.sync is not None
-        inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
-        global_tokens = count_loss_tokens(inputs).double()
-        dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
-        self.sync.allreduce_sum(global_tokens)
-        out = self.parts.model(inputs, loss_normalizer=global_tokens)
-        out.loss.backward()
-        # FSDP2 summed the gradients over dp_shard; summing over the groups makes the gradient of
-        # the global mean loss, identical bits in every group (one reduction result, broadcast).
-        self.sync.allreduce_gradients(self.parts.model.parameters())
-        grad_norm = self._clip_gradients()
-        sums = torch.stack([out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double()])
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
-        self.sync.allreduce_sum(sums)
-        lr = self.parts.optimizer.param_groups[0]["lr"]
-        committed = self.sync.should_commit()
-        if committed:
-            if self._pending_save is not None:
-                self._pending_save.wait_staged()
-            self.parts.optimizer.step()
-            self.parts.scheduler.step()
-        self.parts.optimizer.zero_grad(set_to_none=True)
-        loss, text_sum, text_tokens = sums.tolist()
-        result = StepResult(loss=loss, text_loss=text_sum / max(text_tokens, 1.0), loss_tokens=int(global_tokens),
-                            grad_norm=grad_norm, lr=lr)  # fmt: skip
-        return result, committed
-
-    def maybe_save(self) -> None:
-        """As the base class, but a step some other group already committed to storage is skipped
-        (a group finishing alone after its peers may reach a step they saved)."""
-        due = self.step % self.config.checkpoint.persist_every == 0 or self.step == self.config.run.steps
-        if due and self._saved_step != self.step and self.step not in self._committed_steps():
-            self.save()
+    def _saves_this_step(self) -> bool:
+        """One group writes each persistent checkpoint: the group of participating rank 0, and not
+        a step some other group already committed to storage (a group finishing alone after its
+        peers may reach a step they saved)."""
+        assert self.last_quorum is not None
+        return self.last_quorum.participating_rank == 0 and self.step not in self._committed_steps()
 
     # -- end of run --------------------------------------------------------------------------
 

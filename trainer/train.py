@@ -85,9 +85,12 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
         from resilient.trainer.replicated import ReplicatedTrainer  # imports torchft: only when asked
 
         trainer_class = ReplicatedTrainer
+    # The RAM tier before the trainer: a replicated trainer builds its torchft Manager, which starts
+    # heartbeating to the lighthouse, and the first quorum should follow that closely (a group that
+    # heartbeats without joining holds up the others' quorum up to the lighthouse's join timeout).
+    ram = build_ram_tier(config, outputs.directory) if config.checkpoint.memory_every > 0 else None
     trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
-    if config.checkpoint.memory_every > 0:
-        trainer.ram = build_ram_tier(config, outputs.directory)
+    trainer.ram = ram
     trainer.install_configured_hooks()
     return trainer
 

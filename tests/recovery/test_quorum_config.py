@@ -9,7 +9,6 @@ import pytest
 from resilient.errors import ConfigError
 from resilient.recovery.config import QuorumConfig, check_rows_divisible
 from resilient.recovery.quorum import replica_name
-from resilient.tools.train import parse_args, torchrun_command
 from resilient.trainer.config import load_config
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
@@ -58,15 +57,3 @@ def test_replica_section_is_off_by_default() -> None:
 
 def test_replica_ids_sort_numerically() -> None:
     assert sorted([replica_name(10), replica_name(2)]) == [replica_name(2), replica_name(10)]
-
-
-def test_launcher_arguments() -> None:
-    args = parse_args(["--replica-groups", "2", "--nproc-per-group", "2"])
-    assert (args.replica_groups, args.nproc_per_group, args.max_restarts) == (2, 2, None)  # 3 per group
-    single = torchrun_command(parse_args(["--nproc", "2", "--max-restarts", "1"]))
-    assert single[single.index("--max-restarts") + 1] == "1" and single[single.index("--nproc-per-node") + 1] == "2"
-    assert "--max-restarts" not in torchrun_command(parse_args(["--nproc", "2"]))  # one group: no restarts
-    with pytest.raises(SystemExit):
-        parse_args(["--replica-groups", "2", "--nproc", "2"])
-    with pytest.raises(SystemExit):
-        parse_args([])

@@ -15,6 +15,7 @@ import numpy as np
 
 from resilient.errors import ConfigError
 from resilient.trainer.data.vocab import TEXT_TOKENS_PER_SAMPLE, VOCAB
+from resilient.validate import check_int, check_number
 
 SAMPLE_RATE = 16_000
 """Audio samples per second."""
@@ -26,20 +27,6 @@ CHUNK_FRAMES = 50
 """Temporal positions per interleaving chunk: 2 seconds."""
 SPECTRUM_BINS = AUDIO_FRAME_SAMPLES // 2
 """rfft bins of one frame kept for the audio feature (the Nyquist bin is dropped): 25 Hz each."""
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"DataConfig.{name}={value!r} must be an int in [{low}, {high}]")
-    if not low <= value <= high:
-        raise ConfigError(f"DataConfig.{name}={value} is out of range: allowed [{low}, {high}]")
-
-
-def _check_float(name: str, value: object, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"DataConfig.{name}={value!r} must be a finite number in [{low}, {high}]")
-    if not low <= value <= high:
-        raise ConfigError(f"DataConfig.{name}={value} is out of range: allowed [{low}, {high}]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,29 +69,29 @@ class DataConfig:
     """Longest wait for one batch from a worker before the loader raises; [1, 86400]."""
 
     def __post_init__(self) -> None:
-        _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_int("row_len", self.row_len, 64, 2**20)
-        _check_int("global_rows", self.global_rows, 1, 65536)
-        _check_int("num_samples", self.num_samples, 1, 2**31 - 1)
-        _check_int("packing_window", self.packing_window, 1, 2**20)
-        _check_float("min_clip_seconds", self.min_clip_seconds, 0.04, 60.0)
-        _check_float("max_clip_seconds", self.max_clip_seconds, self.min_clip_seconds, 60.0)
-        _check_int("video_fps", self.video_fps, 1, FRAMES_PER_SECOND)
-        _check_int("patch_size", self.patch_size, 1, 64)
-        _check_int("frame_size", self.frame_size, 4, 256)
+        check_int("DataConfig.seed", self.seed, 0, 2**63 - 1)
+        check_int("DataConfig.row_len", self.row_len, 64, 2**20)
+        check_int("DataConfig.global_rows", self.global_rows, 1, 65536)
+        check_int("DataConfig.num_samples", self.num_samples, 1, 2**31 - 1)
+        check_int("DataConfig.packing_window", self.packing_window, 1, 2**20)
+        check_number("DataConfig.min_clip_seconds", self.min_clip_seconds, 0.04, 60.0)
+        check_number("DataConfig.max_clip_seconds", self.max_clip_seconds, self.min_clip_seconds, 60.0)
+        check_int("DataConfig.video_fps", self.video_fps, 1, FRAMES_PER_SECOND)
+        check_int("DataConfig.patch_size", self.patch_size, 1, 64)
+        check_int("DataConfig.frame_size", self.frame_size, 4, 256)
         if self.frame_size % self.patch_size:
             raise ConfigError(
                 f"DataConfig.frame_size={self.frame_size} must be a multiple of "
                 f"patch_size={self.patch_size}: pick e.g. frame_size={self.patch_size * 2}"
             )
-        _check_int("audio_bands", self.audio_bands, 8, SPECTRUM_BINS)
+        check_int("DataConfig.audio_bands", self.audio_bands, 8, SPECTRUM_BINS)
         if SPECTRUM_BINS % self.audio_bands:
             divisors = [d for d in range(8, SPECTRUM_BINS + 1) if SPECTRUM_BINS % d == 0]
             raise ConfigError(f"DataConfig.audio_bands={self.audio_bands} must divide 320: one of {divisors}")
-        _check_int("vocab_size", self.vocab_size, len(VOCAB), 2**20)
-        _check_int("num_workers", self.num_workers, 0, 64)
-        _check_int("prefetch_factor", self.prefetch_factor, 1, 64)
-        _check_float("worker_timeout_s", self.worker_timeout_s, 1.0, 86400.0)
+        check_int("DataConfig.vocab_size", self.vocab_size, len(VOCAB), 2**20)
+        check_int("DataConfig.num_workers", self.num_workers, 0, 64)
+        check_int("DataConfig.prefetch_factor", self.prefetch_factor, 1, 64)
+        check_number("DataConfig.worker_timeout_s", self.worker_timeout_s, 1.0, 86400.0)
         if self.min_audio_frames > self.max_audio_frames:
             raise ConfigError(
                 f"DataConfig clip range [{self.min_clip_seconds}, {self.max_clip_seconds}] s holds no "

@@ -1,4 +1,10 @@
-"""``resilient-train --replica-groups G``: a lighthouse and G torchrun jobs, one per replica group.
+"""The launcher behind ``resilient-train``: one torchrun job, or a lighthouse and one per replica group.
+
+    resilient-train --nproc 4 --config configs/tiny.toml --set run.steps=20
+
+runs ``torchrun --standalone --nproc-per-node 4 -m resilient.trainer --config ... --set ...``
+(``torchrun_command``, ``run``) and exits with its exit code. SIGINT / SIGTERM go to torchrun, which
+stops its workers; if it has not exited ``--grace-s`` seconds later, it is killed.
 
     resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml --set parallel.tp=1
 
@@ -23,6 +29,7 @@ finished the run.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -39,6 +46,7 @@ from resilient.dist import free_port
 from resilient.errors import ConfigError
 from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.runfiles import GROUP_ENV, EventLog, lighthouse_pid_path, pids_dir
+from resilient.validate import check_int
 
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
 """torchft_lighthouse is a Python console script: it imports torch before it listens (1.5-6.5 s)."""
@@ -62,13 +70,69 @@ class ReplicaLaunch:
     """Extra environment for every rank (tests: pacing, fault injection)."""
 
     def __post_init__(self) -> None:
-        if self.groups < 1 or self.nproc_per_group < 1:
-            raise ConfigError(
-                f"--replica-groups={self.groups} and --nproc-per-group={self.nproc_per_group} must be >= 1"
-            )
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts={self.max_restarts} must be >= 0")
+        check_int("--replica-groups", self.groups, 1)
+        check_int("--nproc-per-group", self.nproc_per_group, 1)
+        check_int("--max-restarts", self.max_restarts, 0)
 
+
+# -- one group -------------------------------------------------------------------------------
+
+
+def trainer_args(args: argparse.Namespace) -> list[str]:
+    """The ``--config`` / ``--set`` arguments ``resilient-train`` passes on to every rank."""
+    out = ["--config", args.config] if args.config else []
+    return out + [arg for item in args.overrides for arg in ("--set", item)]
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line for one group (standalone: a local rendezvous on a free port);
+    ``args``: ``nproc``, ``config``, ``overrides`` and optionally ``max_restarts``, as parsed."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    max_restarts = getattr(args, "max_restarts", None)
+    if max_restarts:
+        command += ["--max-restarts", str(max_restarts)]
+    return command + ["-m", "resilient.trainer", *trainer_args(args)]
+
+
+def run(command: list[str], grace_s: float) -> int:
+    """Run ``command``, forwarding SIGINT/SIGTERM to it; returns its exit code (128 + N if killed by
+    signal N, as a shell reports it)."""
+    # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
+    # second SIGINT would cut short torchrun's shutdown of its workers.
+    # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(command, start_new_session=True, env=env)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        # No timeout on a training run itself; the trainer bounds its own waits. Signals interrupt it.
+        code = proc.wait()
+        return _shell_code(code)
+    except BaseException:
+        _stop(proc, grace_s)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            _stop(proc, grace_s)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)
+
+
+# -- replica groups --------------------------------------------------------------------------
 
 
 def lighthouse_binary() -> str:
