@@ -9,7 +9,7 @@ Per fault (t_f: the moment it hit, pre: the highest step the job had committed b
 - ``steps_lost``: steps whose work was thrown away — distinct steps whose commit vote failed, plus
   ``pre - r`` when the job rolled back to step r (every group restored from storage or RAM);
 - ``restore_source``: the RAM tier's ``restore`` events of the hit groups (own / buddy /
-  persistent / peer / fresh), else the ``start`` events' source (peer heal or storage).
+  persistent / peer / fresh), else the ``start`` events' source (peer or persistent).
 
 Goodput splits the job's wall time. Each fault opens a stall window [t_f, first commit past pre];
 inside it: detect (t_f to detection), reload (restore/heal load time the job waited for), replay

@@ -30,7 +30,7 @@ from resilient.chaos.s3_proxy import S3_ENV, FaultProxy, MotoServer
 from resilient.chaos.scenario import Scenario, scenario_summary
 from resilient.chaos.twin import default_cache_dir, get_twin
 from resilient.errors import ConfigError
-from resilient.runfiles import read_events, read_jsonl
+from resilient.runfiles import HOOK_EVENTS_FILE, chaos_dir, default_ckpt_url, read_events, read_jsonl
 
 POLL_S = 0.05
 HOLD_SETTLE_S = 1.0
@@ -58,7 +58,7 @@ class _Storage:
         self.proxy: FaultProxy | None = None
         self.env: dict[str, str] = {}
         run_dir = os.path.join(report_dir, "run")
-        self.url = os.path.join(run_dir, "ckpt")
+        self.url = default_ckpt_url(run_dir)
         if scenario.job.storage != "s3":
             return
         try:
@@ -233,7 +233,7 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
             log(f"chaos: {twin_error}")
         else:
             twin = inv.RunData(run_dir=twin_dir, groups=run.groups, steps=run.steps,
-                               checkpoint_url=os.path.join(twin_dir, "ckpt"), returncode=0)  # fmt: skip
+                               checkpoint_url=default_ckpt_url(twin_dir), returncode=0)  # fmt: skip
             twin.events = read_events(twin_dir)
     costs = [fault_costs(r, run.events) for r in records]
     corrupted = {c["step"]: c["file"] for c in costs if c["kind"] == "corrupt_chunk" and "step" in c}
@@ -255,7 +255,7 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
         "steps_lost_within_bound": inv.steps_lost_within_bound(costs, scenario.check.max_steps_lost_per_fault),
         "no_orphans": inv.no_orphans(leftovers),
     }
-    holds = read_jsonl(os.path.join(run.run_dir, "chaos", "hook_events.jsonl"))
+    holds = read_jsonl(os.path.join(chaos_dir(run.run_dir), HOOK_EVENTS_FILE))
     t_end = proc.t_end or time.time()
     good = goodput(costs, run.events, holds, proc.t_launch, t_end)
     passed = all(v["ok"] for v in invariants.values())

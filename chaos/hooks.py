@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from resilient.runfiles import append_jsonl
+from resilient.runfiles import HOOK_EVENTS_FILE, append_jsonl
 from resilient.state import state_digest
 
 CHAOS_DIR_ENV = "RESILIENT_CHAOS_DIR"
@@ -106,7 +106,7 @@ class _ChaosHook:
             local.add_(1e-3)
         self.corrupted = True
         if self.rank == 0:
-            append_jsonl(os.path.join(self.dir, "hook_events.jsonl"),
+            append_jsonl(os.path.join(self.dir, HOOK_EVENTS_FILE),
                          {"t": round(time.time(), 4), "event": "corrupted", "group": self.group})  # fmt: skip
 
     def _maybe_hold(self, step: int) -> None:
@@ -123,7 +123,7 @@ class _ChaosHook:
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.rank == 0:
-            append_jsonl(os.path.join(self.dir, "hook_events.jsonl"),
+            append_jsonl(os.path.join(self.dir, HOOK_EVENTS_FILE),
                          {"t": round(time.time(), 4), "event": "held", "group": self.group, "step": step,
                           "start": round(start, 4), "seconds": round(time.time() - start, 4)})  # fmt: skip
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.chaos.hooks import digest_path
-from resilient.runfiles import FINAL_DIGEST, read_jsonl, read_jsonl_by_step
+from resilient.runfiles import FINAL_DIGEST, SAMPLES_FILE, chaos_dir, group_file, read_jsonl, read_jsonl_by_step
 
 
 def result(ok: bool, reason: str) -> dict[str, Any]:
@@ -45,7 +45,7 @@ class RunData:
     timed_out: bool = False
 
     def group_file(self, group: int, name: str) -> str:
-        return os.path.join(self.run_dir, f"group{group}", name)
+        return group_file(self.run_dir, name, group)
 
     def by_step(self, group: int, name: str) -> dict[int, dict[str, Any]]:
         path = self.group_file(group, name)
@@ -63,7 +63,7 @@ class RunData:
         out: dict[int, list[str]] = {}
         problems = []
         for group in range(self.groups):
-            for step, record in self.by_step(group, "samples.jsonl").items():
+            for step, record in self.by_step(group, SAMPLES_FILE).items():
                 if step in out and out[step] != record["sample_ids"]:
                     problems.append(f"groups disagree on the samples of step {step}")
                 out[step] = record["sample_ids"]
@@ -84,7 +84,7 @@ class RunData:
         last = max(restores, key=lambda e: e["t"], default=None)
         cut, restored = (last["t"], last["step"]) if last else (0.0, 0)
         out: dict[int, dict[str, Any]] = {}
-        for record in read_jsonl(digest_path(os.path.join(self.run_dir, "chaos"), group)):
+        for record in read_jsonl(digest_path(chaos_dir(self.run_dir), group)):
             if record["t"] >= cut or record["step"] <= restored:
                 out[record["step"]] = record
         return out

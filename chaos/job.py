@@ -19,7 +19,7 @@ import psutil
 
 from resilient.chaos.hooks import CHAOS_DIR_ENV, HOOK_PATH, STEP_SLEEP_ENV
 from resilient.chaos.scenario import REPO_ROOT, JobSpec
-from resilient.runfiles import JsonlTail, events_path, pids_dir, read_pid_file
+from resilient.runfiles import JsonlTail, chaos_dir, events_path, pids_dir, read_pid_file
 
 
 def harness_overrides(job: JobSpec, run_dir: str, checkpoint_url: str) -> list[str]:
@@ -79,7 +79,7 @@ class JobProcess:
                  step_sleep_s: float) -> None:  # fmt: skip
         self.job = job
         self.run_dir = run_dir
-        self.chaos_dir = os.path.join(run_dir, "chaos")
+        self.chaos_dir = chaos_dir(run_dir)
         os.makedirs(self.chaos_dir, exist_ok=True)
         command = [sys.executable, "-m", "resilient.tools.train", "--replica-groups", str(job.replica_groups),
                    "--nproc-per-group", str(job.nproc_per_group), "--config", job.config,

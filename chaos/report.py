@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from resilient.chaos.invariants import RunData
+from resilient.runfiles import METRICS_FILE
 
 
 def write_report(path: str, report: dict[str, Any]) -> None:
@@ -25,7 +26,7 @@ def write_report(path: str, report: dict[str, Any]) -> None:
 def _loss(run: RunData) -> dict[int, float]:
     out: dict[int, float] = {}
     for group in range(run.groups):
-        out.update({s: r["loss"] for s, r in run.by_step(group, "metrics.jsonl").items()})
+        out.update({s: r["loss"] for s, r in run.by_step(group, METRICS_FILE).items()})
     return dict(sorted(out.items()))
 
 

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.recovery.restore import SOURCES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS_DIR = Path(__file__).resolve().parent / "scenarios"
 
-RESTORE_SOURCES = ("own", "buddy", "persistent", "peer", "fresh")
 """The ``source`` of the job's ``restore`` events, what ``expect_restore_source`` may name."""
 
 FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
@@ -299,9 +299,9 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
     _number(f"{where}.seconds", fault.seconds, 0.0, 3600.0)
     _number(f"{where}.rate", fault.rate, 0.0, 1.0)
     _number(f"{where}.delay_s", fault.delay_s, 0.0, 60.0)
-    if fault.expect_restore_source is not None and fault.expect_restore_source not in RESTORE_SOURCES:
+    if fault.expect_restore_source is not None and fault.expect_restore_source not in SOURCES:
         raise ConfigError(f"{where}.expect_restore_source={fault.expect_restore_source!r} must be one of "
-                          f"{list(RESTORE_SOURCES)}")  # fmt: skip
+                          f"{list(SOURCES)}")  # fmt: skip
     if fault.target not in ("oldest", "newest"):
         raise ConfigError(f"{where}.target={fault.target!r} must be one of ['oldest', 'newest']")
     if fault.kind.startswith("s3_") and job.storage != "s3":

@@ -22,6 +22,7 @@ from typing import Any
 
 from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, load_job_config
 from resilient.chaos.scenario import REPO_ROOT, Scenario, stable_hash
+from resilient.runfiles import default_ckpt_url
 
 CACHE_ENV = "RESILIENT_CHAOS_CACHE"
 TWIN_DONE = "twin.json"
@@ -81,7 +82,7 @@ def get_twin(scenario: Scenario, cache_dir: str, log: Any = print) -> tuple[str,
 def _run_twin(scenario: Scenario, directory: Path) -> dict[str, Any]:
     job = scenario.job
     run_dir = str(directory / "run")
-    overrides = harness_overrides(job, run_dir, os.path.join(run_dir, "ckpt"))
+    overrides = harness_overrides(job, run_dir, default_ckpt_url(run_dir))
     start = time.time()
     proc = JobProcess(job, run_dir, overrides, env={}, log_path=str(directory / "launcher.log"), step_sleep_s=0.0)
     try:

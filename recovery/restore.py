@@ -40,8 +40,9 @@ from resilient.storage.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("peer", "own", "buddy", "persistent", "fresh")
-"""Where a restored state came from, in the order the policy tries them."""
+SOURCES = ("own", "buddy", "persistent", "peer", "fresh")
+"""Where a restored state came from: the one vocabulary of events, chaos scenarios and tools (the
+policy tries peer first, then own and buddy RAM, then persistent)."""
 
 _RAM_WHERE = {"own": "this node's RAM", "buddy": "the buddy node's RAM"}
 

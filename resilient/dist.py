@@ -1,9 +1,8 @@
 """Thin helpers over torch.distributed that also work with no process group (one process).
 
-``all_gather_json``/``broadcast_json`` move JSON in uint8 tensors, never pickles
-(``dist.all_gather_object`` unpickles what a peer sent): a value round-trips as JSON does (tuples
-come back as lists, int dict keys as strings). ``all_gather_object``/``broadcast_object`` are
-torch's pickle-based collectives, for callers not yet moved to JSON.
+Objects cross ranks as JSON in uint8 tensors, never as pickles (``dist.all_gather_object``
+unpickles what a peer sent, and a peer transfer must not be able to run code): a value
+round-trips as JSON does (tuples come back as lists, int dict keys as strings).
 
 ``agree`` is the one "compute here, fail together everywhere" collective: a rank that raised
 alone before a collective would leave its peers waiting in that collective until the process
@@ -59,8 +58,8 @@ def _device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    data = bytearray(json.dumps(obj).encode())  # never empty: "null" at least
+def _encode(text: str, device: torch.device) -> torch.Tensor:
+    data = bytearray(text.encode())  # never empty: "null" at least
     return torch.frombuffer(data, dtype=torch.uint8).to(device)
 
 
@@ -68,12 +67,9 @@ def _decode(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.cpu().numpy()).decode())
 
 
-def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's JSON-able ``obj``, in rank order."""
-    if not is_distributed():
-        return [json.loads(json.dumps(obj))]
+def _all_gather_text(text: str, group: Any) -> list[Any]:
     device = _device(group)
-    mine = _encode(obj, device)
+    mine = _encode(text, device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
     longest = max(int(s) for s in sizes)
@@ -84,37 +80,29 @@ def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
     return [_decode(t[: int(n)]) for t, n in zip(out, sizes, strict=True)]
 
 
-def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Rank ``src``'s JSON-able ``obj`` on every rank (``src`` is a rank of ``group``)."""
-    if not is_distributed():
-        return json.loads(json.dumps(obj))
+def _broadcast_text(text: str, src: int, group: Any) -> Any:
     device = _device(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    mine = _encode(obj, device) if get_rank(group) == src else torch.empty(0, dtype=torch.uint8, device=device)
+    is_src = get_rank(group) == src
+    mine = _encode(text, device) if is_src else torch.empty(0, dtype=torch.uint8, device=device)
     size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, src=global_src, group=group)
-    data = mine if get_rank(group) == src else torch.empty(int(size), dtype=torch.uint8, device=device)
+    data = mine if is_src else torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=global_src, group=group)
     return _decode(data)
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order (pickled by torch: peers of one job only)."""
-    if not is_distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order."""
+    text = json.dumps(obj)
+    return _all_gather_text(text, group) if is_distributed() else [json.loads(text)]
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (``src`` is a rank of ``group``; pickled by torch)."""
+def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s JSON-able ``obj`` on every rank (``src`` is a rank of ``group``)."""
     if not is_distributed():
-        return obj
-    box = [obj]
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast_object_list(box, src=global_src, group=group)
-    return box[0]
+        return json.loads(json.dumps(obj))
+    return _broadcast_text(json.dumps(obj) if get_rank(group) == src else "null", src, group)
 
 
 # --- fail together --------------------------------------------------------------------------------
@@ -130,19 +118,23 @@ def agree(fn: Callable[[], T], *, group: Any = None, src: int | None = None, wha
     (KeyboardInterrupt, SystemExit) still propagates on its own rank only.
     """
     rank = get_rank(group)
-    outcome: dict[str, Any] = {}
+    text = "null"
     local_error: BaseException | None = None
     if src is None or rank == src:
         try:
-            outcome = {"ok": fn()}
+            # Encoded inside the try: a result JSON cannot hold is this rank's error, shared like
+            # any other (raised here alone, it would leave the peers waiting in the collective).
+            text = json.dumps({"ok": fn()})
         except Exception as e:  # shared below, then raised on every rank
             local_error = e
-            outcome = {"error": to_payload(e)}
-    if src is None:
-        outcomes = all_gather_json(outcome, group)
+            text = json.dumps({"error": to_payload(e)})
+    if not is_distributed():
+        outcomes = [json.loads(text)]
+    elif src is None:
+        outcomes = _all_gather_text(text, group)
     else:
         outcomes = [None] * get_world_size(group)
-        outcomes[src] = broadcast_json(outcome, src, group)
+        outcomes[src] = _broadcast_text(text, src, group)
     failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o is not None and "error" in o]
     if failed:
         first_rank, payload = failed[0]

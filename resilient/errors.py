@@ -55,9 +55,15 @@ _BUILTINS: tuple[type[BaseException], ...] = (
 )
 
 
+def _class_name(cls: type) -> str:
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _error_classes() -> dict[str, type[BaseException]]:
-    ours = [ResilientError, *_subclasses(ResilientError)]
-    return {c.__name__: c for c in (*_BUILTINS, *ours)}
+    # Ours only (defined under resilient.*), by full name: a user's class of the same short name,
+    # or one whose constructor takes other arguments, must not be rebuilt in its place.
+    ours = [c for c in (ResilientError, *_subclasses(ResilientError)) if c.__module__.startswith("resilient.")]
+    return {_class_name(c): c for c in (*_BUILTINS, *ours)}
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -72,7 +78,7 @@ def to_payload(err: BaseException) -> dict[str, str]:
     import traceback
 
     return {
-        "type": type(err).__name__,
+        "type": _class_name(type(err)),
         "message": str(err) if not isinstance(err, KeyError) else str(err.args[0] if err.args else ""),
         "traceback": "".join(traceback.format_exception(err)),
     }
@@ -85,7 +91,8 @@ def from_payload(payload: dict[str, str], *, prefix: str = "") -> BaseException:
     cls = _error_classes().get(payload.get("type", ""))
     message = payload.get("message", "")
     if cls is None:
-        cls, message = ResilientError, f"{payload.get('type', 'error')}: {message}"
+        short = payload.get("type", "error").rpartition(".")[2]
+        cls, message = ResilientError, f"{short}: {message}"
     err = cls(f"{prefix}{message}")
     err.__cause__ = RemoteError(f"remote traceback:\n{payload.get('traceback', '(none)')}")
     err.__suppress_context__ = True

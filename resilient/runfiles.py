@@ -31,12 +31,16 @@ PIDS_DIR = "pids"
 LIGHTHOUSE_PID = "lighthouse"
 """``pids/lighthouse``: the pid of the lighthouse the launcher started (rewritten on restart)."""
 LOGS_DIR = "logs"
+CHAOS_DIR = "chaos"
+"""``<run.dir>/chaos/``: what ``resilient-chaos`` and its step hook exchange (arm files, digests, holds)."""
 CKPT_DIR = "ckpt"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 SAVES_FILE = "saves.jsonl"
 RAM_FILE = "ram.jsonl"
 CONFIG_FILE = "config.json"
+HOOK_EVENTS_FILE = "hook_events.jsonl"
+"""``<run.dir>/chaos/hook_events.jsonl``: what the chaos step hook did (holds, corruptions)."""
 FINAL_DIGEST = "final.json"
 """``group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
 
@@ -83,6 +87,10 @@ def lighthouse_pid_path(run_dir: str) -> str:
 
 def logs_dir(run_dir: str) -> str:
     return os.path.join(os.path.abspath(run_dir), LOGS_DIR)
+
+
+def chaos_dir(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), CHAOS_DIR)
 
 
 def default_ckpt_url(run_dir: str) -> str:

@@ -9,19 +9,21 @@ says which key to fix.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 from resilient.errors import ConfigError
 
 
 def check_int(key: str, value: object, low: int, high: int | None = None) -> int:
-    """An int (not a bool) in ``[low, high]`` (``>= low`` when ``high`` is None)."""
+    """An integer (not a bool; numpy integers count) in ``[low, high]`` (``>= low`` when ``high`` is
+    None), returned as a Python int."""
     allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{key}={value!r} must be an integer {allowed}")
     if value < low or (high is not None and value > high):
         raise ConfigError(f"{key}={value} is out of range: allowed {allowed}")
-    return value
+    return int(value)
 
 
 def check_number(
@@ -48,11 +50,4 @@ def check_bool(key: str, value: object) -> bool:
     """A real bool: ``1`` or ``"true"`` are rejected (a TOML typo must not flip a switch)."""
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be true or false")
-    return value
-
-
-def check_str(key: str, value: object, *, empty: bool = True) -> str:
-    """A string (non-empty unless ``empty``)."""
-    if not isinstance(value, str) or (not empty and not value):
-        raise ConfigError(f"{key}={value!r} must be a {'' if empty else 'non-empty '}string")
     return value

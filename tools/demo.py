@@ -31,7 +31,16 @@ from collections import Counter
 from typing import Any
 
 from resilient import Checkpointer
-from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
+from resilient.runfiles import (
+    CONFIG_FILE,
+    FINAL_DIGEST,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    group_file,
+    read_events,
+    read_jsonl_by_step,
+    read_pid,
+)
 from resilient.tools.demo_ram import run_ram_phase
 from resilient.trainer.config import load_config
 from resilient.trainer.launch import ReplicaJob, ReplicaLaunch, run, torchrun_command
@@ -73,9 +82,8 @@ def _check_samples(samples: dict[int, list[str]], num_samples: int) -> str:
 
 def _summary() -> None:
     config = load_config(RECIPE, [f"run.dir={RUN_DIR}"])
-    group = os.path.join(RUN_DIR, "group0")
-    metrics = read_jsonl_by_step(os.path.join(group, "metrics.jsonl"))
-    samples = {s: r["sample_ids"] for s, r in read_jsonl_by_step(os.path.join(group, "samples.jsonl")).items()}
+    metrics = read_jsonl_by_step(group_file(RUN_DIR, METRICS_FILE, 0))
+    samples = {s: r["sample_ids"] for s, r in read_jsonl_by_step(group_file(RUN_DIR, SAMPLES_FILE, 0)).items()}
     last = FIRST_STEPS + MORE_STEPS
     four = _throughput(metrics, range(1, FIRST_STEPS + 1))
     two = _throughput(metrics, range(FIRST_STEPS + 1, last + 1))
@@ -94,9 +102,9 @@ def _summary() -> None:
         f"[ckpt]  committed steps {Checkpointer(config.checkpoint.url).steps()} under {config.checkpoint.url} "
         f"(keep_last={config.checkpoint.keep_last})"
     )
-    print(f"[files] metrics: {os.path.join(group, 'metrics.jsonl')}")
-    print(f"        samples: {os.path.join(group, 'samples.jsonl')}")
-    print(f"        config:  {os.path.join(group, 'config.json')}")
+    print(f"[files] metrics: {group_file(RUN_DIR, METRICS_FILE, 0)}")
+    print(f"        samples: {group_file(RUN_DIR, SAMPLES_FILE, 0)}")
+    print(f"        config:  {group_file(RUN_DIR, CONFIG_FILE, 0)}")
     print(_check_samples(samples, config.data.pipeline.num_samples))
 
 
@@ -119,7 +127,7 @@ def hold_for_rejoin(trainer: Any):
 
 
 def _group_step(group: int) -> int:
-    path = os.path.join(REPLICA_DIR, f"group{group}", "metrics.jsonl")
+    path = group_file(REPLICA_DIR, METRICS_FILE, group)
     metrics = read_jsonl_by_step(path) if os.path.exists(path) else {}
     return max(metrics) if metrics else 0
 
@@ -166,7 +174,7 @@ def _replica_summary() -> None:
     rejoin = next(e for e in events if e["event"] == "joining" and e["group"] == 1 and e["attempt"] > 0)
     restart = next(e for e in events if e["event"] == "start" and e["group"] == 1 and e["attempt"] > 0)
     healed = next((e for e in steps if e["group"] == 1 and e["healed"] and e["t"] > rejoin["t"]), None)
-    finals = [_read_json(os.path.join(REPLICA_DIR, f"group{g}", "final.json")) for g in range(2)]
+    finals = [_read_json(group_file(REPLICA_DIR, FINAL_DIGEST, g)) for g in range(2)]
     print("\n=== replica groups: kill and live heal ===")
     print(f"[kill]  group 1 rank 1 (pid {kill['pid']}) SIGKILLed at step {kill['step']}")
     print(
@@ -194,7 +202,7 @@ def _replica_summary() -> None:
         sys.exit("[check] FAILED: the replica groups ended with different parameters")
     samples: dict[int, list[str]] = {}
     for g in range(2):
-        for step, record in read_jsonl_by_step(os.path.join(REPLICA_DIR, f"group{g}", "samples.jsonl")).items():
+        for step, record in read_jsonl_by_step(group_file(REPLICA_DIR, SAMPLES_FILE, g)).items():
             if samples.setdefault(step, record["sample_ids"]) != record["sample_ids"]:
                 sys.exit(f"[check] FAILED: the groups disagree on the samples of step {step}")
     if sorted(samples) != list(range(1, REPLICA_STEPS + 1)):

@@ -18,7 +18,7 @@ import sys
 import time
 
 from resilient.recovery.ram.store import node_store_dir
-from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
+from resilient.runfiles import METRICS_FILE, group_file, read_events, read_jsonl_by_step, read_pid
 from resilient.trainer.config import load_config
 
 STEPS, KILL_STEP = 30, 10
@@ -32,7 +32,7 @@ def _overrides(run_dir: str) -> list[str]:
 
 
 def _wait_for_step(run_dir: str, step: int, proc: subprocess.Popen) -> None:
-    path = os.path.join(run_dir, "group0", "metrics.jsonl")
+    path = group_file(run_dir, METRICS_FILE, 0)
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -81,7 +81,7 @@ def _summary(run_dir: str) -> None:
     sources = sorted((e["rank"], e["source"]) for e in restores)
     if sources != [(0, "own"), (1, "buddy")] or any(e["storage_reads"] for e in restores):
         sys.exit(f"[demo] expected rank 0 from its own store and rank 1 from its buddy, no storage reads: {restores}")
-    metrics = read_jsonl_by_step(os.path.join(run_dir, "group0", "metrics.jsonl"))
+    metrics = read_jsonl_by_step(group_file(run_dir, METRICS_FILE, 0))
     print(f"[ram] resumed at step {restores[0]['step']} (the newest snapshot every rank had in RAM), trained to "
           f"step {max(metrics)}")  # fmt: skip
     print(f"[files] {os.path.join(run_dir, 'events.jsonl')}, {os.path.join(run_dir, 'group0', 'ram.jsonl')}")

@@ -15,7 +15,6 @@ the data section unless the recipe sets them.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 
 from resilient.errors import ConfigError
 from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
+from resilient.runfiles import default_ckpt_url
 from resilient.trainer.data import DataConfig
 from resilient.trainer.model import ModelConfig
 from resilient.trainer.parallelize import ParallelConfig, check_model_compatible
@@ -208,7 +208,7 @@ class TrainConfig:
         if self.replica.enabled:
             check_rows_divisible(data.global_rows, self.parallel.dp_shard, self.replica.groups)
         if not self.checkpoint.url:
-            self.checkpoint.url = os.path.join(os.path.abspath(self.run.dir), "ckpt")
+            self.checkpoint.url = default_ckpt_url(self.run.dir)
 
     @property
     def decay_steps(self) -> int:

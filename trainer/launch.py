@@ -45,7 +45,15 @@ from typing import IO
 from resilient.dist import free_port
 from resilient.errors import ConfigError
 from resilient.recovery.config import LIGHTHOUSE_ENV
-from resilient.runfiles import GROUP_ENV, EventLog, lighthouse_pid_path, pids_dir
+from resilient.runfiles import (
+    GROUP_ENV,
+    EventLog,
+    lighthouse_pid_path,
+    logs_dir,
+    pids_dir,
+    read_pid_file,
+    write_pid_file,
+)
 from resilient.validate import check_int
 
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
@@ -190,7 +198,7 @@ class ReplicaJob:
     def __init__(self, launch: ReplicaLaunch) -> None:
         self.launch = launch
         self.run_dir = os.path.abspath(launch.run_dir)
-        self.log_dir = os.path.join(self.run_dir, "logs")
+        self.log_dir = logs_dir(self.run_dir)
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_url = launch.lighthouse
         self.lighthouse_port = 0
@@ -235,10 +243,7 @@ class ReplicaJob:
             self.lighthouse_port, self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms, heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
         )  # fmt: skip
-        path = lighthouse_pid_path(self.run_dir)
-        with open(f"{path}.tmp", "w") as f:
-            f.write(f"{self.lighthouse.pid}\n")
-        os.replace(f"{path}.tmp", path)
+        write_pid_file(lighthouse_pid_path(self.run_dir), self.lighthouse.pid)
 
     def _supervise_lighthouse(self) -> None:
         """Start our lighthouse again, on the same port, if it died."""
@@ -286,9 +291,10 @@ class ReplicaJob:
         """Workers left by a torchrun that died hard (they run in sessions of their own)."""
         folder = pids_dir(self.run_dir)
         for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            pid = read_pid_file(os.path.join(folder, name))
+            if ".tmp" in name or pid is None:
+                continue
             try:
-                with open(os.path.join(folder, name)) as f:
-                    pid = int(f.read().strip())
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"resilient.trainer" not in f.read():
                         continue  # the pid was reused by something else

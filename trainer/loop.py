@@ -77,7 +77,7 @@ class Trainer:
         self.tokens_seen = 0
         self.resumed_from: int | None = None
         self.restored_from = "fresh"
-        """Where ``resume`` got the state: "own" / "buddy" (RAM), "persistent" or "fresh"."""
+        """Where ``resume`` got the state: "peer", "own" / "buddy" (RAM), "persistent" or "fresh"."""
         self.step_hooks: list[StepHook] = []
         self._pending_save: SaveHandle | None = None
         self.ram: RamTier | None = None

@@ -86,7 +86,6 @@ class ReplicatedTrainer(Trainer):
         decision from the same storage: all restore and skip the step (nobody enters its
         collectives), then meet again at the restored step. Returns the quorum to train in, or None.
         """
-        assert self.sync is not None
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.events.write("joining", group=self.group, attempt=attempt)
         quorum = self.sync.start_step()
@@ -126,7 +125,6 @@ class ReplicatedTrainer(Trainer):
         # Tests: die or stall mid-heal (state fetched, nothing applied), e.g. only in the first
         # restart: RESILIENT_FAULTS="replica.heal_load.attempt1=pause:60@rank1".
         fault_point(f"replica.heal_load.attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-        assert self.sync is not None
         transport = self.sync.transport
         self.heals.append({"step": int(state["train"]["step"]), "bytes": transport.last_recv_bytes,
                            "fetch_s": transport.last_recv_s})  # fmt: skip

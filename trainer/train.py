@@ -89,9 +89,19 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
     # heartbeating to the lighthouse, and the first quorum should follow that closely (a group that
     # heartbeats without joining holds up the others' quorum up to the lighthouse's join timeout).
     ram = build_ram_tier(config, outputs.directory) if config.checkpoint.memory_every > 0 else None
-    trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
-    trainer.ram = ram
-    trainer.install_configured_hooks()
+    trainer = None
+    try:
+        trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
+        trainer.ram = ram
+        trainer.install_configured_hooks()
+    except BaseException:
+        # Nothing else holds these yet: close the RAM channel (and a half-built trainer's torchft
+        # Manager, writer, loader workers) before the error propagates.
+        if trainer is not None:
+            _close_quietly(trainer)
+        elif ram is not None:
+            ram.close()
+        raise
     return trainer
 
 

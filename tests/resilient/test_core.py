@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,8 @@ def test_validators_name_the_key_and_the_range() -> None:
         check_choice("checkpoint.if_busy", "later", ("wait", "skip"))
     with pytest.raises(ConfigError, match=r"data\.log_samples=1 must be true or false"):
         check_bool("data.log_samples", 1)
+    assert check_int("staging_bytes", np.int64(4096), 1) == 4096, "numpy integers are integers"
+    assert type(check_int("staging_bytes", np.int64(4096), 1)) is int
 
 
 def test_jsonl_append_and_torn_last_line(tmp_path) -> None:
@@ -80,6 +83,9 @@ def test_error_payload_keeps_class_message_and_remote_traceback() -> None:
     assert type(unknown) is ResilientError and str(unknown) == "ZeroDivisionError: division by zero"
     assert type(from_payload(to_payload(KeyError("model.w")))) is KeyError
 
+    users_commit_error = type("CommitError", (Exception,), {})  # a user's class of our name is not ours
+    assert type(from_payload(to_payload(users_commit_error("x")))) is ResilientError
+
 
 def _agree_worker(rank: int, world: int) -> dict:
     out: dict = {}
@@ -101,6 +107,15 @@ def _agree_worker(rank: int, world: int) -> dict:
         agree(lambda: (_ for _ in ()).throw(ValueError(f"bad on {rank}")))
     except ValueError as e:
         out["both"] = str(e)
+    # A result JSON cannot hold is that rank's error, shared: no rank is left in the collective.
+    try:
+        agree(lambda: {1, 2} if rank == 1 else [1])
+    except TypeError as e:
+        out["set"] = str(e)
+    try:
+        agree(lambda: {(1, 2): 3}, src=0)
+    except TypeError as e:
+        out["tuple_key"] = str(e)
     return out
 
 
@@ -114,6 +129,8 @@ def test_agree_raises_the_same_error_on_every_rank() -> None:
         assert out["error"][:2] == ("CommitError", "save step 3: [rank 1] disk full on rank 1")
         assert out["error"][2] == ("CommitError" if rank == 1 else "RemoteError")
         assert out["both"] == "[rank 0 (and 1 other rank(s))] bad on 0"
+        assert out["set"].startswith("[rank 1] Object of type set is not JSON serializable")
+        assert out["tuple_key"].startswith("[rank 0] keys must be str")
 
 
 def test_agree_without_a_process_group() -> None:
@@ -122,6 +139,8 @@ def test_agree_without_a_process_group() -> None:
     with pytest.raises(ConfigError, match=r"^\[rank 0\] nope$"):
         agree(lambda: (_ for _ in ()).throw(ConfigError("nope")))
     assert 1024 <= free_port() <= 65535
+    with pytest.raises(TypeError, match=r"^\[rank 0\] Object of type set"):
+        agree(lambda: {1})
 
 
 def test_state_digest_depends_on_bits_and_names() -> None:

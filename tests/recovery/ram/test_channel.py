@@ -1,6 +1,6 @@
 """The replication channel over real loopback sockets: round trips, and every way a peer is refused.
 
-Raw-socket attackers use the module's own framing helpers (``_client_handshake``, ``_Session.seal``)
+Raw-socket attackers use the wire module's own framing helpers (``wire.client_handshake``, ``wire.Session.seal``)
 so a test changes exactly one thing (a byte, a sequence number, a declared length) from a valid peer.
 """
 
