@@ -176,16 +176,23 @@ def fingerprint(state: dict) -> list[list[float]]:
             offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1][0]
         rows = data.reshape(data.shape[0], -1)
         weights = torch.arange(offset + 1, offset + 1 + rows.shape[0], dtype=torch.float64)
-        sharded.append([float(rows.sum(dim=1, dtype=torch.float64) @ weights),
-                        float(rows.abs().sum(dim=1, dtype=torch.float64) @ weights)])
+        sharded.append(
+            [
+                float(rows.sum(dim=1, dtype=torch.float64) @ weights),
+                float(rows.abs().sum(dim=1, dtype=torch.float64) @ weights),
+            ]
+        )
     summed = torch.tensor(sharded, dtype=torch.float64).reshape(-1, 2)
     dist.all_reduce(summed)  # every tensor with rows here is a DTensor: the pieces add up
     return summed.tolist() + replicated
 
 
 def check_fingerprint(got: list[list[float]], want: list[list[float]], what: str) -> None:
-    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True))
-           if abs(g[0] - w[0]) > 1e-11 * w[1] or abs(g[1] - w[1]) > 1e-11 * w[1]]
+    bad = [
+        i
+        for i, (g, w) in enumerate(zip(got, want, strict=True))
+        if abs(g[0] - w[0]) > 1e-11 * w[1] or abs(g[1] - w[1]) > 1e-11 * w[1]
+    ]
     if len(got) != len(want) or bad:
         raise AssertionError(f"{what}: loaded state differs from the saved one (tensors #{bad[:5]})")
 
@@ -253,8 +260,9 @@ def timed_async_dcp(state: dict, path: str, mode: str) -> tuple[float, float]:
     kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
     dist.barrier()
     start = time.perf_counter()
-    future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
-                            async_checkpointer_type=kind)
+    future = dcp.async_save(
+        state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), async_checkpointer_type=kind
+    )
     blocked = time.perf_counter() - start
     future.result()
     total = time.perf_counter() - start
@@ -332,8 +340,13 @@ def save_world(rank: int, world: int, cfg: BenchConfig) -> dict:
             for impl in _order(step):
                 if impl == "resilient":
                     blocked, seconds, phases = timed_save_resilient(ckpt, state, step)
-                    log.info("save resilient step %d: %.3f s (blocked %.3f s; snapshot/persist/commit %s s)",
-                             step, seconds, blocked, [round(x, 3) for x in phases])
+                    log.info(
+                        "save resilient step %d: %.3f s (blocked %.3f s; snapshot/persist/commit %s s)",
+                        step,
+                        seconds,
+                        blocked,
+                        [round(x, 3) for x in phases],
+                    )
                 else:
                     seconds = timed(lambda step=step: save_dcp(state, cfg.dcp_dir(step)))
                     log.info("save dcp step %d: %.3f s", step, seconds)
@@ -415,8 +428,14 @@ def _rank_entry(fn: Callable, rank: int, world: int, port: int, cfg: BenchConfig
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     # As torchrun would set them (the Checkpointer splits its staging budget by LOCAL_WORLD_SIZE).
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     _setup_logging(rank, quiet=rank != 0)
     try:
         import torch
@@ -443,8 +462,9 @@ def run_world(fn: Callable, world: int, cfg: BenchConfig, *args: Any) -> list[An
     port = free_port()
     # Not daemonic: DCP's async_save in process mode starts a child of its own. The finally
     # clause below kills every rank, so none outlives the run.
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=False)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_entry, args=(fn, r, world, port, cfg, args, out), daemon=False) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -484,17 +504,25 @@ def result_line(bench: str, impl: str, to_world: int, nbytes: int, seconds: list
     what the code can do when nothing else gets in the way."""
     median, best = statistics.median(seconds), min(seconds)
     return {
-        "bench": bench, "impl": impl, "from_world": SAVE_WORLD, "to_world": to_world, "bytes": nbytes,
-        "seconds": round(median, 4), "gib_per_s": round(nbytes / median / GIB, 4),
-        "best_seconds": round(best, 4), "best_gib_per_s": round(nbytes / best / GIB, 4),
-        "repeats": len(seconds), "all_seconds": [round(s, 4) for s in seconds],
+        "bench": bench,
+        "impl": impl,
+        "from_world": SAVE_WORLD,
+        "to_world": to_world,
+        "bytes": nbytes,
+        "seconds": round(median, 4),
+        "gib_per_s": round(nbytes / median / GIB, 4),
+        "best_seconds": round(best, 4),
+        "best_gib_per_s": round(nbytes / best / GIB, 4),
+        "repeats": len(seconds),
+        "all_seconds": [round(s, 4) for s in seconds],
     }
 
 
 def ratio_line(name: str, ours: dict, other: dict) -> dict:
     """Throughput of ``ours`` over ``other``: > 1 means ``ours`` moves bytes faster."""
     return {
-        "bench": "ratio", "name": name,
+        "bench": "ratio",
+        "name": name,
         "value": round(ours["gib_per_s"] / other["gib_per_s"], 4),
         "best_value": round(ours["best_gib_per_s"] / other["best_gib_per_s"], 4),
     }
@@ -504,15 +532,21 @@ def blocking_ratio_line(ours: dict, dcp: dict) -> dict:
     """Bytes per second of blocked training, ours over DCP's: DCP's synchronous save blocks for
     all of it, ours only until save() returns. > 1 means ours blocks training for less time."""
     return {
-        "bench": "ratio", "name": "save_blocking_resilient_over_dcp",
+        "bench": "ratio",
+        "name": "save_blocking_resilient_over_dcp",
         "value": round(dcp["seconds"] / ours["blocked_seconds"], 4),
         "best_value": round(dcp["best_seconds"] / ours["best_blocked_seconds"], 4),
     }
 
 
 def run(cfg: BenchConfig) -> None:
-    log.info("model: %d Linear(%d, %d) layers, target %.3f GiB of params + AdamW state",
-             cfg.layers, cfg.width, cfg.width, cfg.total_gib)
+    log.info(
+        "model: %d Linear(%d, %d) layers, target %.3f GiB of params + AdamW state",
+        cfg.layers,
+        cfg.width,
+        cfg.width,
+        cfg.total_gib,
+    )
     saved = run_world(save_world, SAVE_WORLD, cfg)
     nbytes, seconds = saved[0]["bytes"], saved[0]["seconds"]
     all_local = sum(r["local_bytes"] for r in saved)  # what the limits actually moved
@@ -551,15 +585,24 @@ def stall_ratio_lines(lines: dict[str, dict]) -> list[dict]:
     ours = lines["save_resilient"]
     best_dcp = min((lines[f"save_dcp_async_{m}"] for m in ("thread", "process")), key=lambda d: d["blocked_seconds"])
     return [
-        {"bench": "ratio", "name": "stall_resilient_over_memcpy_floor",
-         "value": round(ours["blocked_seconds"] / lines["memcpy"]["seconds"], 4),
-         "best_value": round(ours["best_blocked_seconds"] / lines["memcpy"]["best_seconds"], 4)},
-        {"bench": "ratio", "name": f"stall_resilient_over_dcp_async_{best_dcp['impl'].rsplit('_', 1)[1]}",
-         "value": round(ours["blocked_seconds"] / best_dcp["blocked_seconds"], 4),
-         "best_value": round(ours["best_blocked_seconds"] / best_dcp["best_blocked_seconds"], 4)},
-        {"bench": "ratio", "name": "durable_resilient_over_dcp_async_thread",  # throughput, > 1: ours faster
-         "value": round(ours["gib_per_s"] / lines["save_dcp_async_thread"]["gib_per_s"], 4),
-         "best_value": round(ours["best_gib_per_s"] / lines["save_dcp_async_thread"]["best_gib_per_s"], 4)},
+        {
+            "bench": "ratio",
+            "name": "stall_resilient_over_memcpy_floor",
+            "value": round(ours["blocked_seconds"] / lines["memcpy"]["seconds"], 4),
+            "best_value": round(ours["best_blocked_seconds"] / lines["memcpy"]["best_seconds"], 4),
+        },
+        {
+            "bench": "ratio",
+            "name": f"stall_resilient_over_dcp_async_{best_dcp['impl'].rsplit('_', 1)[1]}",
+            "value": round(ours["blocked_seconds"] / best_dcp["blocked_seconds"], 4),
+            "best_value": round(ours["best_blocked_seconds"] / best_dcp["best_blocked_seconds"], 4),
+        },
+        {
+            "bench": "ratio",
+            "name": "durable_resilient_over_dcp_async_thread",  # throughput, > 1: ours faster
+            "value": round(ours["gib_per_s"] / lines["save_dcp_async_thread"]["gib_per_s"], 4),
+            "best_value": round(ours["best_gib_per_s"] / lines["save_dcp_async_thread"]["best_gib_per_s"], 4),
+        },
     ]
 
 
@@ -569,19 +612,24 @@ def emit_ratios(lines: dict[str, dict]) -> None:
     emit(ratio_line("save_resilient_over_dcp", lines["save_resilient"], lines["save_dcp"]))
     emit(blocking_ratio_line(lines["save_resilient"], lines["save_dcp"]))
     for world in LOAD_WORLDS:
-        emit(ratio_line(f"load_4to{world}_resilient_over_dcp", lines[f"load_4to{world}_resilient"],
-                        lines[f"load_4to{world}_dcp"]))
+        emit(
+            ratio_line(
+                f"load_4to{world}_resilient_over_dcp",
+                lines[f"load_4to{world}_resilient"],
+                lines[f"load_4to{world}_dcp"],
+            )
+        )
     emit(ratio_line("save_resilient_over_raw_fsync", lines["save_resilient"], lines["raw_fsync"]))
     emit(ratio_line("save_dcp_over_raw_fsync", lines["save_dcp"], lines["raw_fsync"]))
     for world in LOAD_WORLDS:
-        emit(ratio_line(f"load_4to{world}_resilient_over_memcpy", lines[f"load_4to{world}_resilient"],
-                        lines["memcpy"]))
+        emit(ratio_line(f"load_4to{world}_resilient_over_memcpy", lines[f"load_4to{world}_resilient"], lines["memcpy"]))
 
 
 def _setup_logging(rank: int | None, *, quiet: bool = False) -> None:
     where = "main" if rank is None else f"rank {rank}"
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
-                        format=f"%(asctime)s [{where}] %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.WARNING, format=f"%(asctime)s [{where}] %(name)s: %(message)s", force=True
+    )
     log.setLevel(logging.WARNING if quiet else logging.INFO)
 
 

@@ -44,8 +44,7 @@ def _tier(rank: int, store: str, run_dir: str, replication: bool = True):
     from resilient.recovery.ram.tier import RamTier
 
     config = RecoveryConfig(store_dir=store, ranks_per_node=1, replication_timeout_s=600, replication=replication)
-    tier = RamTier(config, keep=2, run_dir=run_dir, group=0, rank=rank, world_size=WORLD,
-                   fingerprint={"bench": 1})  # fmt: skip
+    tier = RamTier(config, keep=2, run_dir=run_dir, group=0, rank=rank, world_size=WORLD, fingerprint={"bench": 1})
     tier.start()
     return tier
 
@@ -103,8 +102,9 @@ def restore_bench(rank: int, mib: float, root: str) -> dict:
     own.close()
     dist.barrier()
     if rank == 1:
-        shutil.rmtree(node_store_dir(RecoveryConfig(store_dir=os.path.join(root, "store"), ranks_per_node=1),
-                                     root, 0, 1))  # fmt: skip
+        shutil.rmtree(
+            node_store_dir(RecoveryConfig(store_dir=os.path.join(root, "store"), ranks_per_node=1), root, 0, 1)
+        )
     dist.barrier()
     buddy = _tier(rank, os.path.join(root, "store"), root)
     target = _state(mib, -1.0)
@@ -161,9 +161,12 @@ def main() -> None:
     parser.add_argument("--state-mib", type=float, default=256, help="state per rank for the restore comparison")
     parser.add_argument("--loop-mib", type=float, default=64, help="model + AdamW state per rank in the loop")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=1024,
-                        help="rows per step: sets compute per state byte (a pretraining rank processes 10^4-10^6 "
-                             "tokens per step)")  # fmt: skip
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1024,
+        help="rows per step: sets compute per state byte (a pretraining rank processes 10^4-10^6 tokens per step)",
+    )
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="ram_bench-")
     ctx = mp.get_context("spawn")
@@ -190,34 +193,61 @@ def main() -> None:
                 p.kill()
         shutil.rmtree(root, ignore_errors=True)
     for rank, restore, overhead in results:
-        print(json.dumps({
-            "bench": "ram_restore", "rank": rank, "state_mib": args.state_mib,
-            "persistent_load_s": round(restore["persistent_s"], 4),
-            "persistent_cold_load_s": round(restore["persistent_cold_s"], 4),
-            "ram_own_s": round(restore["ram_own_s"], 4),
-            "ram_buddy_s": round(restore["ram_buddy_s"], 4), "memcpy_s": round(restore["memcpy_s"], 4),
-            "persistent_over_ram_own": round(restore["persistent_s"] / restore["ram_own_s"], 2),
-            "persistent_over_ram_buddy": round(restore["persistent_s"] / restore["ram_buddy_s"], 2),
-            "persistent_cold_over_ram_own": round(restore["persistent_cold_s"] / restore["ram_own_s"], 2),
-            "persistent_cold_over_ram_buddy": round(restore["persistent_cold_s"] / restore["ram_buddy_s"], 2),
-            "ram_own_over_memcpy": round(restore["ram_own_s"] / restore["memcpy_s"], 2),
-            "buddy_source": "buddy" if rank == 1 else "own",
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "ram_restore",
+                    "rank": rank,
+                    "state_mib": args.state_mib,
+                    "persistent_load_s": round(restore["persistent_s"], 4),
+                    "persistent_cold_load_s": round(restore["persistent_cold_s"], 4),
+                    "ram_own_s": round(restore["ram_own_s"], 4),
+                    "ram_buddy_s": round(restore["ram_buddy_s"], 4),
+                    "memcpy_s": round(restore["memcpy_s"], 4),
+                    "persistent_over_ram_own": round(restore["persistent_s"] / restore["ram_own_s"], 2),
+                    "persistent_over_ram_buddy": round(restore["persistent_s"] / restore["ram_buddy_s"], 2),
+                    "persistent_cold_over_ram_own": round(restore["persistent_cold_s"] / restore["ram_own_s"], 2),
+                    "persistent_cold_over_ram_buddy": round(restore["persistent_cold_s"] / restore["ram_buddy_s"], 2),
+                    "ram_own_over_memcpy": round(restore["ram_own_s"] / restore["memcpy_s"], 2),
+                    "buddy_source": "buddy" if rank == 1 else "own",
+                }
+            ),
+            flush=True,
+        )
         rep = restore["replication"]
-        print(json.dumps({
-            "bench": "ram_replication", "rank": rank, "bytes": rep.get("bytes"), "seconds": rep.get("seconds"),
-            "mib_per_s": round(rep.get("bytes_per_s", 0) / 2**20, 1), "outcome": rep["outcome"],
-            "snapshot_copy_s": round(restore["snapshot_copy_s"], 4),
-            **({"error": rep["error"]} if "error" in rep else {}),
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "ram_replication",
+                    "rank": rank,
+                    "bytes": rep.get("bytes"),
+                    "seconds": rep.get("seconds"),
+                    "mib_per_s": round(rep.get("bytes_per_s", 0) / 2**20, 1),
+                    "outcome": rep["outcome"],
+                    "snapshot_copy_s": round(restore["snapshot_copy_s"], 4),
+                    **({"error": rep["error"]} if "error" in rep else {}),
+                }
+            ),
+            flush=True,
+        )
         base = overhead[0, True]
         for every, replication in ((5, True), (1, True), (5, False)):
-            print(json.dumps({
-                "bench": "ram_overhead", "rank": rank, "loop_mib": args.loop_mib, "batch": args.batch,
-                "snapshot_every": every, "buddy_replication": replication,
-                "mean_step_s": round(overhead[every, replication], 5), "baseline_step_s": round(base, 5),
-                "overhead": round(overhead[every, replication] / base - 1, 4),
-            }), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "bench": "ram_overhead",
+                        "rank": rank,
+                        "loop_mib": args.loop_mib,
+                        "batch": args.batch,
+                        "snapshot_every": every,
+                        "buddy_replication": replication,
+                        "mean_step_s": round(overhead[every, replication], 5),
+                        "baseline_step_s": round(base, 5),
+                        "overhead": round(overhead[every, replication] / base - 1, 4),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -56,9 +56,13 @@ def main() -> None:
     parser.add_argument("--state-mib", type=float, default=256)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=64,
-                        help="rows per step: compute per state byte (a pretraining rank processes 10^4-10^6 tokens "
-                             "per step; 64 makes checkpointing look as expensive as it can)")  # fmt: skip
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="rows per step: compute per state byte (a pretraining rank processes 10^4-10^6 tokens "
+        "per step; 64 makes checkpointing look as expensive as it can)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # leave the other core to the writer, as a GPU job leaves its CPUs
     results = {}
@@ -67,11 +71,21 @@ def main() -> None:
             results[writer] = loop(args.state_mib, args.batch, args.steps, args.every, writer, root)
     base = results[None]["mean_step_s"]
     for writer, r in results.items():
-        print(json.dumps({
-            "bench": "train_overhead", "writer": writer or "none", "state_mib": args.state_mib,
-            "save_every": args.every, "batch": args.batch, "mean_step_s": round(r["mean_step_s"], 5),
-            "overhead": round(r["mean_step_s"] / base - 1, 4), "save_stall_s": round(r["stall_s"], 5),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "train_overhead",
+                    "writer": writer or "none",
+                    "state_mib": args.state_mib,
+                    "save_every": args.every,
+                    "batch": args.batch,
+                    "mean_step_s": round(r["mean_step_s"], 5),
+                    "overhead": round(r["mean_step_s"] / base - 1, 4),
+                    "save_stall_s": round(r["stall_s"], 5),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -34,19 +34,34 @@ def _commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _rolled_back_to(events: list[dict[str, Any]], t0: float, t1: float, pre: int) -> int | None:
-    steps = [e["step"] for e in events if t0 < e["t"] <= t1 and (
-        (e.get("event") == "start" and e.get("source") == "persistent")
-        or (e.get("event") == "restore" and e.get("source") not in (None, "peer")))]  # fmt: skip
+    steps = [
+        e["step"]
+        for e in events
+        if t0 < e["t"] <= t1
+        and (
+            (e.get("event") == "start" and e.get("source") == "persistent")
+            or (e.get("event") == "restore" and e.get("source") not in (None, "peer"))
+        )
+    ]
     low = min(steps, default=None)
     return low if low is not None and low < pre else None
 
 
 def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, Any]:
     t_f = record.t_injected
-    out: dict[str, Any] = {"kind": record.spec.kind, "at_step": record.at_step, "planned": record.spec.describe(),
-                           "state": record.state, "detected_s": None, "recovered_s": None, "steps_lost": 0,
-                           "restore_source": None, "note": record.note, "injected_t": t_f,
-                           **record.extra}  # fmt: skip
+    out: dict[str, Any] = {
+        "kind": record.spec.kind,
+        "at_step": record.at_step,
+        "planned": record.spec.describe(),
+        "state": record.state,
+        "detected_s": None,
+        "recovered_s": None,
+        "steps_lost": 0,
+        "restore_source": None,
+        "note": record.note,
+        "injected_t": t_f,
+        **record.extra,
+    }
     if record.killed:
         out["killed"] = record.killed
     if record.spec.expect_restore_source is not None:
@@ -61,24 +76,38 @@ def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, 
     hit = set(record.rejoin)
     # The job noticed: a failed vote, a quorum with fewer groups than just before, a restart, ...
     width = next((e["participants"] for e in reversed(commits) if e["t"] < t_f), None)
-    detect = [e["t"] for e in events if e["t"] > t_f and (
-        (e.get("event") == "step" and (not e.get("committed") or (width and e.get("participants", width) < width)))
-        or e.get("event") in _DETECT_EVENTS)]  # fmt: skip
+    detect = [
+        e["t"]
+        for e in events
+        if e["t"] > t_f
+        and (
+            (e.get("event") == "step" and (not e.get("committed") or (width and e.get("participants", width) < width)))
+            or e.get("event") in _DETECT_EVENTS
+        )
+    ]
     if detect:
         out["detected_s"] = round(min(detect) - t_f, 3)
     # Full strength again: every group the fault took down commits after its rejoin attempt joined.
     t_full = t_back
     for group, attempt in record.rejoin.items():
-        joined = min((e["t"] for e in events if e.get("event") == "joining" and e.get("group") == group
-                      and e.get("attempt", 0) >= attempt), default=None)  # fmt: skip
-        back = None if joined is None else next((e["t"] for e in commits if e["group"] == group and e["t"] > joined),
-                                                None)  # fmt: skip
+        joined = min(
+            (
+                e["t"]
+                for e in events
+                if e.get("event") == "joining" and e.get("group") == group and e.get("attempt", 0) >= attempt
+            ),
+            default=None,
+        )
+        back = (
+            None if joined is None else next((e["t"] for e in commits if e["group"] == group and e["t"] > joined), None)
+        )
         t_full = None if back is None or t_full is None else max(t_full, back)
     if t_full is not None:
         out["recovered_s"] = round(t_full - t_f, 3)
     window_end = t_back if t_back is not None else float("inf")
-    failed = {e["step"] for e in events
-              if e.get("event") == "step" and not e.get("committed") and t_f < e["t"] <= window_end}
+    failed = {
+        e["step"] for e in events if e.get("event") == "step" and not e.get("committed") and t_f < e["t"] <= window_end
+    }
     # Rolled back only if the job's next commit redid a step (no group trained on through the fault).
     first_after = next((e["step"] for e in commits if e["t"] > t_f), None)
     rolled = _rolled_back_to(events, t_f, window_end, pre) if first_after is not None and first_after <= pre else None
@@ -98,8 +127,9 @@ def restore_check(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str
     if record.t_injected is None:
         out["reason"] = f"the fault was not injected ({record.state}): no restore to check"
         return out
-    restores = sorted((e for e in events if e.get("event") == "restore" and e["t"] > record.t_injected),
-                      key=lambda e: e["t"])  # fmt: skip
+    restores = sorted(
+        (e for e in events if e.get("event") == "restore" and e["t"] > record.t_injected), key=lambda e: e["t"]
+    )
     for kill in record.killed:
         if "rank" not in kill:
             continue
@@ -114,8 +144,9 @@ def restore_check(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str
     return out
 
 
-def _restore_source(events: list[dict[str, Any]], t_f: float, t_full: float | None, hit: set[int],
-                    record: FaultRecord) -> str | None:  # fmt: skip
+def _restore_source(
+    events: list[dict[str, Any]], t_f: float, t_full: float | None, hit: set[int], record: FaultRecord
+) -> str | None:
     """How the hit groups got their state back, up to their recovery (later restarts are other faults')."""
     if record.spec.kind == "kill_lighthouse":
         return "none: no restart (quorum retried)"
@@ -144,12 +175,26 @@ def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in spans)
 
 
-def goodput(costs: list[dict[str, Any]], events: list[dict[str, Any]], holds: list[dict[str, Any]],
-            t_launch: float, t_end: float) -> dict[str, float]:  # fmt: skip
+def goodput(
+    costs: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    holds: list[dict[str, Any]],
+    t_launch: float,
+    t_end: float,
+) -> dict[str, float]:
     held = _union([(h["start"], h["start"] + h["seconds"]) for h in holds if h.get("event") == "held"])
     commits = _commits(events)
-    out = {"total_s": 0.0, "productive_s": 0.0, "detect_s": 0.0, "reconfigure_s": 0.0, "reload_s": 0.0,
-           "replay_s": 0.0, "startup_s": 0.0, "shutdown_s": 0.0, "held_s": 0.0}  # fmt: skip
+    out = {
+        "total_s": 0.0,
+        "productive_s": 0.0,
+        "detect_s": 0.0,
+        "reconfigure_s": 0.0,
+        "reload_s": 0.0,
+        "replay_s": 0.0,
+        "startup_s": 0.0,
+        "shutdown_s": 0.0,
+        "held_s": 0.0,
+    }
     held_s = sum(b - a for a, b in held)
     out["held_s"] = held_s
     out["total_s"] = max(0.0, t_end - t_launch - held_s)
@@ -196,8 +241,14 @@ def _reload_s(events: list[dict[str, Any]], t0: float, t1: float) -> float:
     total = 0.0
     storage_starts = [e for e in events if e.get("event") == "start" and e.get("source") == "persistent"]
     for start in (e for e in storage_starts if t0 < e["t"] <= t1):
-        joined = max((e["t"] for e in events if e.get("event") == "joining" and e.get("group") == start["group"]
-                      and e["t"] <= start["t"]), default=start["t"])  # fmt: skip
+        joined = max(
+            (
+                e["t"]
+                for e in events
+                if e.get("event") == "joining" and e.get("group") == start["group"] and e["t"] <= start["t"]
+            ),
+            default=start["t"],
+        )
         total = max(total, start["t"] - joined)
     return total
 

@@ -43,8 +43,9 @@ def _prepare_dir(report_dir: str) -> None:
     """A fresh report directory; an existing one is only replaced if a previous run of ours made it."""
     if os.path.isdir(report_dir) and os.listdir(report_dir):
         if not os.path.exists(os.path.join(report_dir, MARKER)):
-            raise ConfigError(f"--report {report_dir} exists and was not written by resilient-chaos: "
-                              "choose an empty or new directory")  # fmt: skip
+            raise ConfigError(
+                f"--report {report_dir} exists and was not written by resilient-chaos: choose an empty or new directory"
+            )
         shutil.rmtree(report_dir)
     os.makedirs(report_dir, exist_ok=True)
     open(os.path.join(report_dir, MARKER), "w").close()
@@ -124,8 +125,9 @@ class _Holds:
                 self.waiting.clear()
 
 
-def _drive(scenario: Scenario, proc: JobProcess, ctx: InjectContext, records: list[FaultRecord],
-           log: Callable[[str], None]) -> None:  # fmt: skip
+def _drive(
+    scenario: Scenario, proc: JobProcess, ctx: InjectContext, records: list[FaultRecord], log: Callable[[str], None]
+) -> None:
     holds = _Holds(proc.chaos_dir, scenario.job.hold_step)
     t_first_commit: float | None = None
     deadline = time.time() + scenario.job.timeout_s
@@ -143,8 +145,10 @@ def _drive(scenario: Scenario, proc: JobProcess, ctx: InjectContext, records: li
                 before = record.state
                 advance(record, ctx, t_first_commit)
                 if record.state != before and record.state in ("injected", "done", "failed"):
-                    log(f"fault {record.spec.kind} #{record.spec.index}: {record.state} at step {ctx.job_step}"
-                        + (f" ({record.note})" if record.note else ""))  # fmt: skip
+                    log(
+                        f"fault {record.spec.kind} #{record.spec.index}: {record.state} at step {ctx.job_step}"
+                        + (f" ({record.note})" if record.note else "")
+                    )
                 if record.state == "done" and record.rejoin and not record.extra.get("_held"):
                     record.extra["_held"] = True
                     holds.expect(record.rejoin)
@@ -163,8 +167,9 @@ def _drive(scenario: Scenario, proc: JobProcess, ctx: InjectContext, records: li
         proc.stop()
 
 
-def run_scenario(scenario: Scenario, report_dir: str, *, cache_dir: str | None = None,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run_scenario(
+    scenario: Scenario, report_dir: str, *, cache_dir: str | None = None, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run, judge and report one scenario; returns the report (also written to report_dir).
 
     ``report.json`` is written whatever happens: if the harness itself crashes, the report has
@@ -176,9 +181,11 @@ def run_scenario(scenario: Scenario, report_dir: str, *, cache_dir: str | None =
     try:
         report = _run(scenario, report_dir, cache_dir, log)
     except Exception as e:  # noqa: BLE001 (any crash of the harness still leaves a report)
-        report = {"passed": False, "scenario": scenario_summary(scenario),
-                  "harness_error": {"type": type(e).__name__, "message": str(e),
-                                    "traceback": traceback.format_exc()}}  # fmt: skip
+        report = {
+            "passed": False,
+            "scenario": scenario_summary(scenario),
+            "harness_error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()},
+        }
         write_report(path, report)
         if isinstance(e, ConfigError):
             raise
@@ -196,21 +203,35 @@ def _run(scenario: Scenario, report_dir: str, cache_dir: str | None, log: Callab
         storage = _Storage(scenario, report_dir)
         overrides = harness_overrides(scenario.job, run_dir, storage.url)
         config = load_job_config(scenario.job, overrides)
-        proc = JobProcess(scenario.job, run_dir, overrides, env=storage.env,
-                          log_path=os.path.join(report_dir, "launcher.log"), step_sleep_s=scenario.job.step_sleep_s)
+        proc = JobProcess(
+            scenario.job,
+            run_dir,
+            overrides,
+            env=storage.env,
+            log_path=os.path.join(report_dir, "launcher.log"),
+            step_sleep_s=scenario.job.step_sleep_s,
+        )
         records = [FaultRecord(spec=f) for f in scenario.faults]
         ctx = InjectContext(job=proc, config=config, proxy=storage.proxy)
-        log(f"chaos: {scenario.name}: {scenario.job.replica_groups} groups x {scenario.job.nproc_per_group} ranks, "
-            f"{scenario.job.steps} steps, {len(records)} fault(s); run in {run_dir}")  # fmt: skip
+        log(
+            f"chaos: {scenario.name}: {scenario.job.replica_groups} groups x {scenario.job.nproc_per_group} ranks, "
+            f"{scenario.job.steps} steps, {len(records)} fault(s); run in {run_dir}"
+        )
         try:
             _drive(scenario, proc, ctx, records, log)
         finally:
             leftovers = proc.leftovers()
             proc.kill_leftovers(leftovers)
             proc.close()
-        run = inv.RunData(run_dir=run_dir, groups=scenario.job.replica_groups, steps=scenario.job.steps,
-                          checkpoint_url=storage.url, events=proc.events.records, returncode=proc.returncode,
-                          timed_out=proc.timed_out)  # fmt: skip
+        run = inv.RunData(
+            run_dir=run_dir,
+            groups=scenario.job.replica_groups,
+            steps=scenario.job.steps,
+            checkpoint_url=storage.url,
+            events=proc.events.records,
+            returncode=proc.returncode,
+            timed_out=proc.timed_out,
+        )
         log(f"chaos: job ended (exit {proc.returncode}) after {proc.t_end - proc.t_launch:.1f} s; checking")
         with storage.direct():
             return _judge(scenario, run, records, proc, leftovers, storage, cache_dir, report_dir, log)
@@ -220,9 +241,17 @@ def _run(scenario: Scenario, report_dir: str, cache_dir: str | None, log: Callab
         _wipe_ram_stores(run_dir, config)
 
 
-def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], proc: JobProcess,
-           leftovers: list[dict[str, Any]], storage: _Storage, cache_dir: str | None, report_dir: str,
-           log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+def _judge(
+    scenario: Scenario,
+    run: inv.RunData,
+    records: list[FaultRecord],
+    proc: JobProcess,
+    leftovers: list[dict[str, Any]],
+    storage: _Storage,
+    cache_dir: str | None,
+    report_dir: str,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     twin, twin_info, twin_error = None, {}, ""
     if scenario.check.twin:
         try:
@@ -232,8 +261,13 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
             twin_info = {"error": twin_error}
             log(f"chaos: {twin_error}")
         else:
-            twin = inv.RunData(run_dir=twin_dir, groups=run.groups, steps=run.steps,
-                               checkpoint_url=default_ckpt_url(twin_dir), returncode=0)  # fmt: skip
+            twin = inv.RunData(
+                run_dir=twin_dir,
+                groups=run.groups,
+                steps=run.steps,
+                checkpoint_url=default_ckpt_url(twin_dir),
+                returncode=0,
+            )
             twin.events = read_events(twin_dir)
     costs = [fault_costs(r, run.events) for r in records]
     corrupted = {c["step"]: c["file"] for c in costs if c["kind"] == "corrupt_chunk" and "step" in c}
@@ -247,7 +281,8 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
         twin_verdict, twin_details = inv.twin_match(run, twin, scenario.check.twin_atol)
     invariants = {
         "finished": inv.finished(run, scenario.job.timeout_s),
-        "commits_verify": inv.commits_verify(run, corrupted) if scenario.check.verify
+        "commits_verify": inv.commits_verify(run, corrupted)
+        if scenario.check.verify
         else inv.result(True, "not checked (check.verify = false)"),
         "exactly_once": inv.exactly_once(run, num_samples, twin),
         "replicas_identical": inv.replicas_identical(run),
@@ -272,9 +307,16 @@ def _judge(scenario: Scenario, run: inv.RunData, records: list[FaultRecord], pro
         "goodput": good,
         "twin": {**twin_info, **twin_details} if scenario.check.twin else None,
         "s3_proxy": storage.proxy.counts if storage.proxy else None,
-        "run": {"dir": run.run_dir, "exit_code": proc.returncode, "wall_s": round(t_end - proc.t_launch, 2),
-                "restarts": sorted((e["group"], e["attempt"]) for e in run.events
-                                   if e.get("event") == "joining" and e.get("attempt", 0) > 0)},  # fmt: skip
+        "run": {
+            "dir": run.run_dir,
+            "exit_code": proc.returncode,
+            "wall_s": round(t_end - proc.t_launch, 2),
+            "restarts": sorted(
+                (e["group"], e["attempt"])
+                for e in run.events
+                if e.get("event") == "joining" and e.get("attempt", 0) > 0
+            ),
+        },
     }
 
 

@@ -87,8 +87,13 @@ class _ChaosHook:
         self._maybe_corrupt(trainer)
         digest = _params_digest(trainer.parts.model)
         if self.rank == 0:
-            record = {"t": round(time.time(), 4), "step": step, "params_sha256": digest, "attempt": self.attempt,
-                      "healed": bool(getattr(trainer, "heals", None))}  # fmt: skip
+            record = {
+                "t": round(time.time(), 4),
+                "step": step,
+                "params_sha256": digest,
+                "attempt": self.attempt,
+                "healed": bool(getattr(trainer, "heals", None)),
+            }
             append_jsonl(digest_path(self.dir, self.group), record)
         if self.sleep_s:
             time.sleep(self.sleep_s)
@@ -106,8 +111,10 @@ class _ChaosHook:
             local.add_(1e-3)
         self.corrupted = True
         if self.rank == 0:
-            append_jsonl(os.path.join(self.dir, HOOK_EVENTS_FILE),
-                         {"t": round(time.time(), 4), "event": "corrupted", "group": self.group})  # fmt: skip
+            append_jsonl(
+                os.path.join(self.dir, HOOK_EVENTS_FILE),
+                {"t": round(time.time(), 4), "event": "corrupted", "group": self.group},
+            )
 
     def _maybe_hold(self, step: int) -> None:
         path = os.path.join(self.dir, HOLD_FILE)
@@ -123,9 +130,17 @@ class _ChaosHook:
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.rank == 0:
-            append_jsonl(os.path.join(self.dir, HOOK_EVENTS_FILE),
-                         {"t": round(time.time(), 4), "event": "held", "group": self.group, "step": step,
-                          "start": round(start, 4), "seconds": round(time.time() - start, 4)})  # fmt: skip
+            append_jsonl(
+                os.path.join(self.dir, HOOK_EVENTS_FILE),
+                {
+                    "t": round(time.time(), 4),
+                    "event": "held",
+                    "group": self.group,
+                    "step": step,
+                    "start": round(start, 4),
+                    "seconds": round(time.time() - start, 4),
+                },
+            )
 
 
 def _params_digest(model: Any) -> str:

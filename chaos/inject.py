@@ -99,14 +99,20 @@ def _kill(record: FaultRecord, ctx: InjectContext, group: int, ranks: list[int])
 
 def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
     root = ctx.config.checkpoint.url
-    steps = sorted(int(os.path.basename(d)[5:]) for d in glob.glob(os.path.join(root, "step-*"))
-                   if os.path.exists(os.path.join(d, "manifest.json")))  # fmt: skip
+    steps = sorted(
+        int(os.path.basename(d)[5:])
+        for d in glob.glob(os.path.join(root, "step-*"))
+        if os.path.exists(os.path.join(d, "manifest.json"))
+    )
     if not steps:
         record.note = f"no committed step under {root} yet: nothing corrupted"
         return
     step = steps[0] if record.spec.target == "oldest" else steps[-1]
-    chunks = sorted((os.path.getsize(p), p) for p in glob.glob(os.path.join(root, f"step-{step:09d}", "attempt-*",
-                    "**", "c", "**"), recursive=True) if os.path.isfile(p))  # fmt: skip
+    chunks = sorted(
+        (os.path.getsize(p), p)
+        for p in glob.glob(os.path.join(root, f"step-{step:09d}", "attempt-*", "**", "c", "**"), recursive=True)
+        if os.path.isfile(p)
+    )
     if not chunks:
         record.note = f"step {step} has no chunk file"
         return
@@ -178,8 +184,10 @@ def _start_kill_node(record: FaultRecord, ctx: InjectContext) -> bool:
     record.extra["store"] = store
     if not os.path.isdir(store):
         record.state = "failed"
-        record.note = (f"node {spec.node}'s RAM store {store} does not exist (checkpoint.memory_every="
-                       f"{ctx.config.checkpoint.memory_every}): nothing to wipe, nothing killed")  # fmt: skip
+        record.note = (
+            f"node {spec.node}'s RAM store {store} does not exist (checkpoint.memory_every="
+            f"{ctx.config.checkpoint.memory_every}): nothing to wipe, nothing killed"
+        )
         return True
     try:
         for pid in pids.values():
@@ -336,8 +344,8 @@ def advance(record: FaultRecord, ctx: InjectContext, t_first_commit: float | Non
     spec = record.spec
     if record.state == "pending":
         due = (spec.at_step is not None and ctx.job_step >= spec.at_step) or (
-            spec.at_time_s is not None and t_first_commit is not None
-            and time.time() - t_first_commit >= spec.at_time_s)
+            spec.at_time_s is not None and t_first_commit is not None and time.time() - t_first_commit >= spec.at_time_s
+        )
         if not due:
             return
         record.t_due = record.t_due or time.time()

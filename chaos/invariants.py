@@ -157,8 +157,11 @@ def exactly_once(run: RunData, num_samples: int, twin: RunData | None) -> dict[s
         differ = [s for s in range(1, run.steps + 1) if sorted(twin_steps.get(s, [])) != sorted(by_step[s])]
         if differ:
             return result(False, f"steps whose samples differ from the twin's: {differ[:10]}")
-    return result(True, f"{len(seen)} samples over steps 1..{run.steps}, none twice, every full epoch covered"
-                  + (", same samples per step as the twin" if twin is not None else ""))  # fmt: skip
+    return result(
+        True,
+        f"{len(seen)} samples over steps 1..{run.steps}, none twice, every full epoch covered"
+        + (", same samples per step as the twin" if twin is not None else ""),
+    )
 
 
 def replicas_identical(run: RunData) -> dict[str, Any]:
@@ -169,8 +172,10 @@ def replicas_identical(run: RunData) -> dict[str, Any]:
         if len(values) > 1:
             compared += 1
             if len(set(values.values())) > 1:
-                return result(False, f"groups hold different parameters after step {step}: "
-                                     f"{ {g: v[:12] for g, v in values.items()} }")  # fmt: skip
+                return result(
+                    False,
+                    f"groups hold different parameters after step {step}: { {g: v[:12] for g, v in values.items()} }",
+                )
     finals = {g: run.final(g) for g in range(run.groups)}
     if any(f is None for f in finals.values()):
         return result(False, f"final.json missing for groups {[g for g, f in finals.items() if f is None]}")
@@ -183,8 +188,11 @@ def replicas_identical(run: RunData) -> dict[str, Any]:
         # Several groups yet no step to compare: the digests are missing (the chaos hook did not run,
         # or wrote elsewhere), and equal finals alone would miss a bad heal that training later masked.
         counts = {g: len(d) for g, d in digests.items()}
-        return result(False, f"no step has digests from two groups (digest records per group: {counts}): "
-                             "per-step replica equality was not checked; did the chaos hook load?")  # fmt: skip
+        return result(
+            False,
+            f"no step has digests from two groups (digest records per group: {counts}): "
+            "per-step replica equality was not checked; did the chaos hook load?",
+        )
     return result(True, f"bit-identical at all {compared} steps committed by several groups and at the end")
 
 
@@ -198,8 +206,13 @@ def twin_match(run: RunData, twin: RunData | None, atol: float) -> tuple[dict[st
         return result(False, "final.json missing in the run or in the twin"), details
     mine, theirs = run.digests(0), twin.digests(0)
     details["first_step_differing_from_twin"] = next(
-        (s for s in range(1, run.steps + 1) if s in mine and s in theirs
-         and mine[s]["params_sha256"] != theirs[s]["params_sha256"]), None)  # fmt: skip
+        (
+            s
+            for s in range(1, run.steps + 1)
+            if s in mine and s in theirs and mine[s]["params_sha256"] != theirs[s]["params_sha256"]
+        ),
+        None,
+    )
     run_p, twin_p = run.participants(), twin.participants()
     other = [s for s in range(1, run.steps + 1) if run_p.get(s) != twin_p.get(s)]
     details["steps_with_other_participants"] = other
@@ -210,30 +223,46 @@ def twin_match(run: RunData, twin: RunData | None, atol: float) -> tuple[dict[st
     from resilient.storage.offline.diff import diff_steps
 
     try:
-        diff = diff_steps(open_checkpoint(run.checkpoint_url, run.steps),
-                          open_checkpoint(twin.checkpoint_url, twin.steps))  # fmt: skip
+        diff = diff_steps(
+            open_checkpoint(run.checkpoint_url, run.steps), open_checkpoint(twin.checkpoint_url, twin.steps)
+        )
     except Exception as e:  # noqa: BLE001 (a final checkpoint that cannot be read is the finding)
-        return result(False, f"final state differs from the twin's and step {run.steps} cannot be compared "
-                             f"({run.checkpoint_url} vs {twin.checkpoint_url}): {type(e).__name__}: {e}"), details
+        return result(
+            False,
+            f"final state differs from the twin's and step {run.steps} cannot be compared "
+            f"({run.checkpoint_url} vs {twin.checkpoint_url}): {type(e).__name__}: {e}",
+        ), details
     tensors = [d for d in diff["changed"] if not d["fqn"].startswith("rng")]
     worst = max((float(d["max_abs_diff"]) for d in tensors), default=0.0)
     details["max_abs_diff"] = worst
     details["values_changed"] = diff.get("values_changed", [])[:10]
     if not other:
-        return result(False, f"every step ran with the twin's groups, yet the final state differs (max |diff| "
-                             f"{worst:.3g}, first differing step {details['first_step_differing_from_twin']})"), details
+        return result(
+            False,
+            f"every step ran with the twin's groups, yet the final state differs (max |diff| "
+            f"{worst:.3g}, first differing step {details['first_step_differing_from_twin']})",
+        ), details
     if worst <= atol:
-        return result(True, f"within twin_atol={atol:g} (max |diff| {worst:.3g}): steps {other[:8]} ran with other "
-                            "groups than in the twin, so their sums differ in the last bits"), details
-    return result(False, f"max |diff| {worst:.3g} > twin_atol={atol:g} (first differing step "
-                         f"{details['first_step_differing_from_twin']})"), details  # fmt: skip
+        return result(
+            True,
+            f"within twin_atol={atol:g} (max |diff| {worst:.3g}): steps {other[:8]} ran with other "
+            "groups than in the twin, so their sums differ in the last bits",
+        ), details
+    return result(
+        False,
+        f"max |diff| {worst:.3g} > twin_atol={atol:g} (first differing step "
+        f"{details['first_step_differing_from_twin']})",
+    ), details
 
 
 def steps_lost_within_bound(costs: list[dict[str, Any]], bound: int) -> dict[str, Any]:
     over = [f"{c['kind']}@{c['at_step']}: {c['steps_lost']}" for c in costs if c["steps_lost"] > bound]
     failed = [f"{c['kind']}: {c['note']}" for c in costs if c["state"] == "failed"]
-    wrong_source = [f"{c['kind']}@{c['at_step']}: {c['restore_check'].get('reason')}" for c in costs
-                    if c.get("restore_check") and not c["restore_check"]["ok"]]  # fmt: skip
+    wrong_source = [
+        f"{c['kind']}@{c['at_step']}: {c['restore_check'].get('reason')}"
+        for c in costs
+        if c.get("restore_check") and not c["restore_check"]["ok"]
+    ]
     if over:
         return result(False, f"faults that lost more than {bound} steps: {over}")
     if failed:
@@ -246,6 +275,9 @@ def steps_lost_within_bound(costs: list[dict[str, Any]], bound: int) -> dict[str
 
 def no_orphans(leftovers: list[dict[str, Any]]) -> dict[str, Any]:
     if leftovers:
-        return result(False, f"{len(leftovers)} process(es) of the job still alive after the launcher exited "
-                             f"(killed by the harness): {leftovers[:3]}")  # fmt: skip
+        return result(
+            False,
+            f"{len(leftovers)} process(es) of the job still alive after the launcher exited "
+            f"(killed by the harness): {leftovers[:3]}",
+        )
     return result(True, "no process of the job left (launcher, lighthouse, torchruns, ranks)")

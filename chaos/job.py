@@ -35,8 +35,13 @@ def harness_overrides(job: JobSpec, run_dir: str, checkpoint_url: str) -> list[s
             continue
         sets.append(item)
     hook_list = "[" + ", ".join(f'"{h}"' for h in hooks) + "]"
-    sets += [f'run.dir="{run_dir}"', f"run.steps={job.steps}", "data.log_samples=true",
-             f'checkpoint.url="{checkpoint_url}"', f"run.step_hooks={hook_list}"]
+    sets += [
+        f'run.dir="{run_dir}"',
+        f"run.steps={job.steps}",
+        "data.log_samples=true",
+        f'checkpoint.url="{checkpoint_url}"',
+        f"run.step_hooks={hook_list}",
+    ]
     if job.ranks_per_node:
         sets.append(f"recovery.ranks_per_node={job.ranks_per_node}")
     return sets
@@ -75,22 +80,53 @@ def load_job_config(job: JobSpec, overrides: list[str]) -> Any:
 class JobProcess:
     """The launcher subprocess and what it started."""
 
-    def __init__(self, job: JobSpec, run_dir: str, overrides: list[str], *, env: dict[str, str], log_path: str,
-                 step_sleep_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        job: JobSpec,
+        run_dir: str,
+        overrides: list[str],
+        *,
+        env: dict[str, str],
+        log_path: str,
+        step_sleep_s: float,
+    ) -> None:
         self.job = job
         self.run_dir = run_dir
         self.chaos_dir = chaos_dir(run_dir)
         os.makedirs(self.chaos_dir, exist_ok=True)
-        command = [sys.executable, "-m", "resilient.tools.train", "--replica-groups", str(job.replica_groups),
-                   "--nproc-per-group", str(job.nproc_per_group), "--config", job.config,
-                   "--max-restarts", str(job.max_restarts), *[a for s in overrides for a in ("--set", s)]]  # fmt: skip
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env,
-                    CHAOS_DIR_ENV: self.chaos_dir, STEP_SLEEP_ENV: str(step_sleep_s)}  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "resilient.tools.train",
+            "--replica-groups",
+            str(job.replica_groups),
+            "--nproc-per-group",
+            str(job.nproc_per_group),
+            "--config",
+            job.config,
+            "--max-restarts",
+            str(job.max_restarts),
+            *[a for s in overrides for a in ("--set", s)],
+        ]
+        full_env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            **env,
+            CHAOS_DIR_ENV: self.chaos_dir,
+            STEP_SLEEP_ENV: str(step_sleep_s),
+        }
         full_env.pop("RESILIENT_FAULTS", None)  # armed per group by the hook, never for the whole job
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.t_launch = time.time()
-        self.proc = subprocess.Popen(command, cwd=str(REPO_ROOT), env=full_env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            command,
+            cwd=str(REPO_ROOT),
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.events = JsonlTail(events_path(run_dir))
         self.seen: dict[int, float] = {}
         """pid -> create_time of every process of the job observed so far."""

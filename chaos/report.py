@@ -30,8 +30,15 @@ def _loss(run: RunData) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def write_timeline(path: str, run: RunData, twin: RunData | None, costs: list[dict[str, Any]],
-                   holds: list[dict[str, Any]], t_launch: float, title: str) -> None:  # fmt: skip
+def write_timeline(
+    path: str,
+    run: RunData,
+    twin: RunData | None,
+    costs: list[dict[str, Any]],
+    holds: list[dict[str, Any]],
+    t_launch: float,
+    title: str,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +53,15 @@ def write_timeline(path: str, run: RunData, twin: RunData | None, costs: list[di
     for cost in costs:
         if cost.get("at_step") is not None:
             top.axvline(cost["at_step"], color="tab:red", alpha=0.6, lw=1)
-            top.annotate(cost["kind"], (cost["at_step"], top.get_ylim()[1]), rotation=90, va="top", ha="right",
-                         fontsize=7, color="tab:red")  # fmt: skip
+            top.annotate(
+                cost["kind"],
+                (cost["at_step"], top.get_ylim()[1]),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color="tab:red",
+            )
     top.set_xlabel("step")
     top.set_ylabel("loss")
     top.set_title(title, fontsize=10)
@@ -55,8 +69,12 @@ def write_timeline(path: str, run: RunData, twin: RunData | None, costs: list[di
 
     commits = [e for e in run.events if e.get("event") == "step" and e.get("committed")]
     for e in commits:
-        bottom.plot([e["t"] - t_launch] * 2, [e["group"] - 0.3, e["group"] + 0.3],
-                    color="tab:green" if e.get("participants") == run.groups else "tab:orange", lw=1.2)  # fmt: skip
+        bottom.plot(
+            [e["t"] - t_launch] * 2,
+            [e["group"] - 0.3, e["group"] + 0.3],
+            color="tab:green" if e.get("participants") == run.groups else "tab:orange",
+            lw=1.2,
+        )
     for e in run.events:
         if e.get("event") == "step" and not e.get("committed"):
             bottom.plot(e["t"] - t_launch, e["group"], "x", color="black", ms=5)
@@ -76,8 +94,11 @@ def write_timeline(path: str, run: RunData, twin: RunData | None, costs: list[di
             bottom.plot([start, start + hold["seconds"]], [hold["group"] + 0.38] * 2, color="grey", lw=3)
     bottom.set_yticks(range(run.groups), [f"group {g}" for g in range(run.groups)])
     bottom.set_ylim(-0.6, run.groups - 0.4)
-    bottom.set_xlabel("seconds since launch  (| commit: green = all groups, orange = fewer; x failed vote; "
-                      "> joining; red = fault, shaded = recovery; grey = harness hold)", fontsize=8)  # fmt: skip
+    bottom.set_xlabel(
+        "seconds since launch  (| commit: green = all groups, orange = fewer; x failed vote; "
+        "> joining; red = fault, shaded = recovery; grey = harness hold)",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -156,7 +156,6 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._conn.close()
 
 
-
 def _handler(upstream: tuple[str, int], state: ProxyState) -> type[BaseHTTPRequestHandler]:
     return type("Handler", (_ProxyHandler,), {"upstream": upstream, "state": state})
 
@@ -200,8 +199,12 @@ class MotoServer:
         self.proc: subprocess.Popen | None = None
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         try:
-            self.proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [binary, "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             self._wait_listening(start_timeout_s, log_path)
         except BaseException:
             self.close()  # neither the server (own session) nor its log file may outlive a failed start
@@ -212,8 +215,10 @@ class MotoServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self.proc.returncode} before listening"
-                                   + (f" (see {log_path})" if log_path else ""))  # fmt: skip
+                raise RuntimeError(
+                    f"moto_server exited with {self.proc.returncode} before listening"
+                    + (f" (see {log_path})" if log_path else "")
+                )
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return
@@ -223,8 +228,13 @@ class MotoServer:
     def create_bucket(self, name: str) -> None:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket=name)  # fmt: skip
+        boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket=name)
 
     def close(self) -> None:
         if self.proc is not None:

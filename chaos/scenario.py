@@ -64,8 +64,14 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
 
 _TIMING_KEYS = {"kind", "at_step", "at_time_s", "random", "count", "min_step", "max_step"}
 _GROUP_DOWN_KINDS = {"kill_rank", "kill_node", "kill_group", "kill_during_persist", "kill_during_heal"}
-_DEFAULT_SECONDS = {"stop_rank": 10.0, "kill_during_persist": 60.0, "kill_during_heal": 60.0,
-                    "s3_errors": 5.0, "s3_resets": 5.0, "s3_latency": 5.0}  # fmt: skip
+_DEFAULT_SECONDS = {
+    "stop_rank": 10.0,
+    "kill_during_persist": 60.0,
+    "kill_during_heal": 60.0,
+    "s3_errors": 5.0,
+    "s3_resets": 5.0,
+    "s3_latency": 5.0,
+}
 
 
 def _int(where: str, value: object, low: int, high: int | None = None) -> int:
@@ -116,8 +122,9 @@ class JobSpec:
         _int("job.nproc_per_group", self.nproc_per_group, 1, 64)
         _int("job.ranks_per_node", self.ranks_per_node, 0, self.nproc_per_group)
         if self.ranks_per_node and self.nproc_per_group % self.ranks_per_node:
-            raise ConfigError(f"job.ranks_per_node={self.ranks_per_node} must divide "
-                              f"job.nproc_per_group={self.nproc_per_group}")  # fmt: skip
+            raise ConfigError(
+                f"job.ranks_per_node={self.ranks_per_node} must divide job.nproc_per_group={self.nproc_per_group}"
+            )
         _int("job.steps", self.steps, 2)
         if self.storage not in ("local", "s3"):
             raise ConfigError(f"job.storage={self.storage!r} must be one of ['local', 's3']")
@@ -125,8 +132,10 @@ class JobSpec:
             raise ConfigError(f"job.set={self.set!r} must be a list of 'key=value' strings")
         for item in self.set:
             if item.split("=", 1)[0].strip() in ("run.dir", "run.steps", "checkpoint.url"):
-                raise ConfigError(f"job.set entry {item!r}: the harness sets run.dir, run.steps and checkpoint.url "
-                                  "(use job.steps and job.storage)")  # fmt: skip
+                raise ConfigError(
+                    f"job.set entry {item!r}: the harness sets run.dir, run.steps and checkpoint.url "
+                    "(use job.steps and job.storage)"
+                )
         _int("job.max_restarts", self.max_restarts, 0, 100)
         _number("job.step_sleep_s", self.step_sleep_s, 0.0, 60.0)
         _int("job.hold_at_step", self.hold_at_step, -1, self.steps)
@@ -204,8 +213,14 @@ class Scenario:
         with open(self.job.config, "rb") as f:
             recipe = hashlib.sha256(f.read()).hexdigest()
         job = self.job
-        return {"recipe": recipe, "groups": job.replica_groups, "nproc": job.nproc_per_group, "steps": job.steps,
-                "ranks_per_node": job.ranks_per_node, "set": sorted(job.set)}  # fmt: skip
+        return {
+            "recipe": recipe,
+            "groups": job.replica_groups,
+            "nproc": job.nproc_per_group,
+            "steps": job.steps,
+            "ranks_per_node": job.ranks_per_node,
+            "set": sorted(job.set),
+        }
 
 
 def _job(table: object, base: Path) -> JobSpec:
@@ -252,15 +267,19 @@ def _expand(i: int, table: dict[str, Any], job: JobSpec, rng: random.Random) -> 
     where = f"fault[{i}] ({kind})"
     unknown = sorted(set(table) - _TIMING_KEYS - required - optional)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; {kind} takes {sorted(required | optional)} "
-                          f"and timing keys {sorted(_TIMING_KEYS - {'kind'})}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; {kind} takes {sorted(required | optional)} "
+            f"and timing keys {sorted(_TIMING_KEYS - {'kind'})}"
+        )
     is_random = table.get("random", False)
     if not isinstance(is_random, bool):
         raise ConfigError(f"{where}.random={is_random!r} must be true or false")
     timing = [k for k in ("at_step", "at_time_s") if k in table]
     if len(timing) + is_random != 1:
-        raise ConfigError(f"{where}: give exactly one of at_step, at_time_s or random = true (got {timing or 'none'}"
-                          f"{' and random' if is_random else ''})")  # fmt: skip
+        raise ConfigError(
+            f"{where}: give exactly one of at_step, at_time_s or random = true (got {timing or 'none'}"
+            f"{' and random' if is_random else ''})"
+        )
     missing = sorted(required - set(table)) if not is_random else []
     if missing:
         raise ConfigError(f"{where}: missing key(s) {missing} (or set random = true to draw them)")
@@ -279,9 +298,13 @@ def _expand(i: int, table: dict[str, Any], job: JobSpec, rng: random.Random) -> 
             values.setdefault("group", rng.randrange(job.replica_groups))
             values.setdefault("rank", rng.randrange(job.nproc_per_group))
             values.setdefault("node", rng.randrange(job.nproc_per_group // (job.ranks_per_node or job.nproc_per_group)))
-        fault = FaultSpec(kind=kind, at_step=step if is_random else table.get("at_step"),
-                          at_time_s=table.get("at_time_s"), drawn=is_random,
-                          **{"seconds": _DEFAULT_SECONDS.get(kind, 0.0), **values})  # fmt: skip
+        fault = FaultSpec(
+            kind=kind,
+            at_step=step if is_random else table.get("at_step"),
+            at_time_s=table.get("at_time_s"),
+            drawn=is_random,
+            **{"seconds": _DEFAULT_SECONDS.get(kind, 0.0), **values},
+        )
         _validate(where, fault, job)
         out.append(fault)
     return out
@@ -300,8 +323,9 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
     _number(f"{where}.rate", fault.rate, 0.0, 1.0)
     _number(f"{where}.delay_s", fault.delay_s, 0.0, 60.0)
     if fault.expect_restore_source is not None and fault.expect_restore_source not in SOURCES:
-        raise ConfigError(f"{where}.expect_restore_source={fault.expect_restore_source!r} must be one of "
-                          f"{list(SOURCES)}")  # fmt: skip
+        raise ConfigError(
+            f"{where}.expect_restore_source={fault.expect_restore_source!r} must be one of {list(SOURCES)}"
+        )
     if fault.target not in ("oldest", "newest"):
         raise ConfigError(f"{where}.target={fault.target!r} must be one of ['oldest', 'newest']")
     if fault.kind.startswith("s3_") and job.storage != "s3":
@@ -311,12 +335,15 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
     if fault.kind == "kill_node" and not job.ranks_per_node:
         raise ConfigError(f"{where}: kill_node needs job.ranks_per_node (ranks of one simulated node)")
     if fault.kind == "kill_group" and job.replica_groups < 2:
-        raise ConfigError(f"{where}: kill_group with job.replica_groups=1 leaves no group to heal from; "
-                          "use kill_rank (the group then restores from storage)")  # fmt: skip
+        raise ConfigError(
+            f"{where}: kill_group with job.replica_groups=1 leaves no group to heal from; "
+            "use kill_rank (the group then restores from storage)"
+        )
 
 
-def parse_scenario(data: dict[str, Any], *, name: str = "scenario", path: str = "", seed: int | None = None,
-                   base: Path | None = None) -> Scenario:  # fmt: skip
+def parse_scenario(
+    data: dict[str, Any], *, name: str = "scenario", path: str = "", seed: int | None = None, base: Path | None = None
+) -> Scenario:
     """A validated Scenario from the TOML's dict; ``seed`` overrides ``[job] seed``."""
     unknown = sorted(set(data) - {"job", "fault", "check", "description"})
     if unknown:
@@ -352,9 +379,14 @@ def list_scenarios() -> list[str]:
 
 
 def scenario_summary(scenario: Scenario) -> dict[str, Any]:
-    return {"name": scenario.name, "path": scenario.path, "seed": scenario.seed,
-            "job": {**asdict(scenario.job), "config": os.path.relpath(scenario.job.config, REPO_ROOT)},
-            "faults": [f.describe() for f in scenario.faults], "check": asdict(scenario.check)}  # fmt: skip
+    return {
+        "name": scenario.name,
+        "path": scenario.path,
+        "seed": scenario.seed,
+        "job": {**asdict(scenario.job), "config": os.path.relpath(scenario.job.config, REPO_ROOT)},
+        "faults": [f.describe() for f in scenario.faults],
+        "check": asdict(scenario.check),
+    }
 
 
 def stable_hash(value: Any) -> str:

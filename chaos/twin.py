@@ -100,7 +100,13 @@ def _run_twin(scenario: Scenario, directory: Path) -> dict[str, Any]:
         if config.checkpoint.memory_every:
             shutil.rmtree(job_store_root(config, run_dir), ignore_errors=True)
     if proc.returncode != 0 or proc.timed_out:
-        raise RuntimeError(f"the fault-free twin failed (exit {proc.returncode}, timed out: {proc.timed_out}); "
-                           f"see {directory}/launcher.log and {run_dir}/logs")  # fmt: skip
-    return {"key": scenario.twin_key(), "seconds": round(time.time() - start, 2), "run_dir": run_dir,
-            "created": time.time()}  # fmt: skip
+        raise RuntimeError(
+            f"the fault-free twin failed (exit {proc.returncode}, timed out: {proc.timed_out}); "
+            f"see {directory}/launcher.log and {run_dir}/logs"
+        )
+    return {
+        "key": scenario.twin_key(),
+        "seconds": round(time.time() - start, 2),
+        "run_dir": run_dir,
+        "created": time.time(),
+    }

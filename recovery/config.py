@@ -133,8 +133,9 @@ class RecoveryConfig:
             raise ConfigError(f"recovery.store_dir={self.store_dir!r} must be a path (a string)")
         check_int("recovery.ranks_per_node", self.ranks_per_node, 0, 1 << 20)
         if not isinstance(self.failure_domains, list) or not all(isinstance(d, str) for d in self.failure_domains):
-            raise ConfigError(f"recovery.failure_domains={self.failure_domains!r} must be a list of strings, "
-                              "one per node")  # fmt: skip
+            raise ConfigError(
+                f"recovery.failure_domains={self.failure_domains!r} must be a list of strings, one per node"
+            )
         check_int("recovery.max_store_bytes", self.max_store_bytes, 0, 1 << 50)
         check_bool("recovery.replication", self.replication)
         check_number("recovery.replication_bytes_per_s", self.replication_bytes_per_s, 0.0, 1e13)

@@ -104,9 +104,18 @@ def restore(
         return RestoreResult(0, "fresh")
     else:
         result = _from_tiers(target(), apply, checkpointer, ram)
-    write_event(run_dir, "restore", group=group_id(), rank=rdist.get_rank(), step=result.step, source=result.source,
-                bytes=result.bytes, seconds=round(result.seconds, 6), storage_reads=result.storage_reads,
-                excluded=result.excluded)  # fmt: skip
+    write_event(
+        run_dir,
+        "restore",
+        group=group_id(),
+        rank=rdist.get_rank(),
+        step=result.step,
+        source=result.source,
+        bytes=result.bytes,
+        seconds=round(result.seconds, 6),
+        storage_reads=result.storage_reads,
+        excluded=result.excluded,
+    )
     if say is not None and result.source != "peer":
         say(describe(result, checkpointer.url, layout))
     return result

@@ -51,7 +51,14 @@ class RemoteError(ResilientError):
 # a few builtins; anything else arrives as a ResilientError that names the original type.
 
 _BUILTINS: tuple[type[BaseException], ...] = (
-    ValueError, TypeError, KeyError, IndexError, RuntimeError, OSError, TimeoutError, NotImplementedError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    RuntimeError,
+    OSError,
+    TimeoutError,
+    NotImplementedError,
 )
 
 

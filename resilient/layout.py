@@ -39,8 +39,7 @@ class Box:
     def intersect(self, other: Box) -> Box | None:
         lo = [max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True)]
         hi = [
-            min(a + s, b + t)
-            for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+            min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
         ]
         if any(h <= low for low, h in zip(lo, hi, strict=True)):
             return None
@@ -83,8 +82,13 @@ def describe_local(fqn: str, tensor: torch.Tensor) -> LocalTensor:
         box = Box(tuple(chunk.offsets), tuple(chunk.sizes)) if local.numel() > 0 else None
         mesh = tensor.device_mesh
         return LocalTensor(
-            fqn, tuple(tensor.shape), dtype, box, local,
-            tuple(str(p) for p in tensor.placements), tuple(mesh.shape),
+            fqn,
+            tuple(tensor.shape),
+            dtype,
+            box,
+            local,
+            tuple(str(p) for p in tensor.placements),
+            tuple(mesh.shape),
             tuple(mesh.mesh_dim_names or ()),
         )
     box = Box((0,) * tensor.dim(), tuple(tensor.shape)) if tensor.numel() > 0 else None
@@ -262,8 +266,14 @@ def plan_arrays(
         item = itemsize(dtype)
         shard = choose_shard_shape(shape, boxes, [len(h) for h in holders.values()], item, max_shard_bytes)
         plan = ArrayPlan(
-            fqn, shape, dtype, shard, choose_inner_shape(shard, item, inner_chunk_bytes),
-            tuple(first["placements"]), tuple(first["mesh_shape"]), tuple(first["mesh_dim_names"]),
+            fqn,
+            shape,
+            dtype,
+            shard,
+            choose_inner_shape(shard, item, inner_chunk_bytes),
+            tuple(first["placements"]),
+            tuple(first["mesh_shape"]),
+            tuple(first["mesh_dim_names"]),
         )
         plans[fqn] = plan
         for box in boxes:
@@ -304,16 +314,27 @@ def describe_json(local: LocalTensor) -> dict:
 
 def plan_to_json(plan: ArrayPlan) -> dict:
     return {
-        "fqn": plan.fqn, "shape": list(plan.shape), "dtype": plan.dtype, "shard_shape": list(plan.shard_shape),
-        "inner_shape": list(plan.inner_shape), "placements": list(plan.placements),
-        "mesh_shape": list(plan.mesh_shape), "mesh_dim_names": list(plan.mesh_dim_names),
+        "fqn": plan.fqn,
+        "shape": list(plan.shape),
+        "dtype": plan.dtype,
+        "shard_shape": list(plan.shard_shape),
+        "inner_shape": list(plan.inner_shape),
+        "placements": list(plan.placements),
+        "mesh_shape": list(plan.mesh_shape),
+        "mesh_dim_names": list(plan.mesh_dim_names),
         "regions": [{**r.box.to_json(), "writer": r.writer} for r in plan.regions],
     }
 
 
 def plan_from_json(d: dict) -> ArrayPlan:
     return ArrayPlan(
-        d["fqn"], tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["inner_shape"]),
-        tuple(d["placements"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
+        d["fqn"],
+        tuple(d["shape"]),
+        d["dtype"],
+        tuple(d["shard_shape"]),
+        tuple(d["inner_shape"]),
+        tuple(d["placements"]),
+        tuple(d["mesh_shape"]),
+        tuple(d["mesh_dim_names"]),
         [Region(Box.from_json(r), r["writer"]) for r in d["regions"]],
     )

@@ -120,7 +120,7 @@ def _walk(container: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
 def _like(template: Any, value: Any) -> Any:
     """``value`` with the tuples that ``template`` had where JSON gave back lists."""
     if isinstance(value, list) and isinstance(template, (list, tuple)):
-        items = [_like(t, v) for t, v in zip(template, value, strict=False)] + value[len(template):]
+        items = [_like(t, v) for t, v in zip(template, value, strict=False)] + value[len(template) :]
         return tuple(items) if isinstance(template, tuple) else items
     if isinstance(value, dict) and isinstance(template, dict):
         return {k: _like(template[k], v) if k in template else v for k, v in value.items()}

@@ -29,9 +29,7 @@ def _fill_value(dtype: str):
     return 0
 
 
-def array_metadata(
-    shape: list[int], dtype: str, shard_shape: list[int], inner_shape: list[int]
-) -> dict:
+def array_metadata(shape: list[int], dtype: str, shard_shape: list[int], inner_shape: list[int]) -> dict:
     """The zarr v3 array metadata (without ``zarr_format``/``node_type``, as TensorStore takes it)."""
     return {
         "shape": list(shape),

@@ -71,8 +71,11 @@ class Checkpointer:
         self.save_stats = self._ledger.stats
         self._inflight: list[SaveHandle] = []  # saves whose persist may still be running
         self._all_handles: list[SaveHandle] = []  # not yet known to be finished (for error latching)
-        self._pool = StagingPool(budget_bytes=config.staging_bytes, pin_memory=torch.cuda.is_available(),
-                                 shared_memory=config.writer == "process")
+        self._pool = StagingPool(
+            budget_bytes=config.staging_bytes,
+            pin_memory=torch.cuda.is_available(),
+            shared_memory=config.writer == "process",
+        )
         self._ledger.pool = self._pool
         self._writer = None
         self._stream = None
@@ -107,13 +110,26 @@ class Checkpointer:
             self._ledger.record(stats)
             return SaveHandle.skipped(stats)
         plans = self._plan()
-        snap = take_snapshot(plans, locals_, self.rank, self._pool, timeout_s=self.config.commit_timeout_s,
-                             stream=self._side_stream(locals_))
+        snap = take_snapshot(
+            plans,
+            locals_,
+            self.rank,
+            self._pool,
+            timeout_s=self.config.commit_timeout_s,
+            stream=self._side_stream(locals_),
+        )
         stats.snapshot_s = time.perf_counter() - start
         job = PersistJob(
-            step=step, attempt=attempt, rank=self.rank, world_size=self.world_size, plans=plans,
-            regions=snap.regions, values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
-            metadata=metadata or {}, commit_timeout_s=self.config.commit_timeout_s, keep_last=self.config.keep_last,
+            step=step,
+            attempt=attempt,
+            rank=self.rank,
+            world_size=self.world_size,
+            plans=plans,
+            regions=snap.regions,
+            values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
+            metadata=metadata or {},
+            commit_timeout_s=self.config.commit_timeout_s,
+            keep_last=self.config.keep_last,
         )
         handle = SaveHandle(step, staged=snap.staged)
         handle.stats = stats
@@ -135,17 +151,28 @@ class Checkpointer:
                 targets.append(ReadTarget(manifest.arrays[fqn], local.box, local.data))
         attempt_key = f"{step_dir(chosen)}/{manifest.attempt}"
         nbytes = read_into(
-            self.location, attempt_key, targets, self._context, step=chosen,
+            self.location,
+            attempt_key,
+            targets,
+            self._context,
+            step=chosen,
             budget_bytes=self.config.load_budget_bytes,
         )
         match.apply_values(manifest, self.rank)
         reads = 1 + len(targets)
         self.storage_reads += reads
-        stats = RestoreStats(step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start,
-                             storage_reads=reads)
+        stats = RestoreStats(
+            step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start, storage_reads=reads
+        )
         self.restore_stats.append(stats)
-        log.info("[rank %d] restored step %d from %s (%d bytes)", self.rank, chosen, self.url, nbytes,
-                 extra={"event": "restore", "step": chosen, "source": "persistent"})
+        log.info(
+            "[rank %d] restored step %d from %s (%d bytes)",
+            self.rank,
+            chosen,
+            self.url,
+            nbytes,
+            extra={"event": "restore", "step": chosen, "source": "persistent"},
+        )
         return chosen
 
     def wait(self) -> None:
@@ -153,8 +180,10 @@ class Checkpointer:
         deadline = time.perf_counter() + self.config.close_timeout_s
         for handle in list(self._inflight):
             if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
-                raise CommitError(f"save of step {handle.step} did not finish within "
-                                  f"{self.config.close_timeout_s:.0f} s (close_timeout_s)")
+                raise CommitError(
+                    f"save of step {handle.step} did not finish within "
+                    f"{self.config.close_timeout_s:.0f} s (close_timeout_s)"
+                )
         self._raise_latched()
 
     def close(self) -> None:
@@ -198,8 +227,9 @@ class Checkpointer:
         latched = self._take_latched()
         locals_: dict[str, LocalTensor] = {}
         try:
-            gathered = dist.agree(lambda: self._describe(step, state, metadata, busy, latched, locals_),
-                                  group=self.group)
+            gathered = dist.agree(
+                lambda: self._describe(step, state, metadata, busy, latched, locals_), group=self.group
+            )
         except Exception:
             self._sent_tensors = None  # every rank resends its layout next time: none was recorded
             raise
@@ -213,7 +243,12 @@ class Checkpointer:
         return locals_, gathered[0]["attempt"]
 
     def _describe(
-        self, step: int, state: dict, metadata: dict | None, busy: bool, latched: BaseException | None,
+        self,
+        step: int,
+        state: dict,
+        metadata: dict | None,
+        busy: bool,
+        latched: BaseException | None,
         locals_: dict[str, LocalTensor],
     ) -> dict:
         """This rank's part of the save decision (fills ``locals_``); rank 0 also checks storage and
@@ -272,8 +307,9 @@ class Checkpointer:
             if self.config.writer == "process":
                 self._writer = PersistProcess(self.location, self._ledger.on_done, nice=self.config.writer_nice)
             else:
-                self._writer = PersistThread(self.location, self.store, self._context, self._ledger.on_done,
-                                            nice=self.config.writer_nice)
+                self._writer = PersistThread(
+                    self.location, self.store, self._context, self._ledger.on_done, nice=self.config.writer_nice
+                )
             # A Checkpointer dropped without close() must not leave its writer (and the staging
             # memory it holds) behind: the writer knows only the ledger, never the Checkpointer.
             weakref.finalize(self, self._writer.stop_soon)
@@ -322,11 +358,9 @@ class Checkpointer:
             return listing.committed[-1]
         if step not in listing.committed:
             raise RestoreError(
-                f"step {step} is not committed under {self.url}; committed steps: "
-                f"{listing.committed[-10:] or 'none'}"
+                f"step {step} is not committed under {self.url}; committed steps: {listing.committed[-10:] or 'none'}"
             )
         return step
-
 
 
 class _SaveLedger:
@@ -348,8 +382,13 @@ class _SaveLedger:
         if error is not None:
             handle.stats.outcome = "failed"
             self.record(handle.stats)
-            log.error("[rank %d] save of step %d failed: %s", self.rank, handle.step, error,
-                      extra={"event": "save_failed", "step": handle.step})
+            log.error(
+                "[rank %d] save of step %d failed: %s",
+                self.rank,
+                handle.step,
+                error,
+                extra={"event": "save_failed", "step": handle.step},
+            )
             handle.fail(error)
             return
         blocked = handle.stats  # what save() measured in the foreground

@@ -163,12 +163,23 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
     crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
     arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}
     manifest = Manifest(
-        step=job.step, attempt=job.attempt, world_size=job.world_size, arrays=arrays,
-        values=encode_values(job.values), metadata=job.metadata, versions=library_versions(),
+        step=job.step,
+        attempt=job.attempt,
+        world_size=job.world_size,
+        arrays=arrays,
+        values=encode_values(job.values),
+        metadata=job.metadata,
+        versions=library_versions(),
     )
     commit_manifest(store, manifest)
-    log.info("[rank 0] committed step %d to %s (%d arrays, %.1f MiB)", job.step, store.location.url,
-             len(arrays), manifest.total_bytes / 2**20, extra={"event": "commit", "step": job.step})
+    log.info(
+        "[rank 0] committed step %d to %s (%d arrays, %.1f MiB)",
+        job.step,
+        store.location.url,
+        len(arrays),
+        manifest.total_bytes / 2**20,
+        extra={"event": "commit", "step": job.step},
+    )
     try:
         apply_retention(store, KeepLast(job.keep_last))
     except ResilientError as e:  # the step is committed; a failed cleanup is retried after the next commit
@@ -178,9 +189,16 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
 def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
     """The manifest entry of a planned array, with each region's crc32c (keyed by (fqn, offsets))."""
     return ArrayEntry(
-        fqn=p.fqn, path=array_path(p.fqn), shape=list(p.shape), dtype=p.dtype, shard_shape=list(p.shard_shape),
-        inner_shape=list(p.inner_shape), nbytes=p.nbytes, placements=list(p.placements),
-        mesh_shape=list(p.mesh_shape), mesh_dim_names=list(p.mesh_dim_names),
+        fqn=p.fqn,
+        path=array_path(p.fqn),
+        shape=list(p.shape),
+        dtype=p.dtype,
+        shard_shape=list(p.shard_shape),
+        inner_shape=list(p.inner_shape),
+        nbytes=p.nbytes,
+        placements=list(p.placements),
+        mesh_shape=list(p.mesh_shape),
+        mesh_dim_names=list(p.mesh_dim_names),
         regions=[{**r.box.to_json(), "writer": r.writer, "crc32c": crcs[(p.fqn, r.box.offsets)]} for r in p.regions],
     )
 

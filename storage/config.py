@@ -58,8 +58,9 @@ class CheckpointerConfig:
         check_int("inner_chunk_bytes", self.inner_chunk_bytes, 64 << 10, 256 << 20)
         check_int("max_shard_bytes", self.max_shard_bytes, 1 << 20, 4 << 30)
         if self.max_shard_bytes < self.inner_chunk_bytes:
-            raise ConfigError(f"max_shard_bytes={self.max_shard_bytes} must be >= "
-                              f"inner_chunk_bytes={self.inner_chunk_bytes}")
+            raise ConfigError(
+                f"max_shard_bytes={self.max_shard_bytes} must be >= inner_chunk_bytes={self.inner_chunk_bytes}"
+            )
         nice = self.writer_nice
         # Not check_int: tests/storage/test_async.py holds this wording (the API does not change here).
         if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:

@@ -27,8 +27,9 @@ class StateMatch:
                 continue
             per_rank = stored["per_rank"]
             if len(per_rank) != manifest.world_size or rank >= len(per_rank):
-                log.warning("[rank %d] %r was saved per rank by %d ranks; using rank 0's value",
-                            rank, fqn, len(per_rank))
+                log.warning(
+                    "[rank %d] %r was saved per rank by %d ranks; using rank 0's value", rank, fqn, len(per_rank)
+                )
                 set_leaf(leaf, per_rank[0])
             else:
                 set_leaf(leaf, per_rank[rank])
@@ -60,9 +61,7 @@ def match_state(manifest: Manifest, leaves: dict[str, Leaf], *, url: str, strict
             match.values[fqn] = leaf
         else:
             missing.append(repr(fqn) + (" (stored as a tensor)" if fqn in manifest.arrays else ""))
-    unexpected = sorted(
-        repr(f) for f in (*manifest.arrays, *manifest.values) if f not in leaves
-    )
+    unexpected = sorted(repr(f) for f in (*manifest.arrays, *manifest.values) if f not in leaves)
     problems = []
     if mismatched:
         problems.append(_listing("mismatch(es)", mismatched))

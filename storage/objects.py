@@ -142,9 +142,7 @@ class FileObjectStore:
         if os.path.exists(self.root):
             raise StorageError(f"checkpoint root {self.root!r} exists but is not a directory")
         if not create:
-            raise StorageError(
-                f"checkpoint directory {self.root!r} does not exist; check the URL (nothing was read)"
-            )
+            raise StorageError(f"checkpoint directory {self.root!r} does not exist; check the URL (nothing was read)")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:

@@ -134,12 +134,14 @@ def write_regions(location: Location, attempt_key: str, items: list[RegionData],
     for i, item in enumerate(items):
         store = opened[item.plan.fqn].result()
         pending.append(store[item.region.box.slices()].write(item.data))
-        receipt.append({
-            "fqn": item.plan.fqn,
-            **item.region.box.to_json(),
-            "nbytes": int(item.data.nbytes),
-            "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)),
-        })
+        receipt.append(
+            {
+                "fqn": item.plan.fqn,
+                **item.region.box.to_json(),
+                "nbytes": int(item.data.nbytes),
+                "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)),
+            }
+        )
         if i == 0:
             fault_point("persist.first_region_issued")
     for future in pending:

@@ -133,8 +133,13 @@ def _source(local: LocalTensor, offsets: tuple[int, ...], sizes: tuple[int, ...]
 
 
 def take_snapshot(
-    plans: dict[str, ArrayPlan], locals_: dict[str, LocalTensor], rank: int, pool: StagingPool,
-    *, timeout_s: float, stream: torch.cuda.Stream | None = None,
+    plans: dict[str, ArrayPlan],
+    locals_: dict[str, LocalTensor],
+    rank: int,
+    pool: StagingPool,
+    *,
+    timeout_s: float,
+    stream: torch.cuda.Stream | None = None,
 ) -> Snapshot:
     mine = [(plan, region) for plan in plans.values() for region in plan.regions if region.writer == rank]
     regions, offset = [], 0

@@ -58,13 +58,14 @@ def parse_url(url: str, storage_options: dict | None = None) -> Location:
             or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL")
         )
-        region = opts.pop("region", None) or os.environ.get("AWS_REGION") or os.environ.get(
-            "AWS_DEFAULT_REGION", "us-east-1"
+        region = (
+            opts.pop("region", None)
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
         )
         return Location("s3", parsed.netloc, parsed.path.strip("/"), endpoint, region, opts)
     if parsed.scheme == "memory":
         return Location("memory", parsed.netloc or "default", parsed.path.strip("/"), options=opts)
     raise ConfigError(
-        f"unsupported checkpoint URL {url!r}: use a local path, file:///path, s3://bucket/prefix "
-        "or memory://name"
+        f"unsupported checkpoint URL {url!r}: use a local path, file:///path, s3://bucket/prefix or memory://name"
     )

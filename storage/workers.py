@@ -124,8 +124,12 @@ class PersistProcess:
         ctx = mp.get_context("spawn")
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         options = {**location.options, "endpoint_url": location.endpoint, "region": location.region}
-        self._proc = ctx.Process(target=_process_main, args=(location.url, options, self._jobs, self._results, nice),
-                                 name="resilient-ckpt-writer", daemon=True)
+        self._proc = ctx.Process(
+            target=_process_main,
+            args=(location.url, options, self._jobs, self._results, nice),
+            name="resilient-ckpt-writer",
+            daemon=True,
+        )
         self._proc.start()
         self._on_done = on_done
         self._pending: dict[int, tuple[Any, StagingBuffer]] = {}

@@ -21,8 +21,9 @@ from resilient.dist import free_port
 
 def _entry(fn: Callable, rank: int, world: int, port: int, env: dict, args: tuple, out: mp.Queue) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     try:
         import torch.distributed as dist
 

@@ -26,16 +26,25 @@ EXIT_PASSED, EXIT_FAILED, EXIT_CONFIG, EXIT_CRASH = 0, 1, 2, 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="resilient-chaos", description=__doc__.split("\n\n")[0],
-                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="resilient-chaos",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a scenario, check its invariants, write the report", epilog=EXIT_CODES,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    run = sub.add_parser(
+        "run",
+        help="run a scenario, check its invariants, write the report",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("scenario", help="a scenario .toml, or the name of one under chaos/scenarios/")
     run.add_argument("--report", default="", help="report directory (default: runs/chaos/<scenario>)")
     run.add_argument("--seed", type=int, default=None, help="seed of the random faults (default: [job] seed)")
-    run.add_argument("--cache", default="",
-                     help="twin cache (default: $RESILIENT_CHAOS_CACHE or ~/.cache/resilient-chaos)")
+    run.add_argument(
+        "--cache", default="", help="twin cache (default: $RESILIENT_CHAOS_CACHE or ~/.cache/resilient-chaos)"
+    )
     sub.add_parser("list", help="the scenarios under chaos/scenarios/")
     return parser.parse_args(argv)
 
@@ -65,11 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     where = os.path.join(report_dir, "report.json")
     if "harness_error" in report:
         print(report["harness_error"]["traceback"], file=sys.stderr)
-        print(f"{scenario.name}: HARNESS CRASHED ({report['harness_error']['type']}: "
-              f"{report['harness_error']['message']}); report in {where}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{scenario.name}: HARNESS CRASHED ({report['harness_error']['type']}: "
+            f"{report['harness_error']['message']}); report in {where}",
+            file=sys.stderr,
+        )
         return EXIT_CRASH
-    verdict = "PASSED" if report["passed"] else "FAILED: " + ", ".join(
-        name for name, v in report["invariants"].items() if not v["ok"])
+    verdict = (
+        "PASSED"
+        if report["passed"]
+        else "FAILED: " + ", ".join(name for name, v in report["invariants"].items() if not v["ok"])
+    )
     print(f"{scenario.name}: {verdict}; report in {where}")
     return EXIT_PASSED if report["passed"] else EXIT_FAILED
 

@@ -94,8 +94,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         refs = [open_checkpoint(args.url, args.step)]
     bar = _bar(args, "verify", sum(_selected_bytes(r.manifest, args.tensors) for r in refs))
     memory = StreamConfig(max_memory=args.max_memory)
-    reports = [verify_step(r, patterns=args.tensors, block_bytes=memory.block_bytes, budget_bytes=memory.budget_bytes,
-                           progress=_update(bar)).to_json() for r in refs]
+    reports = [
+        verify_step(
+            r,
+            patterns=args.tensors,
+            block_bytes=memory.block_bytes,
+            budget_bytes=memory.budget_bytes,
+            progress=_update(bar),
+        ).to_json()
+        for r in refs
+    ]
     if bar is not None:
         bar.close()
     out.emit_json({"ok": all(r["ok"] for r in reports), "steps": reports}) if args.json else out.render_verify(reports)
@@ -110,8 +118,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = open_checkpoint(args.a), open_checkpoint(args.b)
     bar = _bar(args, "diff", _selected_bytes(a.manifest, args.tensors) + _selected_bytes(b.manifest, args.tensors))
     memory = StreamConfig(max_memory=args.max_memory)
-    result = diff_steps(a, b, atol=args.atol, patterns=args.tensors, block_bytes=memory.block_bytes,
-                        budget_bytes=memory.budget_bytes, progress=_update(bar))
+    result = diff_steps(
+        a,
+        b,
+        atol=args.atol,
+        patterns=args.tensors,
+        block_bytes=memory.block_bytes,
+        budget_bytes=memory.budget_bytes,
+        progress=_update(bar),
+    )
     if bar is not None:
         bar.close()
     out.emit_json(result) if args.json else out.render_diff(result)
@@ -121,8 +136,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from resilient.storage.offline.convert import ConvertRequest, StreamConfig, convert
 
-    req = ConvertRequest(args.src, args.dst, args.to, args.src_format, args.step, args.out_step, args.tensors,
-                         args.dtype, args.trust_pickle)
+    req = ConvertRequest(
+        args.src,
+        args.dst,
+        args.to,
+        args.src_format,
+        args.step,
+        args.out_step,
+        args.tensors,
+        args.dtype,
+        args.trust_pickle,
+    )
     config = StreamConfig(max_memory=args.max_memory, max_shard_size=args.max_shard_size)
     bars = []
 
@@ -156,8 +180,16 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         origin = {"chunks": args.chunks}
     bar = _bar(args, "reshard", open_checkpoint(args.src, args.step).manifest.total_bytes)
     try:
-        result = reshard(args.src, args.dst, layout=layout, origin=origin, config=config, step=args.step,
-                         out_step=args.out_step, progress=_update(bar))
+        result = reshard(
+            args.src,
+            args.dst,
+            layout=layout,
+            origin=origin,
+            config=config,
+            step=args.step,
+            out_step=args.out_step,
+            progress=_update(bar),
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -179,17 +211,29 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def _common(p: argparse.ArgumentParser, *, tensors: bool = False, memory: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout (no progress bar)")
     if tensors:
-        p.add_argument("--tensors", action="append", metavar="GLOB",
-                       help="only tensors (and values) whose FQN matches this glob; repeatable, e.g. 'model.*'")
+        p.add_argument(
+            "--tensors",
+            action="append",
+            metavar="GLOB",
+            help="only tensors (and values) whose FQN matches this glob; repeatable, e.g. 'model.*'",
+        )
     if memory:
-        p.add_argument("--max-memory", type=_size, default=1 << 30, metavar="SIZE",
-                       help="peak memory for data in flight (default 1GiB), e.g. 256MiB")
+        p.add_argument(
+            "--max-memory",
+            type=_size,
+            default=1 << 30,
+            metavar="SIZE",
+            help="peak memory for data in flight (default 1GiB), e.g. 256MiB",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Look inside, verify, compare, convert, reshard and prune resilient "
-                                            "checkpoints, on local paths or s3:// URLs.",
-                     epilog="exit codes: 0 ok, 1 a finding (corruption, difference), 2 usage or access error")
+    parser = _Parser(
+        prog=PROG,
+        description="Look inside, verify, compare, convert, reshard and prune resilient "
+        "checkpoints, on local paths or s3:// URLs.",
+        epilog="exit codes: 0 ok, 1 a finding (corruption, difference), 2 usage or access error",
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -234,37 +278,58 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_convert(sub) -> None:
     from resilient.storage.offline.convert import FORMATS
 
-    p = sub.add_parser("convert", help="resilient <-> safetensors / torch / DCP, streamed",
-                       description="Convert a checkpoint, tensor by tensor, in bounded memory. The source "
-                                   "format is detected (--from forces it). DCP metadata is a pickle: reading "
-                                   "DCP needs --trust-pickle. torch files are read with weights_only=True.")
-    p.add_argument("src", help="source: resilient root/step (path or s3://), .safetensors file or directory, "
-                               "torch file or directory, DCP directory")
+    p = sub.add_parser(
+        "convert",
+        help="resilient <-> safetensors / torch / DCP, streamed",
+        description="Convert a checkpoint, tensor by tensor, in bounded memory. The source "
+        "format is detected (--from forces it). DCP metadata is a pickle: reading "
+        "DCP needs --trust-pickle. torch files are read with weights_only=True.",
+    )
+    p.add_argument(
+        "src",
+        help="source: resilient root/step (path or s3://), .safetensors file or directory, "
+        "torch file or directory, DCP directory",
+    )
     p.add_argument("dst", help="output: resilient root (path or s3://) or a new local directory")
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="source format (default: detected)")
     p.add_argument("--step", type=int, help="source step of a resilient checkpoint (default: newest)")
     p.add_argument("--out-step", type=int, help="step of a resilient output (default: the source's, else 0)")
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16 (integers are kept)")
-    p.add_argument("--max-shard-size", type=_size, default=5 << 30, metavar="SIZE",
-                   help="largest output file, e.g. 5GB (default 5GiB; resilient shards stay under max-memory/16)")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="allow unpickling a DCP .metadata file (it can run code: only for trusted sources)")
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=5 << 30,
+        metavar="SIZE",
+        help="largest output file, e.g. 5GB (default 5GiB; resilient shards stay under max-memory/16)",
+    )
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow unpickling a DCP .metadata file (it can run code: only for trusted sources)",
+    )
     _common(p, tensors=True, memory=True)
     p.set_defaults(handler=cmd_convert)
 
 
 def _add_reshard(sub) -> None:
-    p = sub.add_parser("reshard", help="rewrite a step with chunking for another layout (offline)",
-                       description="Rewrite one step into a new root with shards and inner chunks aligned "
-                                   "to a target mesh or explicit shapes; checksums are recomputed and the "
-                                   "manifest's metadata records resharded_from.")
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite a step with chunking for another layout (offline)",
+        description="Rewrite one step into a new root with shards and inner chunks aligned "
+        "to a target mesh or explicit shapes; checksums are recomputed and the "
+        "manifest's metadata records resharded_from.",
+    )
     p.add_argument("src", help="resilient checkpoint root or step directory")
     p.add_argument("dst", help="new resilient root (path or s3://)")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--mesh", help="target mesh, e.g. dp_shard=8,tp=4")
-    target.add_argument("--chunks", action="append", metavar="GLOB=SHAPE[:INNER]",
-                        help="shard (and inner) shape for matching tensors, e.g. 'model.*=1024x4096'; repeatable")
+    target.add_argument(
+        "--chunks",
+        action="append",
+        metavar="GLOB=SHAPE[:INNER]",
+        help="shard (and inner) shape for matching tensors, e.g. 'model.*=1024x4096'; repeatable",
+    )
     p.add_argument("--step", type=int, help="source step (default: newest)")
     p.add_argument("--out-step", type=int, help="output step (default: the source's)")
     _common(p, memory=True)

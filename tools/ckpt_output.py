@@ -10,8 +10,22 @@ import re
 import sys
 from typing import Any
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -38,8 +52,16 @@ def progress_bar(enabled: bool, desc: str):
     def make(total: int):
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                    leave=False, dynamic_ncols=True)
+        return tqdm(
+            total=total,
+            desc=desc,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            leave=False,
+            dynamic_ncols=True,
+        )
 
     return make
 
@@ -58,8 +80,10 @@ def render_ls(listing: dict) -> None:
     for s in listing["steps"]:
         status = ("DAMAGED" if s["problem"] else "committed") if s["committed"] else "UNCOMMITTED"
         created = s["created_at"] or "-"
-        print(f"{s['step']:>10}  {status:<11} {human(s['bytes']):>10}  {s['tensors']:>7}  {created:<20}  "
-              f"{s['attempt'] or '-'}")
+        print(
+            f"{s['step']:>10}  {status:<11} {human(s['bytes']):>10}  {s['tensors']:>7}  {created:<20}  "
+            f"{s['attempt'] or '-'}"
+        )
         if s["problem"]:
             print(f"{'':>12}! {s['problem']}")
         for orphan in s["orphan_attempts"]:
@@ -70,17 +94,23 @@ def render_ls(listing: dict) -> None:
 
 def render_inspect(summary: dict) -> None:
     print(f"{summary['url']}")
-    print(f"  step {summary['step']}  format v{summary['format_version']}  {summary['attempt']}  "
-          f"created {summary['created_at']}  saved by {summary['world_size']} rank(s)")
+    print(
+        f"  step {summary['step']}  format v{summary['format_version']}  {summary['attempt']}  "
+        f"created {summary['created_at']}  saved by {summary['world_size']} rank(s)"
+    )
     shown = f"{len(summary['tensors'])} of " if len(summary["tensors"]) != summary["tensor_count"] else ""
-    print(f"  {shown}{summary['tensor_count']} tensors, {human(summary['total_bytes'])}; versions "
-          + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()))
+    print(
+        f"  {shown}{summary['tensor_count']} tensors, {human(summary['total_bytes'])}; versions "
+        + ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
+    )
     for mesh in summary["meshes"]:
         print(f"  mesh {dict(zip(mesh['dim_names'], mesh['shape'], strict=False)) or mesh['shape']}")
     print(f"\n  {'tensor':<48} {'shape':<16} {'dtype':<9} {'size':>10}  {'shard':<14} {'inner':<14} placements")
     for t in summary["tensors"]:
-        print(f"  {t['fqn']:<48} {_shape(t['shape']):<16} {t['dtype']:<9} {human(t['bytes']):>10}  "
-              f"{_shape(t['shard_shape']):<14} {_shape(t['inner_shape']):<14} {','.join(t['placements']) or '-'}")
+        print(
+            f"  {t['fqn']:<48} {_shape(t['shape']):<16} {t['dtype']:<9} {human(t['bytes']):>10}  "
+            f"{_shape(t['shard_shape']):<14} {_shape(t['inner_shape']):<14} {','.join(t['placements']) or '-'}"
+        )
     if summary["values"]:
         print("\n  values:")
         for fqn, v in summary["values"].items():
@@ -93,8 +123,10 @@ def render_inspect(summary: dict) -> None:
 def render_verify(reports: list[dict]) -> None:
     for r in reports:
         head = "OK" if r["ok"] else f"{len(r['problems'])} PROBLEM(S)"
-        print(f"step {r['step']} {r['url']}: {head} ({r['tensors']} tensors, {human(r['bytes_read'])} read "
-              f"in {r['seconds']:.2f} s)")
+        print(
+            f"step {r['step']} {r['url']}: {head} ({r['tensors']} tensors, {human(r['bytes_read'])} read "
+            f"in {r['seconds']:.2f} s)"
+        )
         for p in r["problems"]:
             print(f"  [{p['kind']}] {p['fqn'] or '-'} {p['chunk'] or ''}: {p['message']}")
 
@@ -106,25 +138,30 @@ def render_diff(result: dict) -> None:
     for fqn in result["removed"]:
         print(f"  - {fqn} (only in a)")
     for c in result["shape_or_dtype_changed"]:
-        print(f"  ! {c['fqn']}: {_shape(c['a']['shape'])} {c['a']['dtype']} -> {_shape(c['b']['shape'])} "
-              f"{c['b']['dtype']}")
+        print(
+            f"  ! {c['fqn']}: {_shape(c['a']['shape'])} {c['a']['dtype']} -> {_shape(c['b']['shape'])} "
+            f"{c['b']['dtype']}"
+        )
     for c in result["changed"]:
-        print(f"  ~ {c['fqn']}: {c['changed_elements']}/{c['numel']} elements differ, max |a-b| = "
-              f"{c['max_abs_diff']}")
+        print(f"  ~ {c['fqn']}: {c['changed_elements']}/{c['numel']} elements differ, max |a-b| = {c['max_abs_diff']}")
     for kind, mark in (("values_added", "+"), ("values_removed", "-"), ("values_changed", "~")):
         for fqn in result[kind]:
             print(f"  {mark} value {fqn}")
     verdict = "identical" if result["identical"] else "DIFFERENT"
-    print(f"{verdict} (atol {result['atol']}; {result['unchanged']} tensor(s) unchanged, "
-          f"{len(result['changed'])} changed)")
+    print(
+        f"{verdict} (atol {result['atol']}; {result['unchanged']} tensor(s) unchanged, "
+        f"{len(result['changed'])} changed)"
+    )
 
 
 def render_summary(result: dict) -> None:
     """convert / reshard: one line of what was written."""
     where = result.get("url") or result.get("dst")
     files = f", {len(result['files'])} file(s)" if "files" in result else ""
-    print(f"wrote {where}: {result['tensors']} tensors, {human(result['bytes'])}{files}"
-          + (f" in {result['seconds']:.1f} s" if "seconds" in result else ""))
+    print(
+        f"wrote {where}: {result['tensors']} tensors, {human(result['bytes'])}{files}"
+        + (f" in {result['seconds']:.1f} s" if "seconds" in result else "")
+    )
 
 
 def render_prune(result: dict) -> None:

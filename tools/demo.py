@@ -134,13 +134,21 @@ def _group_step(group: int) -> int:
 
 def _replicas() -> None:
     sets = [
-        f"run.dir={REPLICA_DIR}", "parallel.tp=1", f"run.steps={REPLICA_STEPS}", "run.log_every=1000",
-        "checkpoint.persist_every=20", 'run.step_hooks=["resilient.tools.demo:hold_for_rejoin"]',
-    ]  # fmt: skip
+        f"run.dir={REPLICA_DIR}",
+        "parallel.tp=1",
+        f"run.steps={REPLICA_STEPS}",
+        "run.log_every=1000",
+        "checkpoint.persist_every=20",
+        'run.step_hooks=["resilient.tools.demo:hold_for_rejoin"]',
+    ]
     launch = ReplicaLaunch(
-        groups=2, nproc_per_group=2, run_dir=REPLICA_DIR, max_restarts=2, grace_s=40.0,
+        groups=2,
+        nproc_per_group=2,
+        run_dir=REPLICA_DIR,
+        max_restarts=2,
+        grace_s=40.0,
         trainer_args=["--config", RECIPE, *[a for s in sets for a in ("--set", s)]],
-    )  # fmt: skip
+    )
     job = ReplicaJob(launch)
     try:
         job.start()
@@ -196,8 +204,10 @@ def _replica_summary() -> None:
             f"at most {HOLD_S:.0f} s, until group 1 is back)"
         )
     digests = [f["params_sha256"] for f in finals]
-    print(f"[final] group 0 step {finals[0]['step']} params {digests[0][:16]}...  "
-          f"group 1 step {finals[1]['step']} params {digests[1][:16]}...")  # fmt: skip
+    print(
+        f"[final] group 0 step {finals[0]['step']} params {digests[0][:16]}...  "
+        f"group 1 step {finals[1]['step']} params {digests[1][:16]}..."
+    )
     if digests[0] != digests[1] or finals[0]["optim_sha256"] != finals[1]["optim_sha256"]:
         sys.exit("[check] FAILED: the replica groups ended with different parameters")
     samples: dict[int, list[str]] = {}

@@ -26,9 +26,16 @@ TIMEOUT_S = 300.0
 
 
 def _overrides(run_dir: str) -> list[str]:
-    return [f"run.dir={run_dir}", f"run.steps={STEPS}", "parallel.tp=1", "checkpoint.memory_every=2",
-            "checkpoint.persist_every=1000", "recovery.ranks_per_node=1", f"recovery.store_dir={run_dir}/ram",
-            "run.log_every=10"]  # fmt: skip
+    return [
+        f"run.dir={run_dir}",
+        f"run.steps={STEPS}",
+        "parallel.tp=1",
+        "checkpoint.memory_every=2",
+        "checkpoint.persist_every=1000",
+        "recovery.ranks_per_node=1",
+        f"recovery.store_dir={run_dir}/ram",
+        "run.log_every=10",
+    ]
 
 
 def _wait_for_step(run_dir: str, step: int, proc: subprocess.Popen) -> None:
@@ -51,14 +58,26 @@ def _lose_node(run_dir: str, recipe: str, rank: int) -> None:
     os.kill(pid, signal.SIGSTOP)  # stopped, it cannot write while its node's memory goes away
     shutil.rmtree(node_store_dir(config.recovery, run_dir, 0, rank))
     os.kill(pid, signal.SIGKILL)
-    print(f"[demo] node {rank} lost at step >= {KILL_STEP}: rank {rank} (pid {pid}) SIGKILLed, its RAM store wiped",
-          flush=True)  # fmt: skip
+    print(
+        f"[demo] node {rank} lost at step >= {KILL_STEP}: rank {rank} (pid {pid}) SIGKILLed, its RAM store wiped",
+        flush=True,
+    )
 
 
 def run_ram_phase(recipe: str, run_dir: str) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "resilient.tools.train", "--nproc", "2", "--max-restarts", "1",
-               "--config", recipe, *[a for o in _overrides(run_dir) for a in ("--set", o)]]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "resilient.tools.train",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--config",
+        recipe,
+        *[a for o in _overrides(run_dir) for a in ("--set", o)],
+    ]
     proc = subprocess.Popen(command, start_new_session=True)
     try:
         _wait_for_step(run_dir, KILL_STEP, proc)
@@ -76,12 +95,16 @@ def _summary(run_dir: str) -> None:
     restores = [e for e in read_events(run_dir) if e["event"] == "restore" and e["source"] != "fresh"]
     print("\n[ram] restore after losing node 1 (one line per rank, from events.jsonl):")
     for e in restores:
-        print(f"  rank {e['rank']}: step {e['step']} from {e['source']:<5} {e['bytes'] / 2**20:6.2f} MiB "
-              f"in {e['seconds']:.3f} s, storage reads: {e['storage_reads']}")  # fmt: skip
+        print(
+            f"  rank {e['rank']}: step {e['step']} from {e['source']:<5} {e['bytes'] / 2**20:6.2f} MiB "
+            f"in {e['seconds']:.3f} s, storage reads: {e['storage_reads']}"
+        )
     sources = sorted((e["rank"], e["source"]) for e in restores)
     if sources != [(0, "own"), (1, "buddy")] or any(e["storage_reads"] for e in restores):
         sys.exit(f"[demo] expected rank 0 from its own store and rank 1 from its buddy, no storage reads: {restores}")
     metrics = read_jsonl_by_step(group_file(run_dir, METRICS_FILE, 0))
-    print(f"[ram] resumed at step {restores[0]['step']} (the newest snapshot every rank had in RAM), trained to "
-          f"step {max(metrics)}")  # fmt: skip
+    print(
+        f"[ram] resumed at step {restores[0]['step']} (the newest snapshot every rank had in RAM), trained to "
+        f"step {max(metrics)}"
+    )
     print(f"[files] {os.path.join(run_dir, 'events.jsonl')}, {os.path.join(run_dir, 'group0', 'ram.jsonl')}")

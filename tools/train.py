@@ -28,16 +28,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replica-groups", type=int, help="replica groups under a torchft quorum")
     parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= dp_shard x tp)")
     parser.add_argument("--lighthouse", default="", help="URL of a running torchft lighthouse (default: start one)")
-    parser.add_argument("--max-restarts", type=int, default=None,
-                        help="torchrun restarts of the group after a rank fails (default: 0 for one group, "
-                             "3 per replica group)")  # fmt: skip
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="torchrun restarts of the group after a rank fails (default: 0 for one group, 3 per replica group)",
+    )
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: a silent group is dead")
     parser.add_argument("--join-timeout-ms", type=int, default=2000, help="lighthouse: wait for joiners")
     parser.add_argument("--config", help="TOML recipe, e.g. configs/tiny.toml")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one config key (repeatable), e.g. --set parallel.tp=1",
-    )  # fmt: skip
+    )
     parser.add_argument("--grace-s", type=float, default=30.0, help="wait after forwarding a signal before killing")
     args = parser.parse_args(argv)
     if args.replica_groups is None:

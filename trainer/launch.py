@@ -168,9 +168,16 @@ def start_lighthouse(port: int, log: IO[str], *, join_timeout_ms: int, heartbeat
     trains alone while the others are down (that is the point); the lighthouse's majority rule
     (participants > half of the heartbeating groups) keeps two disjoint quorums from forming."""
     command = [
-        lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
-        "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
-    ]  # fmt: skip
+        lighthouse_binary(),
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--min_replicas",
+        "1",
+        "--join_timeout_ms",
+        str(join_timeout_ms),
+        "--heartbeat_timeout_ms",
+        str(heartbeat_timeout_ms),
+    ]
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_port("127.0.0.1", port, LIGHTHOUSE_START_TIMEOUT_S, proc)
@@ -182,13 +189,31 @@ def start_lighthouse(port: int, log: IO[str], *, join_timeout_ms: int, heartbeat
 
 def group_command(launch: ReplicaLaunch, group: int) -> list[str]:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-        "--nproc-per-node", str(launch.nproc_per_group),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"group{group}",
-        "--max-restarts", str(launch.max_restarts), "--monitor-interval", "0.1",
-        "-m", "resilient.trainer", *launch.trainer_args,
-        "--set", "replica.enabled=true", "--set", f"replica.groups={launch.groups}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(launch.nproc_per_group),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        f"group{group}",
+        "--max-restarts",
+        str(launch.max_restarts),
+        "--monitor-interval",
+        "0.1",
+        "-m",
+        "resilient.trainer",
+        *launch.trainer_args,
+        "--set",
+        "replica.enabled=true",
+        "--set",
+        f"replica.groups={launch.groups}",
+    ]
     return command
 
 
@@ -219,8 +244,12 @@ class ReplicaJob:
             start = time.monotonic()
             self._start_lighthouse()
             self.lighthouse_url = f"http://127.0.0.1:{self.lighthouse_port}"
-            self.events.write("lighthouse_started", url=self.lighthouse_url, pid=self.lighthouse.pid,
-                              startup_s=round(time.monotonic() - start, 2))  # fmt: skip
+            self.events.write(
+                "lighthouse_started",
+                url=self.lighthouse_url,
+                pid=self.lighthouse.pid,
+                startup_s=round(time.monotonic() - start, 2),
+            )
         for group in range(self.launch.groups):
             env = {
                 **os.environ,
@@ -240,9 +269,11 @@ class ReplicaJob:
 
     def _start_lighthouse(self) -> None:
         self.lighthouse = start_lighthouse(
-            self.lighthouse_port, self._log("lighthouse.log"),
-            join_timeout_ms=self.launch.join_timeout_ms, heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
-        )  # fmt: skip
+            self.lighthouse_port,
+            self._log("lighthouse.log"),
+            join_timeout_ms=self.launch.join_timeout_ms,
+            heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
+        )
         write_pid_file(lighthouse_pid_path(self.run_dir), self.lighthouse.pid)
 
     def _supervise_lighthouse(self) -> None:
@@ -256,8 +287,12 @@ class ReplicaJob:
         except (OSError, RuntimeError, TimeoutError) as e:
             self.events.write("lighthouse_restart_failed", error=str(e))
             return  # the dead Popen stays: tried again on the next poll
-        self.events.write("lighthouse_restarted", url=self.lighthouse_url, pid=self.lighthouse.pid,
-                          startup_s=round(time.monotonic() - start, 2))  # fmt: skip
+        self.events.write(
+            "lighthouse_restarted",
+            url=self.lighthouse_url,
+            pid=self.lighthouse.pid,
+            startup_s=round(time.monotonic() - start, 2),
+        )
 
     def wait(self, poll_s: float = 0.2) -> int:
         """Until every group's torchrun exits; 0 if all finished, else the first failure's code."""

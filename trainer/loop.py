@@ -99,10 +99,16 @@ class Trainer:
         that checkpoint (on any mesh), else a fresh start. ``peer``: the heal of the first quorum."""
         p = self.config.parallel
         result = restore(
-            lambda: capture_state(self.parts, self.step, self.tokens_seen), self._apply_restored,
-            checkpointer=self.checkpointer, ram=self.ram, run_dir=self.config.run.dir, peer=peer,
-            resume=self.config.checkpoint.resume, say=self.outputs.message, layout=f"dp_shard={p.dp_shard} x tp={p.tp}",
-        )  # fmt: skip
+            lambda: capture_state(self.parts, self.step, self.tokens_seen),
+            self._apply_restored,
+            checkpointer=self.checkpointer,
+            ram=self.ram,
+            run_dir=self.config.run.dir,
+            peer=peer,
+            resume=self.config.checkpoint.resume,
+            say=self.outputs.message,
+            layout=f"dp_shard={p.dp_shard} x tp={p.tp}",
+        )
         self.restored_from = result.source
         if result.loaded:
             self.resumed_from = self._saved_step = result.step

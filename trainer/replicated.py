@@ -96,8 +96,14 @@ class ReplicatedTrainer(Trainer):
             self.sync.restore_step(self.step)
             quorum = None
         # One vocabulary: own | buddy | persistent | peer | fresh.
-        self.events.write("start", group=self.group, step=self.step, source=self.restored_from, attempt=attempt,
-                          heal_bytes=self.heals[-1]["bytes"] if self.heals else 0)  # fmt: skip
+        self.events.write(
+            "start",
+            group=self.group,
+            step=self.step,
+            source=self.restored_from,
+            attempt=attempt,
+            heal_bytes=self.heals[-1]["bytes"] if self.heals else 0,
+        )
         return quorum
 
     def close(self) -> None:
@@ -126,8 +132,9 @@ class ReplicatedTrainer(Trainer):
         # restart: RESILIENT_FAULTS="replica.heal_load.attempt1=pause:60@rank1".
         fault_point(f"replica.heal_load.attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         transport = self.sync.transport
-        self.heals.append({"step": int(state["train"]["step"]), "bytes": transport.last_recv_bytes,
-                           "fetch_s": transport.last_recv_s})  # fmt: skip
+        self.heals.append(
+            {"step": int(state["train"]["step"]), "bytes": transport.last_recv_bytes, "fetch_s": transport.last_recv_s}
+        )
         parts = self.parts
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         load_scheduler_state(parts.scheduler, state["scheduler"])
@@ -162,14 +169,26 @@ class ReplicatedTrainer(Trainer):
         quorum = self.last_quorum
         assert quorum is not None
         self.events.write(
-            "step", group=self.group, step=quorum.step + 1, committed=result.committed, quorum_id=quorum.quorum_id,
-            members=quorum.members, participants=quorum.num_participants,
-            participating_rank=quorum.participating_rank, healed=quorum.healed, heal_bytes=quorum.heal_bytes,
-            heal_s=round(quorum.heal_s, 4), quorum_s=round(quorum.quorum_s, 4),
-        )  # fmt: skip
+            "step",
+            group=self.group,
+            step=quorum.step + 1,
+            committed=result.committed,
+            quorum_id=quorum.quorum_id,
+            members=quorum.members,
+            participants=quorum.num_participants,
+            participating_rank=quorum.participating_rank,
+            healed=quorum.healed,
+            heal_bytes=quorum.heal_bytes,
+            heal_s=round(quorum.heal_s, 4),
+            quorum_s=round(quorum.quorum_s, 4),
+        )
         if not result.committed:
-            log.warning("[group %d rank %d] step %d not committed; retrying it with a new quorum",
-                        self.group, self.rank, quorum.step + 1)  # fmt: skip
+            log.warning(
+                "[group %d rank %d] step %d not committed; retrying it with a new quorum",
+                self.group,
+                self.rank,
+                quorum.step + 1,
+            )
 
     def _saves_this_step(self) -> bool:
         """One group writes each persistent checkpoint: the group of participating rank 0, and not
@@ -194,4 +213,3 @@ class ReplicatedTrainer(Trainer):
             with open(os.path.join(self.outputs.directory, FINAL_DIGEST), "w") as f:
                 json.dump(digest, f, indent=1)
         return digest
-

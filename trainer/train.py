@@ -41,9 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m resilient.trainer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML recipe (e.g. configs/tiny.toml); omitted: all defaults")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one key, value as a TOML literal (repeatable): --set parallel.tp=1",
-    )  # fmt: skip
+    )
     return parser.parse_args(argv)
 
 
@@ -56,7 +60,6 @@ def _setup_logging(rank: int) -> None:
     )
     # DTensor warns on every full_tensor() of a _StridedShard (FSDP x TP): noise for a trainer.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
 
 
 def _init_process_group(config: TrainConfig, device: torch.device) -> None:

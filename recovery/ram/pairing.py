@@ -28,8 +28,10 @@ class Pairing:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must divide the world size {self.world_size}")
         if self.failure_domains and len(self.failure_domains) != self.nodes:
             labels = len(self.failure_domains)
-            raise ConfigError(f"recovery.failure_domains has {labels} labels for {self.nodes} nodes: give one "
-                              f"per node ({self.world_size} ranks / {self.ranks_per_node} per node)")  # fmt: skip
+            raise ConfigError(
+                f"recovery.failure_domains has {labels} labels for {self.nodes} nodes: give one "
+                f"per node ({self.world_size} ranks / {self.ranks_per_node} per node)"
+            )
 
     @property
     def nodes(self) -> int:

@@ -293,8 +293,10 @@ def check_private_dir(path: str) -> None:
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.stat(path)
     if info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise PermissionError(f"{path} must be owned by this user (uid {os.geteuid()}) and writable by no one "
-                              f"else (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})")  # fmt: skip
+        raise PermissionError(
+            f"{path} must be owned by this user (uid {os.geteuid()}) and writable by no one "
+            f"else (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
+        )
 
 
 def mark_store(root: str) -> None:

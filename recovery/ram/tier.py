@@ -81,8 +81,12 @@ class RamTier:
         self.root = store_root(config, run_dir)
         self.node_dir = node_store_dir(config, run_dir, group, self.node)
         self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), keep)
-        self.topology = {"world_size": world_size, "ranks_per_node": self.pairing.ranks_per_node, "group": group,
-                         **fingerprint}  # fmt: skip
+        self.topology = {
+            "world_size": world_size,
+            "ranks_per_node": self.pairing.ranks_per_node,
+            "group": group,
+            **fingerprint,
+        }
         self.stats = JsonlSink(stats_path)
         self._buddy_stores: dict[int, RankStore] = {}
         self._stores_lock = threading.Lock()
@@ -107,9 +111,13 @@ class RamTier:
             raise
         buddy = self.pairing.buddy_of(self.rank)
         if buddy is not None and self.config.replication:
-            self._client = ReplicationClient(self._secret, tuple(self._addresses[buddy]), rank=self.rank,
-                                             timeout_s=self.config.replication_timeout_s,
-                                             bytes_per_s=self.config.replication_bytes_per_s)  # fmt: skip
+            self._client = ReplicationClient(
+                self._secret,
+                tuple(self._addresses[buddy]),
+                rank=self.rank,
+                timeout_s=self.config.replication_timeout_s,
+                bytes_per_s=self.config.replication_bytes_per_s,
+            )
         self._worker = threading.Thread(target=self._run, name="resilient-ram-tier", daemon=True)
         self._worker.start()
 
@@ -117,14 +125,19 @@ class RamTier:
         """This rank's store and channel server; returns the server's address."""
         try:
             self._open_store()
-            self._server = ReplicationServer(self._secret, BuddyHandler(self), host=bind_host(self.config),
-                                             timeout_s=self.config.replication_timeout_s,
-                                             thread_nice=self.config.background_nice)  # fmt: skip
+            self._server = ReplicationServer(
+                self._secret,
+                BuddyHandler(self),
+                host=bind_host(self.config),
+                timeout_s=self.config.replication_timeout_s,
+                thread_nice=self.config.background_nice,
+            )
             self._server.start()
         except Exception as e:
             hint = "set recovery.store_dir to a writable local directory, or checkpoint.memory_every=0"
-            raise StorageError(f"cannot start the RAM tier under {self.node_dir}: {type(e).__name__}: {e} "
-                               f"({hint})") from e  # fmt: skip
+            raise StorageError(
+                f"cannot start the RAM tier under {self.node_dir}: {type(e).__name__}: {e} ({hint})"
+            ) from e
         return list(self._server.address)
 
     def _open_store(self) -> None:
@@ -143,8 +156,9 @@ class RamTier:
             try:
                 self._queue.put(None, timeout=timeout_s)
             except queue.Full:
-                log.warning("[rank %d] RAM tier worker busy for %.0f s at close: not waiting for it", self.rank,
-                            timeout_s)  # fmt: skip
+                log.warning(
+                    "[rank %d] RAM tier worker busy for %.0f s at close: not waiting for it", self.rank, timeout_s
+                )
             self._worker.join(timeout_s)
             if self._worker.is_alive():
                 log.warning("[rank %d] RAM tier worker still running after %.0f s: abandoned", self.rank, timeout_s)
@@ -164,8 +178,9 @@ class RamTier:
 
     def connect_to(self, rank: int) -> ReplicationClient:
         """A new channel client to ``rank``'s server (the restore fetches its buddy copy with it)."""
-        return ReplicationClient(self._secret, tuple(self._addresses[rank]), rank=self.rank,
-                                 timeout_s=self.config.replication_timeout_s)  # fmt: skip
+        return ReplicationClient(
+            self._secret, tuple(self._addresses[rank]), rank=self.rank, timeout_s=self.config.replication_timeout_s
+        )
 
     # -- snapshot ----------------------------------------------------------------------------
 
@@ -185,8 +200,16 @@ class RamTier:
                 reason = f"{type(e).__name__}: {e}"
         if reason is not None:
             log.warning("[rank %d] RAM snapshot of step %d skipped: %s", self.rank, step, reason)
-            self.stats.write({"event": "ram_snapshot", "group": self.group, "rank": self.rank, "step": step,
-                              "outcome": "skipped", "reason": reason})  # fmt: skip
+            self.stats.write(
+                {
+                    "event": "ram_snapshot",
+                    "group": self.group,
+                    "rank": self.rank,
+                    "step": step,
+                    "outcome": "skipped",
+                    "reason": reason,
+                }
+            )
             return False
         self._queue.put_nowait(job)
         return True
@@ -203,8 +226,15 @@ class RamTier:
         except BaseException:
             self.own.release(slot)
             raise
-        index = SnapshotIndex(step=step, rank=self.rank, topology=self.topology, tensors=entries,
-                              values=json_values(leaves), slot=slot, nbytes=nbytes)  # fmt: skip
+        index = SnapshotIndex(
+            step=step,
+            rank=self.rank,
+            topology=self.topology,
+            tensors=entries,
+            values=json_values(leaves),
+            slot=slot,
+            nbytes=nbytes,
+        )
         return _Job(index, data, time.perf_counter() - start)
 
     def _check_budget(self, nbytes: int) -> None:
@@ -220,8 +250,9 @@ class RamTier:
             store.drop_spare_slots()
         used = sum(s.bytes_used() for s in stores)
         if used + nbytes > limit:
-            raise StorageError(f"recovery.max_store_bytes={limit}: {used} bytes in use, "
-                               f"the snapshot needs {nbytes} more")
+            raise StorageError(
+                f"recovery.max_store_bytes={limit}: {used} bytes in use, the snapshot needs {nbytes} more"
+            )
 
     def wait(self, timeout_s: float = 60.0) -> None:
         """Block until the snapshots handed over so far are published and replicated; raises
@@ -229,8 +260,10 @@ class RamTier:
         deadline = time.monotonic() + timeout_s
         while self._queue.unfinished_tasks:
             if time.monotonic() > deadline:
-                raise StorageError(f"[rank {self.rank}] RAM snapshots still publishing or replicating after "
-                                   f"{timeout_s:.0f} s (recovery.replication_timeout_s)")  # fmt: skip
+                raise StorageError(
+                    f"[rank {self.rank}] RAM snapshots still publishing or replicating after "
+                    f"{timeout_s:.0f} s (recovery.replication_timeout_s)"
+                )
             time.sleep(0.01)
 
     def _take_latched(self) -> str | None:
@@ -258,9 +291,15 @@ class RamTier:
             entry.crc32c = checksum(data, entry)
         self.own.publish(index)
         mark_store(self.root)
-        record = {"event": "ram_snapshot", "group": self.group, "rank": self.rank, "step": index.step,
-                  "bytes": index.nbytes, "copy_s": round(job.copy_s, 6),
-                  "publish_s": round(time.perf_counter() - start, 6)}  # fmt: skip
+        record = {
+            "event": "ram_snapshot",
+            "group": self.group,
+            "rank": self.rank,
+            "step": index.step,
+            "bytes": index.nbytes,
+            "copy_s": round(job.copy_s, 6),
+            "publish_s": round(time.perf_counter() - start, 6),
+        }
         try:
             record["replication"] = self._replicate(index, data)
         finally:
@@ -281,8 +320,13 @@ class RamTier:
             log.warning("[rank %d] copy of step %d to buddy rank %d failed: %s", self.rank, index.step, buddy, e)
             return {"outcome": "failed", "buddy": buddy, "error": str(e)}
         seconds = time.perf_counter() - start
-        return {"outcome": "copied", "buddy": buddy, "bytes": index.nbytes, "seconds": round(seconds, 6),
-                "bytes_per_s": round(index.nbytes / max(seconds, 1e-9))}  # fmt: skip
+        return {
+            "outcome": "copied",
+            "buddy": buddy,
+            "bytes": index.nbytes,
+            "seconds": round(seconds, 6),
+            "bytes_per_s": round(index.nbytes / max(seconds, 1e-9)),
+        }
 
     # -- restore -----------------------------------------------------------------------------
 

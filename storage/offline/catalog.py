@@ -92,8 +92,7 @@ def open_checkpoint(url: str, step: int | None = None) -> CheckpointRef:
         wanted = listing.committed[-1]
     elif wanted not in listing.committed:
         raise ConfigError(
-            f"step {wanted} is not committed under {location.url}; committed steps: "
-            f"{listing.committed[-10:] or 'none'}"
+            f"step {wanted} is not committed under {location.url}; committed steps: {listing.committed[-10:] or 'none'}"
         )
     return CheckpointRef(location, store, wanted, read_manifest(location, store, wanted))
 
@@ -170,17 +169,33 @@ def summarize(ref: CheckpointRef, patterns: list[str] | None = None) -> dict:
     tensors = []
     for fqn in select(sorted(m.arrays), patterns):
         a = m.arrays[fqn]
-        tensors.append({
-            "fqn": fqn, "shape": a.shape, "dtype": a.dtype, "bytes": a.nbytes, "shard_shape": a.shard_shape,
-            "inner_shape": a.inner_shape, "regions": len(a.regions), "placements": a.placements,
-            "mesh_shape": a.mesh_shape, "mesh_dim_names": a.mesh_dim_names,
-        })
+        tensors.append(
+            {
+                "fqn": fqn,
+                "shape": a.shape,
+                "dtype": a.dtype,
+                "bytes": a.nbytes,
+                "shard_shape": a.shard_shape,
+                "inner_shape": a.inner_shape,
+                "regions": len(a.regions),
+                "placements": a.placements,
+                "mesh_shape": a.mesh_shape,
+                "mesh_dim_names": a.mesh_dim_names,
+            }
+        )
     values = {k: m.values[k] for k in select(sorted(m.values), patterns)}
     return {
-        "url": ref.url, "step": m.step, "format_version": m.format_version, "attempt": m.attempt,
-        "created_at": m.to_json()["created_at"], "world_size": m.world_size, "total_bytes": m.total_bytes,
+        "url": ref.url,
+        "step": m.step,
+        "format_version": m.format_version,
+        "attempt": m.attempt,
+        "created_at": m.to_json()["created_at"],
+        "world_size": m.world_size,
+        "total_bytes": m.total_bytes,
         "tensor_count": len(m.arrays),
         "versions": m.versions,
         "meshes": [{"dim_names": list(n), "shape": list(s)} for n, s in meshes],
-        "tensors": tensors, "values": values, "metadata": m.metadata,
+        "tensors": tensors,
+        "values": values,
+        "metadata": m.metadata,
     }

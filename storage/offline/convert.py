@@ -73,8 +73,12 @@ class StreamConfig:
 
 
 def _is_resilient_dir(path: str, names: set[str]) -> bool:
-    return MANIFEST in names or LATEST in names or any(parse_step_dir(n) is not None for n in names) or (
-        parse_step_dir(os.path.basename(path)) is not None)
+    return (
+        MANIFEST in names
+        or LATEST in names
+        or any(parse_step_dir(n) is not None for n in names)
+        or (parse_step_dir(os.path.basename(path)) is not None)
+    )
 
 
 def detect_format(url: str) -> str:
@@ -101,12 +105,15 @@ def detect_format(url: str) -> str:
             return "safetensors"
         if any(n.endswith((".bin", ".pt", ".pth", ".bin.index.json")) for n in names):
             return "torch"
-    raise ConfigError(f"cannot tell the format of {url} (not resilient, safetensors, torch or DCP); "
-                      "pass --from FORMAT if it is one of them")
+    raise ConfigError(
+        f"cannot tell the format of {url} (not resilient, safetensors, torch or DCP); "
+        "pass --from FORMAT if it is one of them"
+    )
 
 
-def open_source(url: str, fmt: str, *, step: int | None = None, trust_pickle: bool = False,
-                cache_bytes: int = 256 << 20) -> TensorSource:
+def open_source(
+    url: str, fmt: str, *, step: int | None = None, trust_pickle: bool = False, cache_bytes: int = 256 << 20
+) -> TensorSource:
     if fmt == "resilient":
         return ResilientSource(open_checkpoint(url, step))
     path = _local_path(url, "read")
@@ -129,8 +136,10 @@ def open_source(url: str, fmt: str, *, step: int | None = None, trust_pickle: bo
 
 def _local_path(url: str, verb: str) -> str:
     if "://" in url and not url.startswith("file://"):
-        raise ConfigError(f"safetensors, torch and DCP checkpoints are {verb} on local disk only, got {url}; "
-                          "use a local directory and copy it to or from S3 (resilient checkpoints take s3:// URLs)")
+        raise ConfigError(
+            f"safetensors, torch and DCP checkpoints are {verb} on local disk only, got {url}; "
+            "use a local directory and copy it to or from S3 (resilient checkpoints take s3:// URLs)"
+        )
     return os.path.abspath(url.removeprefix("file://"))
 
 
@@ -160,8 +169,15 @@ def output_infos(infos: list[TensorInfo], dtype: str | None) -> list[TensorInfo]
     return [replace(i, dtype=dtype) if i.dtype in FLOAT_DTYPES else i for i in infos]
 
 
-def stream(source: TensorSource, sink: TensorSink, infos: list[TensorInfo], state: SourceState, metadata: dict,
-           config: StreamConfig, progress: Callable[[int], None] | None = None) -> Any:
+def stream(
+    source: TensorSource,
+    sink: TensorSink,
+    infos: list[TensorInfo],
+    state: SourceState,
+    metadata: dict,
+    config: StreamConfig,
+    progress: Callable[[int], None] | None = None,
+) -> Any:
     """Move every tensor of ``infos`` (output dtypes) from ``source`` into ``sink``; returns ``finish()``."""
     src_dtype = {i.fqn: i.dtype for i in source.tensors()}
     sink.begin(infos, state, metadata)
@@ -180,8 +196,9 @@ def stream(source: TensorSource, sink: TensorSink, infos: list[TensorInfo], stat
     return sink.finish()
 
 
-def _deliver(sink: TensorSink, info: TensorInfo, box: Box, data: np.ndarray,
-             progress: Callable[[int], None] | None) -> Pending | None:
+def _deliver(
+    sink: TensorSink, info: TensorInfo, box: Box, data: np.ndarray, progress: Callable[[int], None] | None
+) -> Pending | None:
     if progress:
         progress(data.nbytes)
     return sink.write(info, box, data)
@@ -206,8 +223,7 @@ def convert(req: ConvertRequest, config: StreamConfig, progress_factory: Callabl
         raise ConfigError(f"unknown output format {req.to!r}; use one of {', '.join(FORMATS)}")
     start = time.perf_counter()
     fmt = req.src_format or detect_format(req.src)
-    source = open_source(req.src, fmt, step=req.step, trust_pickle=req.trust_pickle,
-                         cache_bytes=config.budget_bytes)
+    source = open_source(req.src, fmt, step=req.step, trust_pickle=req.trust_pickle, cache_bytes=config.budget_bytes)
     try:
         chosen = set(select([i.fqn for i in source.tensors()], req.patterns))
         if not chosen:
@@ -220,8 +236,17 @@ def convert(req: ConvertRequest, config: StreamConfig, progress_factory: Callabl
     finally:
         source.close()
     total = sum(_nbytes(i) for i in infos)
-    return {"src": req.src, "dst": req.dst, "from": fmt, "to": req.to, "tensors": len(infos), "bytes": total,
-            "values": len(state.values), "seconds": round(time.perf_counter() - start, 3), **result}
+    return {
+        "src": req.src,
+        "dst": req.dst,
+        "from": fmt,
+        "to": req.to,
+        "tensors": len(infos),
+        "bytes": total,
+        "values": len(state.values),
+        "seconds": round(time.perf_counter() - start, 3),
+        **result,
+    }
 
 
 def _nbytes(info: TensorInfo) -> int:
@@ -236,12 +261,20 @@ def _selected_state(state: SourceState, patterns: list[str] | None) -> SourceSta
     return SourceState(state.step, state.world_size, {k: state.values[k] for k in keep}, state.metadata)
 
 
-def _write(source: TensorSource, infos: list[TensorInfo], state: SourceState, metadata: dict, req: ConvertRequest,
-           config: StreamConfig, progress: Callable[[int], None] | None) -> dict:
+def _write(
+    source: TensorSource,
+    infos: list[TensorInfo],
+    state: SourceState,
+    metadata: dict,
+    req: ConvertRequest,
+    config: StreamConfig,
+    progress: Callable[[int], None] | None,
+) -> dict:
     update = getattr(progress, "update", None)
     if req.to == "resilient":
-        sink = resilient_sink(req.dst, req.out_step if req.out_step is not None else (state.step or 0),
-                              default_layout(config.shard_bytes))
+        sink = resilient_sink(
+            req.dst, req.out_step if req.out_step is not None else (state.step or 0), default_layout(config.shard_bytes)
+        )
         manifest = stream(source, sink, infos, state, metadata, config, update)
         return {"step": manifest.step, "url": sink.url}
     directory = _empty_target(req.dst)
@@ -258,8 +291,9 @@ def _write(source: TensorSource, infos: list[TensorInfo], state: SourceState, me
     else:
         from resilient.storage.offline.convert_torch import TorchSink
 
-        sink = TorchSink(directory, max_file_bytes=min(config.max_shard_size, config.budget_bytes),
-                         block_bytes=config.block_bytes)
+        sink = TorchSink(
+            directory, max_file_bytes=min(config.max_shard_size, config.budget_bytes), block_bytes=config.block_bytes
+        )
     return stream(source, sink, infos, state, metadata, config, update)
 
 

@@ -106,8 +106,10 @@ class DcpSource:
 
         info = self._storage[MetadataIndex(key, offsets)]
         if getattr(info, "transform_descriptors", None):
-            raise ConfigError(f"DCP entry {key!r} uses storage extensions {info.transform_descriptors}; "
-                              "resilient reads plain DCP checkpoints only")
+            raise ConfigError(
+                f"DCP entry {key!r} uses storage extensions {info.transform_descriptors}; "
+                "resilient reads plain DCP checkpoints only"
+            )
         with open(os.path.join(self.path, info.relative_path), "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
@@ -189,8 +191,16 @@ def _dcp_values(values: dict[str, dict]) -> dict[str, tuple[tuple, Any]]:
     return out
 
 
-def write_dcp(source: Any, infos: list[TensorInfo], casts: dict[str, Any], state: SourceState, directory: str,
-              *, block_bytes: int, on_block: Any = None) -> dict:
+def write_dcp(
+    source: Any,
+    infos: list[TensorInfo],
+    casts: dict[str, Any],
+    state: SourceState,
+    directory: str,
+    *,
+    block_bytes: int,
+    on_block: Any = None,
+) -> dict:
     """Write ``infos`` (read from ``source``, cast by ``casts[fqn](array)``) as a DCP checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -214,8 +224,13 @@ def write_dcp(source: Any, infos: list[TensorInfo], casts: dict[str, Any], state
                 kind = WriteItemType.TENSOR if len(boxes) == 1 else WriteItemType.SHARD
                 for box in boxes:
                     chunk = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-                    items.append(WriteItem(index=MetadataIndex(info.fqn, box.offsets), type=kind,
-                                           tensor_data=TensorWriteData(chunk=chunk, properties=props, size=size)))
+                    items.append(
+                        WriteItem(
+                            index=MetadataIndex(info.fqn, box.offsets),
+                            type=kind,
+                            tensor_data=TensorWriteData(chunk=chunk, properties=props, size=size),
+                        )
+                    )
             items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in values]
             self.plan = SavePlan(items, planner_data=self.mappings)
             return self.plan

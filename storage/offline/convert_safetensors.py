@@ -26,9 +26,22 @@ from resilient.storage.offline.streaming import Done, c_order_blocks, linear_off
 
 INDEX = "model.safetensors.index.json"
 _TO_ST = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
-    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "complex64": "C64",
 }
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
 _MAX_HEADER = 100 << 20
@@ -61,10 +74,13 @@ class SafetensorsSink:
     def begin(self, infos: list[TensorInfo], state: SourceState, metadata: dict) -> None:
         for info in infos:
             if info.dtype not in _TO_ST:
-                raise ConfigError(f"tensor {info.fqn!r} has dtype {info.dtype}, which safetensors cannot hold; "
-                                  "leave it out with --tensors or cast it with --dtype")
-        carried = json.dumps({"step": state.step, "world_size": state.world_size, "values": state.values,
-                              "metadata": metadata})
+                raise ConfigError(
+                    f"tensor {info.fqn!r} has dtype {info.dtype}, which safetensors cannot hold; "
+                    "leave it out with --tensors or cast it with --dtype"
+                )
+        carried = json.dumps(
+            {"step": state.step, "world_size": state.world_size, "values": state.values, "metadata": metadata}
+        )
         groups = pack_files(infos, self.max_file_bytes)
         os.makedirs(self.directory, exist_ok=True)
         for i, group in enumerate(groups):
@@ -79,8 +95,11 @@ class SafetensorsSink:
         offset = 0
         for info in group:
             nbytes = math.prod(info.shape) * itemsize(info.dtype)
-            header[info.fqn] = {"dtype": _TO_ST[info.dtype], "shape": list(info.shape),
-                                "data_offsets": [offset, offset + nbytes]}
+            header[info.fqn] = {
+                "dtype": _TO_ST[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as the reference writer does
@@ -162,13 +181,17 @@ class SafetensorsSource:
         size = os.path.getsize(file)
         for fqn, h in header.items():
             if h.get("dtype") not in _FROM_ST:
-                raise ConfigError(f"tensor {fqn!r} in {file} has safetensors dtype {h.get('dtype')!r}, "
-                                  f"which resilient does not support")
+                raise ConfigError(
+                    f"tensor {fqn!r} in {file} has safetensors dtype {h.get('dtype')!r}, "
+                    f"which resilient does not support"
+                )
             info = TensorInfo(fqn, tuple(h["shape"]), _FROM_ST[h["dtype"]])
             begin, end = h["data_offsets"]
             if end - begin != math.prod(info.shape) * itemsize(info.dtype) or data_start + end > size:
-                raise IntegrityError(f"tensor {fqn!r} in {file}: byte range {begin}..{end} does not match shape "
-                                     f"{list(info.shape)} {info.dtype} or runs past the end of the file (truncated?)")
+                raise IntegrityError(
+                    f"tensor {fqn!r} in {file}: byte range {begin}..{end} does not match shape "
+                    f"{list(info.shape)} {info.dtype} or runs past the end of the file (truncated?)"
+                )
             self._entries[fqn] = (file, data_start + begin, info)
 
     def tensors(self) -> list[TensorInfo]:
@@ -176,8 +199,12 @@ class SafetensorsSource:
 
     def state(self) -> SourceState:
         c = self._carried
-        return SourceState(step=c.get("step"), world_size=c.get("world_size", 1), values=c.get("values", {}),
-                           metadata=c.get("metadata", {}))
+        return SourceState(
+            step=c.get("step"),
+            world_size=c.get("world_size", 1),
+            values=c.get("values", {}),
+            metadata=c.get("metadata", {}),
+        )
 
     def read(self, fqn: str, box: Box) -> Done:
         file, base, info = self._entries[fqn]
@@ -199,7 +226,7 @@ def read_box(f, base: int, info: TensorInfo, box: Box) -> np.ndarray:
     shape, item = info.shape, out.itemsize
     partial = [d for d in range(len(shape)) if box.sizes[d] != shape[d]]
     j = partial[-1] if partial else 0  # dims after j are whole: a run spans dim j and everything after
-    run = box.sizes[j] * math.prod(shape[j + 1:]) if shape else 1
+    run = box.sizes[j] * math.prod(shape[j + 1 :]) if shape else 1
     rows = out.reshape(-1, run)
     outer = itertools.product(*[range(o, o + s) for o, s in zip(box.offsets[:j], box.sizes[:j], strict=True)])
     for row, index in zip(rows, outer, strict=True):

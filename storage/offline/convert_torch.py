@@ -56,9 +56,15 @@ class TorchSink:
         for i, group in enumerate(self._groups):
             self._file_of.update({info.fqn: i for info in group})
         self._left = [sum(math.prod(i.shape) * itemsize(i.dtype) for i in g) for g in self._groups]
-        self._meta = {"total_size": sum(self._left),
-                      "resilient": {"step": state.step, "world_size": state.world_size, "values": state.values,
-                                    "metadata": metadata}}
+        self._meta = {
+            "total_size": sum(self._left),
+            "resilient": {
+                "step": state.step,
+                "world_size": state.world_size,
+                "values": state.values,
+                "metadata": metadata,
+            },
+        }
         os.makedirs(self.directory, exist_ok=True)
 
     def blocks(self, info: TensorInfo) -> list[Box]:
@@ -155,8 +161,12 @@ class TorchSource:
 
     def state(self) -> SourceState:
         c = self._carried
-        return SourceState(step=c.get("step"), world_size=c.get("world_size", 1),
-                           values=c.get("values", self._values), metadata=c.get("metadata", {}))
+        return SourceState(
+            step=c.get("step"),
+            world_size=c.get("world_size", 1),
+            values=c.get("values", self._values),
+            metadata=c.get("metadata", {}),
+        )
 
     def read(self, fqn: str, box: Box) -> Done:
         file = self._file_of[fqn]

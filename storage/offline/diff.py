@@ -31,8 +31,12 @@ class TensorDiff:
 
     def to_json(self) -> dict:
         big = self.max_abs_diff
-        return {"fqn": self.fqn, "numel": self.numel, "changed_elements": self.changed_elements,
-                "max_abs_diff": big if math.isfinite(big) else str(big)}
+        return {
+            "fqn": self.fqn,
+            "numel": self.numel,
+            "changed_elements": self.changed_elements,
+            "max_abs_diff": big if math.isfinite(big) else str(big),
+        }
 
 
 def block_difference(a: np.ndarray, b: np.ndarray, atol: float) -> tuple[int, float]:
@@ -86,25 +90,47 @@ def diff_steps(
     for fqn in common:
         ea, eb = arrays_a[fqn], arrays_b[fqn]
         if ea.shape != eb.shape or ea.dtype != eb.dtype:
-            layout_changed.append({"fqn": fqn, "a": {"shape": ea.shape, "dtype": ea.dtype},
-                                   "b": {"shape": eb.shape, "dtype": eb.dtype}})
+            layout_changed.append(
+                {"fqn": fqn, "a": {"shape": ea.shape, "dtype": ea.dtype}, "b": {"shape": eb.shape, "dtype": eb.dtype}}
+            )
     skip = {d["fqn"] for d in layout_changed}
     diffs = _stream_diffs(a, b, [f for f in common if f not in skip], atol, block_bytes, budget_bytes, progress)
     changed = [d.to_json() for d in diffs if d.changed_elements]
     out = {
-        "a": a.url, "b": b.url, "atol": atol,
-        "added": sorted(names_b - names_a), "removed": sorted(names_a - names_b),
-        "shape_or_dtype_changed": layout_changed, "changed": changed,
+        "a": a.url,
+        "b": b.url,
+        "atol": atol,
+        "added": sorted(names_b - names_a),
+        "removed": sorted(names_a - names_b),
+        "shape_or_dtype_changed": layout_changed,
+        "changed": changed,
         "unchanged": len(diffs) - len(changed),
         **_compare_values(a.manifest.values, b.manifest.values, patterns or []),
     }
-    out["identical"] = not any(out[k] for k in ("added", "removed", "shape_or_dtype_changed", "changed",
-                                                "values_added", "values_removed", "values_changed"))
+    out["identical"] = not any(
+        out[k]
+        for k in (
+            "added",
+            "removed",
+            "shape_or_dtype_changed",
+            "changed",
+            "values_added",
+            "values_removed",
+            "values_changed",
+        )
+    )
     return out
 
 
-def _stream_diffs(a: CheckpointRef, b: CheckpointRef, fqns: list[str], atol: float, block_bytes: int,
-                  budget_bytes: int, progress: Callable[[int], None] | None) -> list[TensorDiff]:
+def _stream_diffs(
+    a: CheckpointRef,
+    b: CheckpointRef,
+    fqns: list[str],
+    atol: float,
+    block_bytes: int,
+    budget_bytes: int,
+    progress: Callable[[int], None] | None,
+) -> list[TensorDiff]:
     src_a, src_b = ResilientSource(a), ResilientSource(b)
     src_a.open(fqns)
     src_b.open(fqns)
@@ -127,8 +153,9 @@ def _stream_diffs(a: CheckpointRef, b: CheckpointRef, fqns: list[str], atol: flo
     return results
 
 
-def _fold(result: TensorDiff, pair: tuple[np.ndarray, np.ndarray], atol: float,
-          progress: Callable[[int], None] | None) -> None:
+def _fold(
+    result: TensorDiff, pair: tuple[np.ndarray, np.ndarray], atol: float, progress: Callable[[int], None] | None
+) -> None:
     changed, biggest = block_difference(pair[0], pair[1], atol)
     result.changed_elements += changed
     result.max_abs_diff = max(result.max_abs_diff, biggest)

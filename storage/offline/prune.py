@@ -43,5 +43,13 @@ def prune(url: str, keep_last: int, *, dry_run: bool = False) -> dict:
     if not dry_run:
         delete_step_keys(store, doomed)
     kept = [s for s in listing.committed if s not in {_step_of(k) for k in doomed if "/" not in k}]
-    return {"root": location.url, "keep_last": keep_last, "dry_run": dry_run, "latest": latest,
-            "planned": doomed, "deleted": [] if dry_run else doomed, "spared": spared, "kept_committed": kept}
+    return {
+        "root": location.url,
+        "keep_last": keep_last,
+        "dry_run": dry_run,
+        "latest": latest,
+        "planned": doomed,
+        "deleted": [] if dry_run else doomed,
+        "spared": spared,
+        "kept_committed": kept,
+    }

@@ -99,9 +99,11 @@ def mesh_layout(mesh: dict[str, int], shard_bytes: int, inner_bytes: int = DEFAU
     return layout
 
 
-def chunks_layout(rules: list[ChunkRule], fallback: Layout, max_shard_bytes: int,
-                  inner_bytes: int = DEFAULT_INNER_CHUNK_BYTES) -> Layout:
+def chunks_layout(
+    rules: list[ChunkRule], fallback: Layout, max_shard_bytes: int, inner_bytes: int = DEFAULT_INNER_CHUNK_BYTES
+) -> Layout:
     """The first rule whose glob matches a tensor sets its shapes; other tensors use ``fallback``."""
+
     def layout(info: TensorInfo) -> tuple[tuple[int, ...], tuple[int, ...]]:
         for glob, shard, inner in rules:
             if fnmatch.fnmatchcase(info.fqn, glob) and info.shape:
@@ -111,35 +113,59 @@ def chunks_layout(rules: list[ChunkRule], fallback: Layout, max_shard_bytes: int
     return layout
 
 
-def _checked(info: TensorInfo, shard: tuple[int, ...], inner: tuple[int, ...] | None, max_shard_bytes: int,
-             inner_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _checked(
+    info: TensorInfo, shard: tuple[int, ...], inner: tuple[int, ...] | None, max_shard_bytes: int, inner_bytes: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     item = itemsize(info.dtype)
     if len(shard) != len(info.shape):
-        raise ConfigError(f"--chunks gives a {len(shard)}-d shard shape {list(shard)} for tensor {info.fqn!r} "
-                          f"of shape {list(info.shape)}")
+        raise ConfigError(
+            f"--chunks gives a {len(shard)}-d shard shape {list(shard)} for tensor {info.fqn!r} "
+            f"of shape {list(info.shape)}"
+        )
     shard = tuple(min(s, max(n, 1)) for s, n in zip(shard, info.shape, strict=True))
     if math.prod(shard) * item > max_shard_bytes:
-        raise ConfigError(f"--chunks shard {list(shard)} of {info.fqn!r} is {math.prod(shard) * item} bytes; a shard "
-                          f"is written whole from memory: keep it under {max_shard_bytes} (--max-memory / 4)")
+        raise ConfigError(
+            f"--chunks shard {list(shard)} of {info.fqn!r} is {math.prod(shard) * item} bytes; a shard "
+            f"is written whole from memory: keep it under {max_shard_bytes} (--max-memory / 4)"
+        )
     inner = choose_inner_shape(shard, item, inner_bytes) if inner is None else inner
     if len(inner) != len(shard) or any(s % i for s, i in zip(shard, inner, strict=True)):
-        raise ConfigError(f"--chunks inner shape {list(inner)} must divide the shard shape {list(shard)} "
-                          f"of {info.fqn!r}")
+        raise ConfigError(
+            f"--chunks inner shape {list(inner)} must divide the shard shape {list(shard)} of {info.fqn!r}"
+        )
     return shard, inner
 
 
-def reshard(src: str, dst: str, *, layout: Layout, origin: dict, config: StreamConfig, step: int | None = None,
-            out_step: int | None = None, progress: Callable[[int], None] | None = None) -> dict:
+def reshard(
+    src: str,
+    dst: str,
+    *,
+    layout: Layout,
+    origin: dict,
+    config: StreamConfig,
+    step: int | None = None,
+    out_step: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
     """Rewrite one step of ``src`` as a new committed step under ``dst`` with ``layout``."""
     ref = open_checkpoint(src, step)
     source = ResilientSource(ref)
     state = source.state()
-    metadata = {**state.metadata, "resharded_from": {"url": ref.url, "step": ref.step,
-                                                       "attempt": ref.manifest.attempt, **origin}}
+    metadata = {
+        **state.metadata,
+        "resharded_from": {"url": ref.url, "step": ref.step, "attempt": ref.manifest.attempt, **origin},
+    }
     for info in source.tensors():
         layout(info)  # a bad --chunks rule fails here, before the output root is created
     sink = resilient_sink(dst, ref.step if out_step is None else out_step, layout)
     manifest = stream(source, sink, source.tensors(), state, metadata, config, progress)
     shards = sum(len(a.regions) for a in manifest.arrays.values())
-    return {"src": ref.url, "dst": sink.url, "step": manifest.step, "tensors": len(manifest.arrays),
-            "bytes": manifest.total_bytes, "shards": shards, "resharded_from": metadata["resharded_from"]}
+    return {
+        "src": ref.url,
+        "dst": sink.url,
+        "step": manifest.step,
+        "tensors": len(manifest.arrays),
+        "bytes": manifest.total_bytes,
+        "shards": shards,
+        "resharded_from": metadata["resharded_from"],
+    }

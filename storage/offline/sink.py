@@ -105,12 +105,22 @@ class ResilientSink:
         self._state, self._metadata = state, metadata
         for info in infos:
             shard, inner = self.layout(info)
-            plan = ArrayPlan(info.fqn, info.shape, info.dtype, shard, inner, info.placements, info.mesh_shape,
-                             info.mesh_dim_names, [Region(b, 0) for b in grid_boxes(info.shape, shard)])
+            plan = ArrayPlan(
+                info.fqn,
+                info.shape,
+                info.dtype,
+                shard,
+                inner,
+                info.placements,
+                info.mesh_shape,
+                info.mesh_dim_names,
+                [Region(b, 0) for b in grid_boxes(info.shape, shard)],
+            )
             self.plans[info.fqn], self._infos[info.fqn] = plan, info
             # Every open is issued before any is awaited: TensorStore overlaps them.
-            self._opened[info.fqn] = open_array(self.location, f"{self.attempt_key}/{array_path(info.fqn)}",
-                                                plan_metadata(plan), self._context)
+            self._opened[info.fqn] = open_array(
+                self.location, f"{self.attempt_key}/{array_path(info.fqn)}", plan_metadata(plan), self._context
+            )
 
     def blocks(self, info: TensorInfo) -> list[Box]:
         return [r.box for r in self.plans[info.fqn].regions]
@@ -125,10 +135,13 @@ class ResilientSink:
         for future in write_zarr_documents(self.location, self.attempt_key, self.plans, self._context, self.step):
             future.result()
         manifest = Manifest(
-            step=self.step, attempt=self.attempt, world_size=self._state.world_size,
+            step=self.step,
+            attempt=self.attempt,
+            world_size=self._state.world_size,
             arrays={fqn: manifest_entry(p, self._crcs) for fqn, p in self.plans.items()},
-            values=self._state.values, metadata=self._metadata, versions=library_versions(),
+            values=self._state.values,
+            metadata=self._metadata,
+            versions=library_versions(),
         )
         commit_manifest(self.store, manifest)
         return manifest
-

@@ -91,8 +91,17 @@ class ResilientSource:
         out = []
         for fqn, a in sorted(self.ref.manifest.arrays.items()):
             chunks = tuple(Box(tuple(r["offsets"]), tuple(r["sizes"])) for r in a.regions)
-            out.append(TensorInfo(fqn, tuple(a.shape), a.dtype, chunks, tuple(a.placements),
-                                  tuple(a.mesh_shape), tuple(a.mesh_dim_names)))
+            out.append(
+                TensorInfo(
+                    fqn,
+                    tuple(a.shape),
+                    a.dtype,
+                    chunks,
+                    tuple(a.placements),
+                    tuple(a.mesh_shape),
+                    tuple(a.mesh_dim_names),
+                )
+            )
         return out
 
     def state(self) -> SourceState:
@@ -108,8 +117,9 @@ class ResilientSource:
             if fqn not in self._opened:
                 a = self.ref.manifest.arrays[fqn]
                 meta = array_metadata(a.shape, a.dtype, a.shard_shape, a.inner_shape)
-                self._opened[fqn] = open_array(self.ref.location, f"{self.ref.attempt_key}/{a.path}", meta,
-                                               self._context)
+                self._opened[fqn] = open_array(
+                    self.ref.location, f"{self.ref.attempt_key}/{a.path}", meta, self._context
+                )
 
     def read(self, fqn: str, box: Box) -> Pending:
         self.open([fqn])

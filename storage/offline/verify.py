@@ -54,9 +54,15 @@ class StepReport:
         return not self.problems
 
     def to_json(self) -> dict:
-        return {"step": self.step, "url": self.url, "ok": self.ok, "tensors": self.tensors,
-                "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3),
-                "problems": [p.to_json() for p in self.problems]}
+        return {
+            "step": self.step,
+            "url": self.url,
+            "ok": self.ok,
+            "tensors": self.tensors,
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 3),
+            "problems": [p.to_json() for p in self.problems],
+        }
 
 
 def shard_key(entry: ArrayEntry, index: tuple[int, ...]) -> str:
@@ -66,8 +72,9 @@ def shard_key(entry: ArrayEntry, index: tuple[int, ...]) -> str:
 
 def region_shards(entry: ArrayEntry, box: Box) -> list[tuple[int, ...]]:
     """Grid indices of the shards a (shard-aligned) region covers; ``[()]`` for a 0-d array."""
-    ranges = [range(o // s, math.ceil((o + n) / s))
-              for o, n, s in zip(box.offsets, box.sizes, entry.shard_shape, strict=True)]
+    ranges = [
+        range(o // s, math.ceil((o + n) / s)) for o, n, s in zip(box.offsets, box.sizes, entry.shard_shape, strict=True)
+    ]
     return list(itertools.product(*ranges))
 
 
@@ -108,8 +115,9 @@ class _RegionCheck:
 
 
 class _StepVerifier:
-    def __init__(self, ref: CheckpointRef, block_bytes: int, budget_bytes: int,
-                 progress: Callable[[int], None] | None) -> None:
+    def __init__(
+        self, ref: CheckpointRef, block_bytes: int, budget_bytes: int, progress: Callable[[int], None] | None
+    ) -> None:
         self.ref, self.block_bytes, self.progress = ref, block_bytes, progress
         self.report = StepReport(ref.step, ref.url)
         self.source = ResilientSource(ref)
@@ -121,9 +129,13 @@ class _StepVerifier:
     def run(self, fqns: list[str]) -> StepReport:
         keys = set(self.ref.store.list_keys(self.ref.attempt_key))
         if not keys:
-            self.problem(None, "attempt-missing", None,
-                         f"step {self.ref.step}: the committed attempt {self.ref.url}/{self.ref.manifest.attempt} "
-                         "holds no objects; the step's data is gone")
+            self.problem(
+                None,
+                "attempt-missing",
+                None,
+                f"step {self.ref.step}: the committed attempt {self.ref.url}/{self.ref.manifest.attempt} "
+                "holds no objects; the step's data is gone",
+            )
             return self.report
         self.source.open(fqns)
         for fqn in fqns:
@@ -139,10 +151,14 @@ class _StepVerifier:
             box = Box(tuple(region["offsets"]), tuple(region["sizes"]))
             missing = [shard_key(entry, i) for i in region_shards(entry, box) if shard_key(entry, i) not in keys]
             if missing:
-                self.problem(entry.fqn, "missing-object", missing[0],
-                             f"tensor {entry.fqn!r} at step {self.ref.step}: shard object {missing[0]!r} "
-                             f"({len(missing)} in region offsets={region['offsets']}) does not exist under "
-                             f"{self.ref.url}/{self.ref.manifest.attempt}")
+                self.problem(
+                    entry.fqn,
+                    "missing-object",
+                    missing[0],
+                    f"tensor {entry.fqn!r} at step {self.ref.step}: shard object {missing[0]!r} "
+                    f"({len(missing)} in region offsets={region['offsets']}) does not exist under "
+                    f"{self.ref.url}/{self.ref.manifest.attempt}",
+                )
                 continue
             self.check_region(entry, region, box)
 
@@ -170,10 +186,14 @@ class _StepVerifier:
         if check.blocks_left == 0 and check.crc != check.region["crc32c"]:
             check.failed = True
             chunk = shard_key(check.entry, region_shards(check.entry, check.box)[0])
-            self.problem(check.entry.fqn, "checksum", chunk,
-                         f"tensor {check.entry.fqn!r} at step {self.ref.step}: region offsets="
-                         f"{check.region['offsets']} reads back with crc32c {check.crc:#010x}, the manifest "
-                         f"records {check.region['crc32c']:#010x}: the object holds other data than was saved")
+            self.problem(
+                check.entry.fqn,
+                "checksum",
+                chunk,
+                f"tensor {check.entry.fqn!r} at step {self.ref.step}: region offsets="
+                f"{check.region['offsets']} reads back with crc32c {check.crc:#010x}, the manifest "
+                f"records {check.region['crc32c']:#010x}: the object holds other data than was saved",
+            )
 
     def fail(self, check: _RegionCheck, err: Exception) -> None:
         check.blocks_left -= 1

@@ -12,8 +12,10 @@ pytestmark = [pytest.mark.timeout(30)]
 
 
 def _commits(times: list[float]) -> list[dict]:
-    return [{"t": t, "event": "step", "committed": True, "step": i + 1, "group": 0, "participants": 2}
-            for i, t in enumerate(times)]  # fmt: skip
+    return [
+        {"t": t, "event": "step", "committed": True, "step": i + 1, "group": 0, "participants": 2}
+        for i, t in enumerate(times)
+    ]
 
 
 def _cost(start: float, end: float, detected_s: float = 1.0) -> dict:
@@ -58,8 +60,12 @@ def _restore(t: float, rank: int, source: str) -> dict:
 
 
 def test_restore_check_takes_each_killed_ranks_first_restore_after_the_fault() -> None:
-    events = [_restore(1.0, 0, "fresh"), _restore(12.0, 1, "own"), _restore(12.5, 0, "buddy"),
-              _restore(30.0, 0, "persistent")]  # fmt: skip
+    events = [
+        _restore(1.0, 0, "fresh"),
+        _restore(12.0, 1, "own"),
+        _restore(12.5, 0, "buddy"),
+        _restore(30.0, 0, "persistent"),
+    ]
     check = restore_check(_node_fault(), events)
     assert check == {"expected": "buddy", "got": {"group0.rank0": "buddy"}, "ok": True}
     check = restore_check(_node_fault(expected="own"), events)

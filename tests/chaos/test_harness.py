@@ -52,8 +52,11 @@ def test_moto_that_never_listens_leaks_neither_process_nor_log(tmp_path: Path, m
         return procs[-1]
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
-    monkeypatch.setattr(MotoServer, "_wait_listening", lambda self, timeout_s, log_path: (_ for _ in ()).throw(
-        TimeoutError("did not listen")))  # fmt: skip
+    monkeypatch.setattr(
+        MotoServer,
+        "_wait_listening",
+        lambda self, timeout_s, log_path: (_ for _ in ()).throw(TimeoutError("did not listen")),
+    )
     log = tmp_path / "moto.log"
     with pytest.raises(TimeoutError):
         MotoServer(str(log))
@@ -99,8 +102,13 @@ def test_a_failed_twin_is_a_failed_twin_match_not_a_crash(tmp_path: Path, monkey
 
     monkeypatch.setattr(harness, "get_twin", failing_twin)
     scenario = load_scenario("smoke")
-    run = inv.RunData(run_dir=str(tmp_path / "run"), groups=2, steps=scenario.job.steps,
-                      checkpoint_url=str(tmp_path / "run" / "ckpt"), returncode=0)  # fmt: skip
+    run = inv.RunData(
+        run_dir=str(tmp_path / "run"),
+        groups=2,
+        steps=scenario.job.steps,
+        checkpoint_url=str(tmp_path / "run" / "ckpt"),
+        returncode=0,
+    )
     for group in range(2):
         path = Path(run.group_file(group, "final.json"))
         path.parent.mkdir(parents=True)

@@ -36,10 +36,15 @@ while True:
 @pytest.fixture
 def node(tmp_path: Path):
     run_dir = str(tmp_path / "run")
-    config = SimpleNamespace(recovery=RecoveryConfig(store_dir=str(tmp_path / "ram"), ranks_per_node=1),
-                             checkpoint=SimpleNamespace(memory_every=2))  # fmt: skip
-    job = SimpleNamespace(run_dir=run_dir, chaos_dir=os.path.join(run_dir, "chaos"),
-                          job=SimpleNamespace(nproc_per_group=2, ranks_per_node=1, replica_groups=1))  # fmt: skip
+    config = SimpleNamespace(
+        recovery=RecoveryConfig(store_dir=str(tmp_path / "ram"), ranks_per_node=1),
+        checkpoint=SimpleNamespace(memory_every=2),
+    )
+    job = SimpleNamespace(
+        run_dir=run_dir,
+        chaos_dir=os.path.join(run_dir, "chaos"),
+        job=SimpleNamespace(nproc_per_group=2, ranks_per_node=1, replica_groups=1),
+    )
     procs = []
 
     def start_rank(rank: int, store: str) -> subprocess.Popen:

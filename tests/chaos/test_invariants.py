@@ -28,8 +28,13 @@ def _write_lines(path: str, records: list[dict]) -> None:
 
 def _run(tmp_path: Path, groups: int = 2, **kwargs: object) -> inv.RunData:
     fields = {"returncode": 0, **kwargs}
-    return inv.RunData(run_dir=str(tmp_path / "run"), groups=groups, steps=STEPS,
-                       checkpoint_url=str(tmp_path / "run" / "ckpt"), **fields)  # fmt: skip
+    return inv.RunData(
+        run_dir=str(tmp_path / "run"),
+        groups=groups,
+        steps=STEPS,
+        checkpoint_url=str(tmp_path / "run" / "ckpt"),
+        **fields,
+    )
 
 
 def _final(run: inv.RunData, group: int, step: int = STEPS, params: str = "p" * 64, optim: str = "o" * 64) -> None:
@@ -43,8 +48,10 @@ def _samples(run: inv.RunData, group: int, by_step: dict[int, list[str]]) -> Non
 
 
 def _digests(run: inv.RunData, group: int, by_step: dict[int, str]) -> None:
-    _write_lines(digest_path(os.path.join(run.run_dir, "chaos"), group),
-                 [{"t": float(s), "step": s, "params_sha256": d} for s, d in by_step.items()])  # fmt: skip
+    _write_lines(
+        digest_path(os.path.join(run.run_dir, "chaos"), group),
+        [{"t": float(s), "step": s, "params_sha256": d} for s, d in by_step.items()],
+    )
 
 
 def test_finished_fails_on_timeout_exit_code_and_short_final(tmp_path: Path) -> None:
@@ -75,8 +82,12 @@ def test_commits_verify_fails_on_a_bad_step_and_on_an_undetected_corruption(tmp_
     # The scenario says it corrupted step 1, but nothing was flipped: detection missed it.
     verdict = inv.commits_verify(run, {1: "w/c/0"})
     assert not verdict["ok"] and "injected corruption NOT detected" in verdict["reason"]
-    chunks = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(run.checkpoint_url, "step-000000002"))
-              for f in fs if f"{os.sep}c{os.sep}" in os.path.join(d, f)]  # fmt: skip
+    chunks = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(os.path.join(run.checkpoint_url, "step-000000002"))
+        for f in fs
+        if f"{os.sep}c{os.sep}" in os.path.join(d, f)
+    ]
     data = bytearray(Path(chunks[0]).read_bytes())
     data[len(data) // 2] ^= 0xFF
     Path(chunks[0]).write_bytes(bytes(data))

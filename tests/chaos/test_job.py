@@ -23,8 +23,9 @@ print(child.pid, flush=True)
 
 
 def test_leftovers_lists_processes_of_the_launchers_session_it_never_saw() -> None:
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)  # fmt: skip
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     orphan = int(launcher.stdout.readline())
     launcher.wait(timeout=30)
     proc = JobProcess.__new__(JobProcess)  # only the census: no job is launched

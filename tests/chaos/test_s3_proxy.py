@@ -22,8 +22,14 @@ def proxied():
     try:
         moto.create_bucket("bkt")
         no_retries = botocore.config.Config(retries={"max_attempts": 1, "mode": "standard"})
-        client = boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1", aws_access_key_id="testing",
-                              aws_secret_access_key="testing", config=no_retries)  # fmt: skip
+        client = boto3.client(
+            "s3",
+            endpoint_url=proxy.url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            config=no_retries,
+        )
         yield proxy, client
     finally:
         proxy.close()

@@ -13,11 +13,17 @@ from resilient.errors import ConfigError
 pytestmark = [pytest.mark.timeout(30)]
 
 BASE = {
-    "job": {"config": "configs/tiny.toml", "replica_groups": 2, "nproc_per_group": 2, "ranks_per_node": 1,
-            "steps": 20, "set": ["parallel.tp=1"]},
+    "job": {
+        "config": "configs/tiny.toml",
+        "replica_groups": 2,
+        "nproc_per_group": 2,
+        "ranks_per_node": 1,
+        "steps": 20,
+        "set": ["parallel.tp=1"],
+    },
     "fault": [{"kind": "kill_rank", "at_step": 5, "group": 1, "rank": 0}],
     "check": {"max_steps_lost_per_fault": 2},
-}  # fmt: skip
+}
 
 
 def _with(**changes: object) -> dict:
@@ -50,9 +56,11 @@ def test_valid_scenario_parses_with_defaults() -> None:
         ({"fault__rank": 2}, "fault[0] (kill_rank).rank=2 must be an integer [0, 1]"),
         ({"fault__at_step": 20}, "fault[0] (kill_rank).at_step=20 must be an integer [1, 19]"),
         ({"fault__rate": 0.5}, "unknown key(s) ['rate']; kill_rank takes ['expect_restore_source', 'group', 'rank']"),
-        ({"fault__expect_restore_source": "disk"},
-         "fault[0] (kill_rank).expect_restore_source='disk' must be one of ['own', 'buddy', 'persistent', 'peer', "
-         "'fresh']"),
+        (
+            {"fault__expect_restore_source": "disk"},
+            "fault[0] (kill_rank).expect_restore_source='disk' must be one of ['own', 'buddy', 'persistent', 'peer', "
+            "'fresh']",
+        ),
         ({"fault__at_time_s": 3.0}, "give exactly one of at_step, at_time_s or random = true"),
         ({"fault__at_step": None}, "give exactly one of at_step, at_time_s or random = true (got none)"),
         ({"job__storage": "nfs"}, "job.storage='nfs' must be one of ['local', 's3']"),

@@ -17,14 +17,30 @@ import pytest
 pytestmark = [pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
-INVARIANTS = {"finished", "commits_verify", "exactly_once", "replicas_identical", "twin_match",
-              "steps_lost_within_bound", "no_orphans"}  # fmt: skip
+INVARIANTS = {
+    "finished",
+    "commits_verify",
+    "exactly_once",
+    "replicas_identical",
+    "twin_match",
+    "steps_lost_within_bound",
+    "no_orphans",
+}
 GOODPUT = {"total_s", "productive_s", "detect_s", "reconfigure_s", "reload_s", "replay_s"}
 
 
 def _chaos(scenario: str, report: Path, cache: str, timeout_s: float = 200) -> tuple[int, dict, str]:
-    command = [sys.executable, "-m", "resilient.tools.chaos", "run", scenario, "--report", str(report),
-               "--cache", cache]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "resilient.tools.chaos",
+        "run",
+        scenario,
+        "--report",
+        str(report),
+        "--cache",
+        cache,
+    ]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     out = proc.stdout + proc.stderr
     assert (report / "report.json").exists(), out[-3000:]
@@ -47,8 +63,10 @@ def test_smoke_scenario_passes_and_reports(tmp_path: Path, twin_cache: str) -> N
     assert 0 < fault["detected_s"] <= fault["recovered_s"] < 60, fault
     assert set(report["goodput"]) >= GOODPUT
     good = report["goodput"]
-    parts = sum(good[k] for k in ("productive_s", "detect_s", "reconfigure_s", "reload_s", "replay_s",
-                                  "startup_s", "shutdown_s"))  # fmt: skip
+    parts = sum(
+        good[k]
+        for k in ("productive_s", "detect_s", "reconfigure_s", "reload_s", "replay_s", "startup_s", "shutdown_s")
+    )
     assert good["productive_s"] > 0 and good["detect_s"] > 0
     assert parts == pytest.approx(good["total_s"], abs=0.1), good
     assert report["run"]["restarts"] == [[1, 1]], "only group 1 restarted, once"

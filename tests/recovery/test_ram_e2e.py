@@ -38,20 +38,34 @@ HOOK = "tests.recovery.ram_hooks:pace"
 
 def _command(run_dir: Path, store: Path, nproc: int, *extra: str) -> list[str]:
     sets = [
-        f'run.dir="{run_dir}"', f"run.steps={STEPS}", "parallel.tp=1", f"parallel.dp_shard={nproc}",
-        "data.log_samples=true", "checkpoint.memory_every=2", "checkpoint.persist_every=100",
-        "recovery.ranks_per_node=1", f'recovery.store_dir="{store}"', f'run.step_hooks=["{HOOK}"]',
-        "run.log_every=1000", *extra,
-    ]  # fmt: skip
+        f'run.dir="{run_dir}"',
+        f"run.steps={STEPS}",
+        "parallel.tp=1",
+        f"parallel.dp_shard={nproc}",
+        "data.log_samples=true",
+        "checkpoint.memory_every=2",
+        "checkpoint.persist_every=100",
+        "recovery.ranks_per_node=1",
+        f'recovery.store_dir="{store}"',
+        f'run.step_hooks=["{HOOK}"]',
+        "run.log_every=1000",
+        *extra,
+    ]
     command = [sys.executable, "-m", "resilient.tools.train", "--nproc", str(nproc), "--max-restarts", "1"]
     return command + ["--config", TINY, *[a for s in sets for a in ("--set", s)]]
 
 
 def _start(command: list[str], step_sleep: float = 0.0) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RESILIENT_GROUP": "0",
-           "RESILIENT_TEST_STEP_SLEEP": str(step_sleep)}  # fmt: skip
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "RESILIENT_GROUP": "0",
+        "RESILIENT_TEST_STEP_SLEEP": str(step_sleep),
+    }
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> str:

@@ -33,14 +33,26 @@ RUN_TIMEOUT_S = 150
 
 def _launch(run_dir: Path, steps: int, env: dict[str, str]) -> subprocess.Popen:
     sets = [
-        f'run.dir="{run_dir}"', "parallel.tp=1", f"run.steps={steps}", "data.log_samples=true",
-        "checkpoint.persist_every=4", f'run.step_hooks=["{HOOK}"]', "run.log_every=1000",
-    ]  # fmt: skip
+        f'run.dir="{run_dir}"',
+        "parallel.tp=1",
+        f"run.steps={steps}",
+        "data.log_samples=true",
+        "checkpoint.persist_every=4",
+        f'run.step_hooks=["{HOOK}"]',
+        "run.log_every=1000",
+    ]
     command = [sys.executable, "-m", "resilient.tools.train", "--replica-groups", "2", "--nproc-per-group", "2"]
     command += ["--config", TINY, "--max-restarts", "2", *[a for s in sets for a in ("--set", s)]]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> str:
@@ -207,10 +219,12 @@ def test_group_killed_again_while_healing_finishes_exactly_once(tmp_path: Path) 
     state fetched but not applied, and is SIGKILLed there; attempt 2 heals and the job finishes."""
     run_dir, faults, steps, kill_at = tmp_path / "run", tmp_path / "faults", 16, 4
     env = {
-        "RESILIENT_TEST_STEP_SLEEP": "0.15", "RESILIENT_TEST_HOLD_STEP": "7,12",
+        "RESILIENT_TEST_STEP_SLEEP": "0.15",
+        "RESILIENT_TEST_HOLD_STEP": "7,12",
         "RESILIENT_TEST_HOLD_SETTLE_S": "2",
-        "RESILIENT_FAULTS": "replica.heal_load.attempt1=pause:60@rank1", "RESILIENT_FAULTS_DIR": str(faults),
-    }  # fmt: skip
+        "RESILIENT_FAULTS": "replica.heal_load.attempt1=pause:60@rank1",
+        "RESILIENT_FAULTS_DIR": str(faults),
+    }
     t_launch = time.time()
     proc = _launch(run_dir, steps, env)
     _wait_for_step(run_dir, 1, kill_at, proc)
@@ -232,8 +246,11 @@ def test_group_killed_again_while_healing_finishes_exactly_once(tmp_path: Path) 
     assert joins == [0, 1, 2], joins
     restart = next(e for e in events if e["event"] == "start" and e["group"] == 1 and e["attempt"] == 2)
     attempt1 = next(e["t"] for e in events if e["event"] == "joining" and e["group"] == 1 and e["attempt"] == 1)
-    assert not [e for e in events if e["event"] == "step" and e["group"] == 1 and attempt1 < e["t"] < restart["t"]
-                and e["committed"]], "the group killed mid-heal never committed a step"  # fmt: skip
+    assert not [
+        e
+        for e in events
+        if e["event"] == "step" and e["group"] == 1 and attempt1 < e["t"] < restart["t"] and e["committed"]
+    ], "the group killed mid-heal never committed a step"
     assert restart["source"] == "peer" and restart["step"] > kill_at and restart["heal_bytes"] > 0
     g1_healed = [e for e in events if e["event"] == "step" and e["group"] == 1 and e["healed"]]
     assert g1_healed and g1_healed[-1]["committed"] and g1_healed[-1]["participants"] == 2, g1_healed

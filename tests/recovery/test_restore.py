@@ -50,8 +50,16 @@ class _Trainer:
 
 def _restore(run_dir: Path, ckpt: Checkpointer, ram: RamTier | None = None, **kwargs: Any):
     trainer, said = _Trainer(), []
-    result = restore(trainer.target, trainer.apply, checkpointer=ckpt, ram=ram, run_dir=str(run_dir),
-                     say=said.append, layout=LAYOUT, **kwargs)  # fmt: skip
+    result = restore(
+        trainer.target,
+        trainer.apply,
+        checkpointer=ckpt,
+        ram=ram,
+        run_dir=str(run_dir),
+        say=said.append,
+        layout=LAYOUT,
+        **kwargs,
+    )
     return result, trainer, said
 
 
@@ -62,8 +70,15 @@ def _save(ckpt: Checkpointer, *steps: int) -> None:
 
 def _tier(store_dir: Path, *, rank: int = 0, world: int = 1) -> RamTier:
     config = RecoveryConfig(store_dir=str(store_dir), ranks_per_node=1, replication_timeout_s=30.0)
-    ram = RamTier(config, keep=2, run_dir=str(store_dir / "run"), group=0, rank=rank, world_size=world,
-                  fingerprint={"dp_shard": world, "tp": 1})  # fmt: skip
+    ram = RamTier(
+        config,
+        keep=2,
+        run_dir=str(store_dir / "run"),
+        group=0,
+        rank=rank,
+        world_size=world,
+        fingerprint={"dp_shard": world, "tp": 1},
+    )
     ram.start()
     return ram
 
@@ -99,9 +114,19 @@ def test_nothing_anywhere_is_a_fresh_start_with_one_event(tmp_path, ckpt):
     assert result == RestoreResult(step=0, source="fresh", seconds=result.seconds)
     assert trainer.built == 1 and trainer.applied is None
     assert said == [f"no checkpoint under {ckpt.url}: starting at step 0"]
-    assert _restore_events(tmp_path / "run") == [{"event": "restore", "group": 0, "rank": 0, "step": 0,
-                                                   "source": "fresh", "bytes": 0, "seconds": round(result.seconds, 6),
-                                                   "storage_reads": 0, "excluded": []}]  # fmt: skip
+    assert _restore_events(tmp_path / "run") == [
+        {
+            "event": "restore",
+            "group": 0,
+            "rank": 0,
+            "step": 0,
+            "source": "fresh",
+            "bytes": 0,
+            "seconds": round(result.seconds, 6),
+            "storage_reads": 0,
+            "excluded": [],
+        }
+    ]
 
 
 def test_the_newest_committed_checkpoint_when_there_is_no_ram_tier(tmp_path, ckpt):
@@ -180,9 +205,19 @@ def test_a_peer_heal_comes_first_and_is_recorded_without_touching_storage(tmp_pa
     result, trainer, said = _restore(tmp_path / "run", ckpt, ram, peer=PeerHeal(step=7, bytes=1234, seconds=0.5))
     assert result == RestoreResult(step=7, source="peer", bytes=1234, seconds=0.5)
     assert trainer.built == 0 and trainer.applied is None and said == [] and ckpt.storage_reads == 0
-    assert _restore_events(tmp_path / "run") == [{"event": "restore", "group": 0, "rank": 0, "step": 7,
-                                                   "source": "peer", "bytes": 1234, "seconds": 0.5,
-                                                   "storage_reads": 0, "excluded": []}]  # fmt: skip
+    assert _restore_events(tmp_path / "run") == [
+        {
+            "event": "restore",
+            "group": 0,
+            "rank": 0,
+            "step": 7,
+            "source": "peer",
+            "bytes": 1234,
+            "seconds": 0.5,
+            "storage_reads": 0,
+            "excluded": [],
+        }
+    ]
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------

@@ -13,8 +13,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _info(fqn, shape, box, dtype="float32"):
-    return {"fqn": fqn, "shape": list(shape), "dtype": dtype, "box": box.to_json() if box else None,
-            "placements": [], "mesh_shape": [], "mesh_dim_names": []}
+    return {
+        "fqn": fqn,
+        "shape": list(shape),
+        "dtype": dtype,
+        "box": box.to_json() if box else None,
+        "placements": [],
+        "mesh_shape": [],
+        "mesh_dim_names": [],
+    }
 
 
 def _covered_once(plan):
@@ -76,8 +83,9 @@ def test_dp_replicated_tp_sharded_boxes_are_written_once():
 
 
 def test_zero_dim_and_empty_boxes():
-    per_rank = [[_info("step", (), Box((), ())), _info("w", (2, 3), Box((0, 0), (2, 3)) if r == 0 else None)]
-                for r in range(3)]
+    per_rank = [
+        [_info("step", (), Box((), ())), _info("w", (2, 3), Box((0, 0), (2, 3)) if r == 0 else None)] for r in range(3)
+    ]
     plans = plan_arrays(per_rank)
     assert plans["step"].shard_shape == () and len(plans["step"].regions) == 1
     assert [r.writer for r in plans["w"].regions] == [0]

@@ -111,9 +111,10 @@ def compare_to_reference(state: dict, path: str) -> int:
         expected = full[local.box.slices()] if shape else full
         got = local.data.detach().cpu()
         assert got.dtype == expected.dtype, (fqn, got.dtype, expected.dtype)
-        assert torch.equal(got.view(torch.uint8) if got.dim() else got.reshape(1).view(torch.uint8),
-                           expected.contiguous().view(torch.uint8) if expected.dim()
-                           else expected.reshape(1).view(torch.uint8)), f"{fqn} differs at box {local.box}"
+        assert torch.equal(
+            got.view(torch.uint8) if got.dim() else got.reshape(1).view(torch.uint8),
+            expected.contiguous().view(torch.uint8) if expected.dim() else expected.reshape(1).view(torch.uint8),
+        ), f"{fqn} differs at box {local.box}"
         checked += 1
     return checked
 

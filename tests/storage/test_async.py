@@ -86,8 +86,10 @@ def test_max_inflight_wait_policy_waits_and_says_so(tmp_path, monkeypatch):
     assert second.stats.policy == "waited" and second.stats.waited_s > 0.5
     assert ckpt.steps() == [1, 2]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [(r["step"], r["outcome"], r["policy"]) for r in lines] == [(1, "committed", "none"),
-                                                                        (2, "committed", "waited")]
+    assert [(r["step"], r["outcome"], r["policy"]) for r in lines] == [
+        (1, "committed", "none"),
+        (2, "committed", "waited"),
+    ]
     assert all(r["bytes_total"] == 256 * 64 * 4 + 64 * 2 and r["snapshot_s"] > 0 for r in lines)
 
 
@@ -140,8 +142,9 @@ _CHILD = textwrap.dedent("""
 
 def test_sigkill_during_background_persist_leaves_previous_step(tmp_path):
     env = {**os.environ, "RESILIENT_FAULTS_DIR": str(tmp_path / "faults")}
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "ck")], env=env, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "ck")], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "saving"
         marker = tmp_path / "faults" / "persist.first_region_issued.rank0"
@@ -186,8 +189,12 @@ _ENDS_WITH_SAVE_IN_FLIGHT = textwrap.dedent("""
 def test_script_ending_with_a_save_in_flight_exits_cleanly_and_commits_it(tmp_path, writer):
     # Before the exit drain, the writer thread freed the staging tensors after the interpreter began
     # finalizing and the process aborted ("terminate called without an active exception").
-    proc = subprocess.run([sys.executable, "-c", _ENDS_WITH_SAVE_IN_FLIGHT, str(tmp_path / "ck"), writer],
-                          capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENDS_WITH_SAVE_IN_FLIGHT, str(tmp_path / "ck"), writer],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode == 0, proc.stderr
     ckpt = Checkpointer(str(tmp_path / "ck"))
     target = {"w": torch.zeros(512, 512)}

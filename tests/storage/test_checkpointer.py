@@ -25,9 +25,12 @@ def make_state(seed: int = 0) -> dict:
             "ids": torch.arange(10, dtype=torch.int64) * (seed + 1),
             "mask": torch.tensor([True, False, True]),
         },
-        "optim": {"state": {"layers.0.w": {"step": torch.tensor(float(seed + 5)),
-                                           "exp_avg": torch.randn(64, 48, generator=g)}},
-                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["layers.0.w"]}]},
+        "optim": {
+            "state": {
+                "layers.0.w": {"step": torch.tensor(float(seed + 5)), "exp_avg": torch.randn(64, 48, generator=g)}
+            },
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["layers.0.w"]}],
+        },
         "step": 100 + seed,
         "data": {"version": 1, "fingerprint": "abc", "rows_consumed": 4096, "note": None},
     }

@@ -17,8 +17,15 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _plans():
-    info = lambda box: {"fqn": "w", "shape": [8, 2], "dtype": "float32", "box": box.to_json(),  # noqa: E731
-                        "placements": [], "mesh_shape": [], "mesh_dim_names": []}
+    info = lambda box: {
+        "fqn": "w",
+        "shape": [8, 2],
+        "dtype": "float32",
+        "box": box.to_json(),  # noqa: E731
+        "placements": [],
+        "mesh_shape": [],
+        "mesh_dim_names": [],
+    }
     return plan_arrays([[info(Box((0, 0), (4, 2)))], [info(Box((4, 0), (4, 2)))]])
 
 
@@ -32,8 +39,9 @@ def test_coverage_check_catches_missing_and_duplicate_shards():
     with pytest.raises(CommitError, match="'w' has 1 shard.s. never written and 0 written more than once"):
         check_coverage(plans, [_receipt(0, Box((0, 0), (4, 2))), _receipt(1)], step=3)
     with pytest.raises(CommitError, match="0 shard.s. never written and 1 written more than once"):
-        check_coverage(plans, [_receipt(0, Box((0, 0), (4, 2))), _receipt(1, Box((4, 0), (4, 2)),
-                                                                            Box((4, 0), (4, 2)))], step=3)
+        check_coverage(
+            plans, [_receipt(0, Box((0, 0), (4, 2))), _receipt(1, Box((4, 0), (4, 2)), Box((4, 0), (4, 2)))], step=3
+        )
 
 
 def test_manifest_is_created_exactly_once(tmp_path):
@@ -68,4 +76,5 @@ def test_retention_never_deletes_newest_or_newer_uncommitted(tmp_path):
     doomed = plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(2))
     assert doomed == ["step-000000001", "step-000000002/attempt-orphan"]
     assert plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(None)) == [
-        "step-000000002/attempt-orphan"]
+        "step-000000002/attempt-orphan"
+    ]

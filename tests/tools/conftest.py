@@ -17,8 +17,10 @@ def mixed_state(scale: float = 1.0) -> dict:
     return {
         "model": {
             "embed": {"weight": torch.randn(96, 40, generator=g) * scale},
-            "proj": {"weight": (torch.randn(40, 24, generator=g) * scale).to(torch.bfloat16),
-                     "bias": torch.zeros(0, 3)},
+            "proj": {
+                "weight": (torch.randn(40, 24, generator=g) * scale).to(torch.bfloat16),
+                "bias": torch.zeros(0, 3),
+            },
         },
         "optim": {"step": torch.tensor(12), "ids": torch.arange(10, dtype=torch.int64)},
         "data": {"rows_consumed": 4096, "seed": 7},

@@ -29,5 +29,8 @@ def dcp_load_world(rank: int, world: int, dcp_dir: str, ref_path: str) -> dict:
     state = state_of(model, opt)
     state["extra"] = {"epoch": 0, "tag": ""}
     dcp.load(state, checkpoint_id=dcp_dir)
-    return {"checked": compare_to_reference(state, ref_path), "extra": state["extra"],
-            "lr": state["optim"]["param_groups"][0]["lr"]}
+    return {
+        "checked": compare_to_reference(state, ref_path),
+        "extra": state["extra"],
+        "lr": state["optim"]["param_groups"][0]["lr"],
+    }

@@ -35,7 +35,8 @@ def test_safetensors_round_trip(tmp_path, saved, cli):
     assert set(index["weight_map"]) == set(tensors_of(state)) and index["metadata"]["total_size"] == result["bytes"]
     assert index["weight_map"]["model.embed.weight"] == "model-00001-of-00002.safetensors"
     assert {index["weight_map"][k] for k in index["weight_map"] if k != "model.embed.weight"} == {
-        "model-00002-of-00002.safetensors"}
+        "model-00002-of-00002.safetensors"
+    }
     for fqn, expected in tensors_of(state).items():
         with safe_open(os.path.join(out, index["weight_map"][fqn]), framework="pt") as f:
             got = f.get_tensor(fqn)
@@ -56,8 +57,9 @@ def test_torch_round_trip(tmp_path, saved, cli):
     result = cli.json("convert", root, out, "--to", "torch")
     (name,) = result["files"]
     plain = torch.load(os.path.join(out, name), weights_only=True)  # a flat state dict, no pickled objects
-    assert plain.keys() == tensors_of(state).keys() and torch.equal(plain["model.proj.weight"],
-                                                                      state["model"]["proj"]["weight"])
+    assert plain.keys() == tensors_of(state).keys() and torch.equal(
+        plain["model.proj.weight"], state["model"]["proj"]["weight"]
+    )
     back = str(tmp_path / "back")
     assert cli.json("convert", out, back, "--to", "resilient")["from"] == "torch"
     step, loaded = _load(back, state)
@@ -102,8 +104,9 @@ for root, n, rows in ((sys.argv[1], 4, 16384), (sys.argv[2], 1, 16)):
 
 
 def _measure(*argv: str) -> int:
-    done = subprocess.run([sys.executable, "-c", _MEASURE, *argv, "--json"], capture_output=True, text=True,
-                          timeout=100)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *argv, "--json"], capture_output=True, text=True, timeout=100
+    )
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["rc"] == 0, done.stderr
     return last["max_rss_kib"] << 10
@@ -116,8 +119,9 @@ def test_convert_larger_than_max_memory_stays_bounded(tmp_path):
     subprocess.run([sys.executable, "-c", _MAKE, big, tiny], check=True, timeout=100)  # keeps pytest's RSS low
     baseline = _measure("convert", tiny, str(tmp_path / "tiny.st"), "--to", "safetensors", "--max-memory", "32MiB")
     export = _measure("convert", big, str(tmp_path / "big.st"), "--to", "safetensors", "--max-memory", "32MiB")
-    back = _measure("convert", str(tmp_path / "big.st"), str(tmp_path / "big2"), "--to", "resilient",
-                    "--max-memory", "32MiB")
+    back = _measure(
+        "convert", str(tmp_path / "big.st"), str(tmp_path / "big2"), "--to", "resilient", "--max-memory", "32MiB"
+    )
     state_bytes = 4 * 16384 * 1024 * 4
     for peak in (export, back):  # measured here: +20 MiB and +12 MiB
         assert peak - baseline < 2 * (32 << 20), (peak >> 20, baseline >> 20)

@@ -73,8 +73,12 @@ def test_prune_dry_run_and_real(tmp_path, cli):
 
     plan = cli.json("prune", root, "--keep-last", "2", "--dry-run")
     assert _tree(root) == before and plan["deleted"] == []
-    assert plan["planned"] == ["step-000000001", "step-000000002", "step-000000004",
-                               "step-000000003/attempt-0rphan0000000000"]
+    assert plan["planned"] == [
+        "step-000000001",
+        "step-000000002",
+        "step-000000004",
+        "step-000000003/attempt-0rphan0000000000",
+    ]
     assert plan["kept_committed"] == [3, 5]
 
     done = cli.json("prune", root, "--keep-last", "2")
@@ -83,8 +87,11 @@ def test_prune_dry_run_and_real(tmp_path, cli):
     left = {p.split("/")[0] for p in _tree(root)}
     assert left == {"latest", "step-000000003", "step-000000005", "step-000000006"}
     assert not os.path.exists(os.path.join(root, "step-000000003", "attempt-0rphan0000000000"))
-    target = {"model": {"weight": torch.zeros(16, 32), "bias": torch.zeros(16)}, "frozen": torch.zeros(4),
-              "train": None}
+    target = {
+        "model": {"weight": torch.zeros(16, 32), "bias": torch.zeros(16)},
+        "frozen": torch.zeros(4),
+        "train": None,
+    }
     assert ckpt.load(target, step=3) == 3 and target["train"] == {"step": 3}
 
     # `latest` is advisory and may lag (a kill between manifest and pointer): never prune at or past it.
@@ -98,16 +105,19 @@ def test_prune_dry_run_and_real(tmp_path, cli):
 
 def test_reshard_to_mesh_and_explicit_chunks(tmp_path, saved, cli):
     root, state = saved
-    for name, args in (("mesh", ["--mesh", "dp_shard=4,tp=2"]),
-                       ("chunks", ["--chunks", "model.embed.weight=32x40:8x40"])):
+    for name, args in (
+        ("mesh", ["--mesh", "dp_shard=4,tp=2"]),
+        ("chunks", ["--chunks", "model.embed.weight=32x40:8x40"]),
+    ):
         out = str(tmp_path / name)
         result = cli.json("reshard", root, out, *args)
         assert result["step"] == 5 and result["resharded_from"]["step"] == 5
         summary = cli.json("inspect", out)
         embed = next(t for t in summary["tensors"] if t["fqn"] == "model.embed.weight")
         # dp_shard=4 splits the 96 rows of a plain tensor into 4 boxes of 24 (FSDP2's dim 0).
-        assert (embed["shard_shape"], embed["inner_shape"]) == (([24, 40], [24, 40]) if name == "mesh"
-                                                               else ([32, 40], [8, 40]))
+        assert (embed["shard_shape"], embed["inner_shape"]) == (
+            ([24, 40], [24, 40]) if name == "mesh" else ([32, 40], [8, 40])
+        )
         assert embed["regions"] == (4 if name == "mesh" else 3)
         assert summary["metadata"]["resharded_from"]["url"].endswith("step-000000005")
         assert cli.json("verify", out)["ok"]  # checksums recomputed

@@ -56,7 +56,10 @@ def test_ls_and_inspect_local(tmp_path, cli):
     _check_inspect(cli.json("inspect", root))  # a root: its newest committed step (not the uncommitted 9)
     only = cli.json("inspect", os.path.join(root, "step-000000003"), "--tensors", "model.*")
     assert only["step"] == 3 and {t["fqn"] for t in only["tensors"]} == {
-        "model.embed.weight", "model.proj.weight", "model.proj.bias"}
+        "model.embed.weight",
+        "model.proj.weight",
+        "model.proj.bias",
+    }
     rc, out, _ = cli("inspect", root, "--step", "3")
     assert rc == 0 and "model.embed.weight" in out and "96x40" in out
 
@@ -91,8 +94,9 @@ def test_bad_input_is_exit_2_with_one_line(tmp_path, saved, cli):
     assert "step 99 is not committed" in _one_line_error(cli, "inspect", root, "--step", "99")
     assert "step 99 is not committed" in _one_line_error(cli, "verify", os.path.join(root, "step-000000099"))
     (tmp_path / "notes.txt").write_text("hello")
-    assert "cannot tell the format" in _one_line_error(cli, "convert", str(tmp_path / "notes.txt"),
-                                                        str(tmp_path / "out"), "--to", "resilient")
+    assert "cannot tell the format" in _one_line_error(
+        cli, "convert", str(tmp_path / "notes.txt"), str(tmp_path / "out"), "--to", "resilient"
+    )
     assert "invalid choice: 'xyz'" in _one_line_error(cli, "convert", root, str(tmp_path / "out"), "--to", "xyz")
     assert "the following arguments are required" in _one_line_error(cli, "prune", root)
     assert "not an empty directory" in _one_line_error(cli, "convert", root, str(tmp_path), "--to", "safetensors")

@@ -39,16 +39,25 @@ def test_group_command_is_one_torchrun_per_group_with_the_replica_keys() -> None
     assert first[first.index("--rdzv-endpoint") + 1] != second[second.index("--rdzv-endpoint") + 1]
     assert first[first.index("--max-restarts") + 1] == "3" and first[first.index("--nproc-per-node") + 1] == "2"
     assert first[first.index("-m", 3) :] == [
-        "-m", "resilient.trainer", "--set", "run.steps=5",
-        "--set", "replica.enabled=true", "--set", "replica.groups=3",
-    ]  # fmt: skip
+        "-m",
+        "resilient.trainer",
+        "--set",
+        "run.steps=5",
+        "--set",
+        "replica.enabled=true",
+        "--set",
+        "replica.groups=3",
+    ]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
-    [({"groups": 0}, "--replica-groups=0"), ({"nproc_per_group": 0}, "--nproc-per-group=0"),
-     ({"max_restarts": -1}, "--max-restarts=-1")],
-)  # fmt: skip
+    [
+        ({"groups": 0}, "--replica-groups=0"),
+        ({"nproc_per_group": 0}, "--nproc-per-group=0"),
+        ({"max_restarts": -1}, "--max-restarts=-1"),
+    ],
+)
 def test_replica_launch_rejects_bad_counts_naming_the_flag(kwargs: dict, flag: str) -> None:
     values = {"groups": 2, "nproc_per_group": 2, "run_dir": "runs/x", "trainer_args": [], **kwargs}
     with pytest.raises(ConfigError, match=flag):

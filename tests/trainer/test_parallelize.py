@@ -36,9 +36,16 @@ TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 def _model_config() -> ModelConfig:
     return ModelConfig(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64,
-        audio_dim=6, video_dim=10, max_positions=64,
-    )  # fmt: skip
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden_dim=64,
+        vocab_size=64,
+        audio_dim=6,
+        video_dim=10,
+        max_positions=64,
+    )
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, worker, args: tuple) -> None:

@@ -100,9 +100,14 @@ def _train(rank: int, world: int, root: str) -> dict[str, Any]:
     variants = {"local": None, "refused": _RefuseFirstCommit(), "mirrored": _TwoIdenticalGroups(), "healed": None}
     for name, sync in variants.items():
         run_dir = os.path.join(root, name)
-        overrides = [f"run.dir={run_dir}", "parallel.dp_shard=1", "parallel.tp=1", f"run.steps={STEPS}",
-                     "data.log_samples=true",
-                     "data.num_workers=0"]  # rows built in this process: run_world ranks are daemons
+        overrides = [
+            f"run.dir={run_dir}",
+            "parallel.dp_shard=1",
+            "parallel.tp=1",
+            f"run.steps={STEPS}",
+            "data.log_samples=true",
+            "data.num_workers=0",
+        ]  # rows built in this process: run_world ranks are daemons
         trainer = build_trainer(load_config(TINY, overrides), torch.device("cpu"))
         results[name] = {"default_sync": type(trainer.sync).__name__}
         if sync is not None:

@@ -33,18 +33,34 @@ def test_shipped_recipes_load(recipe: str) -> None:
 def test_keys_the_tools_rely_on_exist() -> None:
     keys = {f"{s}.{k}" for s in ("run", "parallel", "data", "checkpoint") for k in allowed_keys(s)}
     assert {
-        "run.dir", "run.steps", "run.seed", "parallel.dp_shard", "parallel.tp", "data.seed",
-        "data.global_rows", "data.row_len", "data.log_samples", "checkpoint.url",
-        "checkpoint.persist_every", "checkpoint.keep_last",
-    } <= keys  # fmt: skip
+        "run.dir",
+        "run.steps",
+        "run.seed",
+        "parallel.dp_shard",
+        "parallel.tp",
+        "data.seed",
+        "data.global_rows",
+        "data.row_len",
+        "data.log_samples",
+        "checkpoint.url",
+        "checkpoint.persist_every",
+        "checkpoint.keep_last",
+    } <= keys
 
 
 def test_overrides_are_toml_literals() -> None:
     config = load_config(
         TINY,
-        ["parallel.tp=1", "data.log_samples=true", "optim.betas=[0.8, 0.9]", 'run.dir="/tmp/a b"',
-         "checkpoint.url=/tmp/ckpt", "run.peak_flops=1e12", "run.steps=7"],
-    )  # fmt: skip
+        [
+            "parallel.tp=1",
+            "data.log_samples=true",
+            "optim.betas=[0.8, 0.9]",
+            'run.dir="/tmp/a b"',
+            "checkpoint.url=/tmp/ckpt",
+            "run.peak_flops=1e12",
+            "run.steps=7",
+        ],
+    )
     assert config.parallel.tp == 1
     assert config.data.log_samples is True
     assert config.optim.betas == [0.8, 0.9]

@@ -16,9 +16,19 @@ pytestmark = pytest.mark.timeout(60)
 
 def _stats(step: int, loss: float) -> StepStats:
     return StepStats(
-        step=step, loss=loss, text_loss=loss, tokens=1024, loss_tokens=900, lr=1e-3, grad_norm=0.5,
-        step_time_s=0.1, data_wait_s=0.0, ckpt_stall_s=0.0, tokens_per_s=10240.0, mfu=0.01,
-    )  # fmt: skip
+        step=step,
+        loss=loss,
+        text_loss=loss,
+        tokens=1024,
+        loss_tokens=900,
+        lr=1e-3,
+        grad_norm=0.5,
+        step_time_s=0.1,
+        data_wait_s=0.0,
+        ckpt_stall_s=0.0,
+        tokens_per_s=10240.0,
+        mfu=0.01,
+    )
 
 
 def test_appends_and_the_last_line_of_a_step_counts(tmp_path: Path, capsys) -> None:

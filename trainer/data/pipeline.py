@@ -45,9 +45,11 @@ class OmniPipeline:
         if config.max_sample_tokens > config.row_len:
             logger.warning(
                 "[share %d] samples of up to %d tokens exceed row_len=%d and will be truncated",
-                share, config.max_sample_tokens, config.row_len,
+                share,
+                config.max_sample_tokens,
+                config.row_len,
                 extra={"event": "data_truncation", "row_len": config.row_len},
-            )  # fmt: skip
+            )
 
     # Sizes the trainer needs to build the model.
     @property
@@ -123,9 +125,11 @@ class OmniPipeline:
         self._cursor = self._stream.advance(stored, 0)
         logger.info(
             "[share %d] data state restored at epoch %d row %d",
-            self.share, self._cursor.epoch, self._cursor.row,
+            self.share,
+            self._cursor.epoch,
+            self._cursor.row,
             extra={"event": "data_restored", "epoch": self._cursor.epoch, "rows_consumed": self._cursor.row},
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         """Stop the loader's worker processes."""

@@ -28,9 +28,22 @@ MANY = "many"
 PROMPT_WORDS = (BOS, "describe", "this", "clip")
 """Text before the media."""
 _CAPTION_TEMPLATE = (
-    "a", "{size}", "{color}", "square", "moves", "{direction}", "with", "a", "{pitch}", "{tempo}",
-    "tone", "for", "{seconds}", "seconds", EOS,
-)  # fmt: skip
+    "a",
+    "{size}",
+    "{color}",
+    "square",
+    "moves",
+    "{direction}",
+    "with",
+    "a",
+    "{pitch}",
+    "{tempo}",
+    "tone",
+    "for",
+    "{seconds}",
+    "seconds",
+    EOS,
+)
 
 VOCAB: tuple[str, ...] = tuple(
     dict.fromkeys(

@@ -18,8 +18,9 @@ def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
     index.rank = 0
     assert index.slot != "slot0.bin"
     kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
-    handler = BuddyHandler(SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1,
-                                            buddy_store=lambda rank: kept))  # fmt: skip
+    handler = BuddyHandler(
+        SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
+    )
     handler.put(0, "rank0/step-000000003", {"index": index.to_json()}, memoryview(sender.data(index).numpy()))
     copy = kept.indexes()[3]
     assert copy.slot == "slot0.bin" and first_corruption(copy, kept.data(copy)) is None

@@ -39,8 +39,15 @@ def test_failure_domains_come_from_the_config_and_are_checked():
     tier = RamTier(config, keep=1, run_dir="run", group=0, rank=1, world_size=4, fingerprint={})
     assert tier.pairing.buddy_of(1) == 2  # the next node is in the same rack "a": skipped
     with pytest.raises(ConfigError, match="recovery.failure_domains has 2 labels for 4 nodes"):
-        RamTier(RecoveryConfig(ranks_per_node=1, failure_domains=["a", "b"]), keep=1, run_dir="run", group=0,
-                rank=0, world_size=4, fingerprint={})  # fmt: skip
+        RamTier(
+            RecoveryConfig(ranks_per_node=1, failure_domains=["a", "b"]),
+            keep=1,
+            run_dir="run",
+            group=0,
+            rank=0,
+            world_size=4,
+            fingerprint={},
+        )
     with pytest.raises(ConfigError, match="must be a list of strings"):
         RecoveryConfig(failure_domains="rack-a")
 

@@ -22,8 +22,11 @@ def write_snapshot(store: RankStore, step: int, value: float, *, publish: bool =
         tensor_view(data, entry).copy_(tensors[entry.fqn])
         entry.crc32c = checksum(data, entry)
     if publish:
-        store.publish(SnapshotIndex(step=step, rank=0, topology={}, tensors=entries, values={"v": value},
-                                    slot=slot, nbytes=nbytes))  # fmt: skip
+        store.publish(
+            SnapshotIndex(
+                step=step, rank=0, topology={}, tensors=entries, values={"v": value}, slot=slot, nbytes=nbytes
+            )
+        )
         store.release(slot)
     return slot
 
@@ -48,8 +51,15 @@ def empty_state() -> dict:
 
 def tier(rank: int, world: int, store_dir: str, *, per_node: int = 1, keep: int = 2) -> RamTier:
     config = RecoveryConfig(store_dir=store_dir, ranks_per_node=per_node, replication_timeout_s=30.0)
-    ram = RamTier(config, keep=keep, run_dir=os.path.join(store_dir, "run"), group=0, rank=rank, world_size=world,
-                  fingerprint={"dp_shard": world, "tp": 1})  # fmt: skip
+    ram = RamTier(
+        config,
+        keep=keep,
+        run_dir=os.path.join(store_dir, "run"),
+        group=0,
+        rank=rank,
+        world_size=world,
+        fingerprint={"dp_shard": world, "tp": 1},
+    )
     ram.start()
     return ram
 
@@ -88,13 +98,17 @@ def start_failing_on(rank: int, world: int, store_dir: str, bad_rank: int) -> di
     """Start a tier whose channel cannot listen on ``bad_rank`` (an address no interface has)."""
     bind_host = "203.0.113.1" if rank == bad_rank else ""  # TEST-NET-3: never a local address
     config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1, bind_host=bind_host)
-    ram = RamTier(config, keep=1, run_dir=os.path.join(store_dir, "run"), group=0, rank=rank, world_size=world,
-                  fingerprint={})  # fmt: skip
+    ram = RamTier(
+        config, keep=1, run_dir=os.path.join(store_dir, "run"), group=0, rank=rank, world_size=world, fingerprint={}
+    )
     try:
         ram.start()
     except Exception as e:
         server = ram._server
-        return {"type": type(e).__name__, "message": str(e),
-                "server_closed": server is None or server._closing.is_set()}  # fmt: skip
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "server_closed": server is None or server._closing.is_set(),
+        }
     ram.close()
     return {"type": None}

@@ -14,9 +14,16 @@ from resilient.trainer.model import Modality, ModelConfig, OmniModel, synthetic_
 
 PAD, T, A, V = 0, 1, 2, 3
 CONFIG = ModelConfig(
-    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64,
-    audio_dim=6, video_dim=10, max_positions=64,
-)  # fmt: skip
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden_dim=64,
+    vocab_size=64,
+    audio_dim=6,
+    video_dim=10,
+    max_positions=64,
+)
 
 
 def _batch(modality: list[int], doc_ids: list[int], positions: list[int], seed: int = 0) -> dict:
