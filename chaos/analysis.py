@@ -47,6 +47,28 @@ def _rolled_back_to(events: list[dict[str, Any]], t0: float, t1: float, pre: int
     return low if low is not None and low < pre else None
 
 
+def _full_strength(
+    record: FaultRecord, events: list[dict[str, Any]], commits: list[dict[str, Any]], t_back: float | None
+) -> float | None:
+    """When the job is at full strength again: every group the fault took down commits after its
+    rejoin attempt joined (None: some group never did)."""
+    t_full = t_back
+    for group, attempt in record.rejoin.items():
+        joined = min(
+            (
+                e["t"]
+                for e in events
+                if e.get("event") == "joining" and e.get("group") == group and e.get("attempt", 0) >= attempt
+            ),
+            default=None,
+        )
+        back = (
+            None if joined is None else next((e["t"] for e in commits if e["group"] == group and e["t"] > joined), None)
+        )
+        t_full = None if back is None or t_full is None else max(t_full, back)
+    return t_full
+
+
 def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, Any]:
     t_f = record.t_injected
     out: dict[str, Any] = {
@@ -87,21 +109,7 @@ def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, 
     ]
     if detect:
         out["detected_s"] = round(min(detect) - t_f, 3)
-    # Full strength again: every group the fault took down commits after its rejoin attempt joined.
-    t_full = t_back
-    for group, attempt in record.rejoin.items():
-        joined = min(
-            (
-                e["t"]
-                for e in events
-                if e.get("event") == "joining" and e.get("group") == group and e.get("attempt", 0) >= attempt
-            ),
-            default=None,
-        )
-        back = (
-            None if joined is None else next((e["t"] for e in commits if e["group"] == group and e["t"] > joined), None)
-        )
-        t_full = None if back is None or t_full is None else max(t_full, back)
+    t_full = _full_strength(record, events, commits, t_back)
     if t_full is not None:
         out["recovered_s"] = round(t_full - t_f, 3)
     window_end = t_back if t_back is not None else float("inf")

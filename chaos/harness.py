@@ -241,6 +241,50 @@ def _run(scenario: Scenario, report_dir: str, cache_dir: str | None, log: Callab
         _wipe_ram_stores(run_dir, config)
 
 
+def _load_twin(
+    scenario: Scenario, run: inv.RunData, cache_dir: str | None, log: Callable[[str], None]
+) -> tuple[inv.RunData | None, dict[str, Any], str]:
+    """The fault-free twin's run data (computed or cached), its info, and why it is missing."""
+    if not scenario.check.twin:
+        return None, {}, ""
+    try:
+        twin_dir, twin_info = get_twin(scenario, cache_dir or default_cache_dir(), log)
+    except Exception as e:  # noqa: BLE001 (no twin is a failed twin_match, not a crash of the harness)
+        twin_error = f"the fault-free twin could not be computed: {type(e).__name__}: {e}"
+        log(f"chaos: {twin_error}")
+        return None, {"error": twin_error}, twin_error
+    twin = inv.RunData(
+        run_dir=twin_dir, groups=run.groups, steps=run.steps, checkpoint_url=default_ckpt_url(twin_dir), returncode=0
+    )
+    twin.events = read_events(twin_dir)
+    return twin, twin_info, ""
+
+
+def _invariants(
+    scenario: Scenario,
+    run: inv.RunData,
+    costs: list[dict[str, Any]],
+    twin: inv.RunData | None,
+    twin_verdict: dict[str, Any],
+    leftovers: list[dict[str, Any]],
+    storage: _Storage,
+) -> dict[str, dict[str, Any]]:
+    corrupted = {c["step"]: c["file"] for c in costs if c["kind"] == "corrupt_chunk" and "step" in c}
+    config = load_job_config(scenario.job, harness_overrides(scenario.job, run.run_dir, storage.url))
+    check = scenario.check
+    return {
+        "finished": inv.finished(run, scenario.job.timeout_s),
+        "commits_verify": inv.commits_verify(run, corrupted)
+        if check.verify
+        else inv.result(True, "not checked (check.verify = false)"),
+        "exactly_once": inv.exactly_once(run, config.data.pipeline.num_samples, twin),
+        "replicas_identical": inv.replicas_identical(run),
+        "twin_match": twin_verdict,
+        "steps_lost_within_bound": inv.steps_lost_within_bound(costs, check.max_steps_lost_per_fault),
+        "no_orphans": inv.no_orphans(leftovers),
+    }
+
+
 def _judge(
     scenario: Scenario,
     run: inv.RunData,
@@ -252,44 +296,16 @@ def _judge(
     report_dir: str,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    twin, twin_info, twin_error = None, {}, ""
-    if scenario.check.twin:
-        try:
-            twin_dir, twin_info = get_twin(scenario, cache_dir or default_cache_dir(), log)
-        except Exception as e:  # noqa: BLE001 (no twin is a failed twin_match, not a crash of the harness)
-            twin_error = f"the fault-free twin could not be computed: {type(e).__name__}: {e}"
-            twin_info = {"error": twin_error}
-            log(f"chaos: {twin_error}")
-        else:
-            twin = inv.RunData(
-                run_dir=twin_dir,
-                groups=run.groups,
-                steps=run.steps,
-                checkpoint_url=default_ckpt_url(twin_dir),
-                returncode=0,
-            )
-            twin.events = read_events(twin_dir)
+    twin, twin_info, twin_error = _load_twin(scenario, run, cache_dir, log)
     costs = [fault_costs(r, run.events) for r in records]
-    corrupted = {c["step"]: c["file"] for c in costs if c["kind"] == "corrupt_chunk" and "step" in c}
-    config = load_job_config(scenario.job, harness_overrides(scenario.job, run.run_dir, storage.url))
-    num_samples = config.data.pipeline.num_samples
+    twin_details: dict[str, Any] = {}
     if twin_error:
-        twin_verdict, twin_details = inv.result(False, twin_error), {}
+        twin_verdict = inv.result(False, twin_error)
     elif run.final(0) is None:
-        twin_verdict, twin_details = inv.result(False, "the run has no final state to compare"), {}
+        twin_verdict = inv.result(False, "the run has no final state to compare")
     else:
         twin_verdict, twin_details = inv.twin_match(run, twin, scenario.check.twin_atol)
-    invariants = {
-        "finished": inv.finished(run, scenario.job.timeout_s),
-        "commits_verify": inv.commits_verify(run, corrupted)
-        if scenario.check.verify
-        else inv.result(True, "not checked (check.verify = false)"),
-        "exactly_once": inv.exactly_once(run, num_samples, twin),
-        "replicas_identical": inv.replicas_identical(run),
-        "twin_match": twin_verdict,
-        "steps_lost_within_bound": inv.steps_lost_within_bound(costs, scenario.check.max_steps_lost_per_fault),
-        "no_orphans": inv.no_orphans(leftovers),
-    }
+    invariants = _invariants(scenario, run, costs, twin, twin_verdict, leftovers, storage)
     holds = read_jsonl(os.path.join(chaos_dir(run.run_dir), HOOK_EVENTS_FILE))
     t_end = proc.t_end or time.time()
     good = goodput(costs, run.events, holds, proc.t_launch, t_end)

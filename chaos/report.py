@@ -45,6 +45,15 @@ def write_timeline(
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), gridspec_kw={"height_ratios": [3, 2]})
+    _plot_loss(top, run, twin, costs, title)
+    _plot_groups(bottom, run, costs, holds, t_launch)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_loss(top: Any, run: RunData, twin: RunData | None, costs: list[dict[str, Any]], title: str) -> None:
+    """Loss per step of the run and of its twin, with a marker per fault."""
     loss = _loss(run)
     top.plot(list(loss), list(loss.values()), "-o", ms=3, label="run (with faults)", color="tab:blue")
     if twin is not None:
@@ -67,6 +76,11 @@ def write_timeline(
     top.set_title(title, fontsize=10)
     top.legend(loc="upper right", fontsize=8)
 
+
+def _plot_groups(
+    bottom: Any, run: RunData, costs: list[dict[str, Any]], holds: list[dict[str, Any]], t_launch: float
+) -> None:
+    """Per group over time: commits, failed votes, joins, fault windows and harness holds."""
     commits = [e for e in run.events if e.get("event") == "step" and e.get("committed")]
     for e in commits:
         bottom.plot(
@@ -99,6 +113,3 @@ def write_timeline(
         "> joining; red = fault, shaded = recovery; grey = harness hold)",
         fontsize=8,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

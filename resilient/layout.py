@@ -284,7 +284,16 @@ def plan_arrays(
                 parts = 1 if box.numel * item < MIN_SPLIT_BYTES else len(ranks)
                 shared.extend((plan, part, ranks) for part in _split_rows(box, shard[0] if shard else 1, parts))
 
-    # Mandatory work first, then replicated pieces largest-first to the least-loaded holder (LPT).
+    _assign_writers(single, shared, world_size)
+    for plan in plans.values():
+        plan.regions.sort(key=lambda r: r.box.offsets)
+    return plans
+
+
+def _assign_writers(
+    single: list[tuple[ArrayPlan, Box, int]], shared: list[tuple[ArrayPlan, Box, list[int]]], world_size: int
+) -> None:
+    """Mandatory work first, then replicated pieces largest-first to the least-loaded holder (LPT)."""
     load = [0] * world_size
     for plan, box, rank in single:
         plan.regions.append(Region(box, rank))
@@ -294,9 +303,6 @@ def plan_arrays(
         writer = min(ranks, key=lambda r: (load[r], r))
         plan.regions.append(Region(box, writer))
         load[writer] += box.numel * itemsize(plan.dtype)
-    for plan in plans.values():
-        plan.regions.sort(key=lambda r: r.box.offsets)
-    return plans
 
 
 def describe_json(local: LocalTensor) -> dict:

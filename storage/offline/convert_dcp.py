@@ -191,6 +191,29 @@ def _dcp_values(values: dict[str, dict]) -> dict[str, tuple[tuple, Any]]:
     return out
 
 
+def _write_items(info: TensorInfo, block_bytes: int) -> list[Any]:
+    """DCP write items of one tensor: whole, or C-order blocks of at most ``block_bytes``."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    size = torch.Size(info.shape)
+    props = TensorProperties(dtype=torch_dtype(info.dtype))
+    boxes = list(c_order_blocks(info.whole, itemsize(info.dtype), block_bytes)) or [info.whole]
+    kind = WriteItemType.TENSOR if len(boxes) == 1 else WriteItemType.SHARD
+    return [
+        WriteItem(
+            index=MetadataIndex(info.fqn, box.offsets),
+            type=kind,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)),
+                properties=props,
+                size=size,
+            ),
+        )
+        for box in boxes
+    ]
+
+
 def write_dcp(
     source: Any,
     infos: list[TensorInfo],
@@ -204,8 +227,8 @@ def write_dcp(
     """Write ``infos`` (read from ``source``, cast by ``casts[fqn](array)``) as a DCP checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
     by_fqn = {i.fqn: i for i in infos}
     values = _dcp_values(state.values)
@@ -216,21 +239,7 @@ def write_dcp(
             self.mappings = {**{f: (f,) for f in by_fqn}, **{k: path for k, (path, _) in values.items()}}
 
         def create_local_plan(self) -> SavePlan:
-            items = []
-            for info in infos:
-                size = torch.Size(info.shape)
-                props = TensorProperties(dtype=torch_dtype(info.dtype))
-                boxes = list(c_order_blocks(info.whole, itemsize(info.dtype), block_bytes)) or [info.whole]
-                kind = WriteItemType.TENSOR if len(boxes) == 1 else WriteItemType.SHARD
-                for box in boxes:
-                    chunk = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-                    items.append(
-                        WriteItem(
-                            index=MetadataIndex(info.fqn, box.offsets),
-                            type=kind,
-                            tensor_data=TensorWriteData(chunk=chunk, properties=props, size=size),
-                        )
-                    )
+            items = [item for info in infos for item in _write_items(info, block_bytes)]
             items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in values]
             self.plan = SavePlan(items, planner_data=self.mappings)
             return self.plan
