@@ -22,6 +22,7 @@ from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps,
 from resilient.runfiles import read_events
 from resilient.storage.checkpointer import Checkpointer
 from tests.dist import run_world
+from tests.recovery.ram import workers as ram_workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,18 +70,7 @@ def _save(ckpt: Checkpointer, *steps: int) -> None:
 
 
 def _tier(store_dir: Path, *, rank: int = 0, world: int = 1) -> RamTier:
-    config = RecoveryConfig(store_dir=str(store_dir), ranks_per_node=1, replication_timeout_s=30.0)
-    ram = RamTier(
-        config,
-        keep=2,
-        run_dir=str(store_dir / "run"),
-        group=0,
-        rank=rank,
-        world_size=world,
-        fingerprint={"dp_shard": world, "tp": 1},
-    )
-    ram.start()
-    return ram
+    return ram_workers.tier(rank, world, str(store_dir))
 
 
 def _snapshot(ram: RamTier, *steps: int) -> None:
