@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from resilient.dist import barrier
 from resilient.errors import StorageError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.store import node_store_dir
@@ -217,6 +218,10 @@ def _snapshot_rank(rank: int, world: int, store_dir: str, steps: list[int]) -> N
     ram = _tier(Path(store_dir), rank=rank, world=world)
     try:
         _snapshot(ram, *steps)
+        # As Trainer.finish does: every copy has reached its buddy before any rank closes its
+        # channel (a rank closing first breaks the pipe of a peer still sending to it).
+        ram.wait(60.0)
+        barrier()
     finally:
         ram.close()
 
