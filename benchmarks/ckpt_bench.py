@@ -1,6 +1,7 @@
 """Checkpoint benchmark: resilient vs PyTorch DCP vs this machine's limits, side by side in ONE run.
 
     python benchmarks/ckpt_bench.py [--total-gib 1.0] [--repeats 2] [--dir /tmp] [--width 2048]
+        [--small-tensors 2000] [--small-kib 16]
 
 A world of 4 gloo ranks on CPU builds a stack of Linear layers sharded with FSDP2 (``fully_shard``
 on a 1-D mesh), runs one AdamW step so the optimizer state exists, and takes the state with
@@ -9,6 +10,9 @@ on a 1-D mesh), runs one AdamW step so the optimizer state exists, and takes the
 then build the same model and load both 4-rank checkpoints (resharding 4->2, 4->3), each load
 checked against a fingerprint of the saved state. Every world runs one untimed warm-up round at
 full size, then ``--repeats`` measured rounds.
+
+Then many small tensors in one process, ours against DCP (``bench_small.py``;
+``--small-tensors 0`` skips it).
 
 Every time is the max over ranks of one rank's wall time, after a barrier: a collective operation
 is as slow as its slowest rank. stdout carries only JSON lines (one per result, then ratios);
@@ -51,6 +55,7 @@ from bench_fsdp_state import (
     state_bytes,
     zero_state,
 )
+from bench_small import SmallConfig, run_small
 
 SAVE_WORLD = 4
 LOAD_WORLDS = (3, 2)
@@ -372,6 +377,7 @@ class Cases:
     """What one run measures: the FSDP case always; the others when asked for (None: skipped)."""
 
     fsdp: BenchConfig
+    small: SmallConfig | None
     parent: str
     """Parent of the run's scratch directory."""
 
@@ -383,11 +389,14 @@ def parse_args(argv: list[str] | None = None) -> Cases:
     parser.add_argument("--width", type=int, default=2048, help="features of each Linear layer")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="parent of the scratch directory")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit for each world")
+    parser.add_argument("--small-tensors", type=int, default=2000, help="tensors of the small-tensor case (0: skip)")
+    parser.add_argument("--small-kib", type=int, default=16, help="KiB of each small tensor")
     args = parser.parse_args(argv)
     common = {"repeats": args.repeats, "timeout_s": args.timeout_s}
     try:
         return Cases(
             fsdp=BenchConfig(total_gib=args.total_gib, width=args.width, **common),
+            small=SmallConfig(tensors=args.small_tensors, kib=args.small_kib, **common) if args.small_tensors else None,
             parent=args.dir,
         )
     except ValueError as e:
@@ -396,6 +405,9 @@ def parse_args(argv: list[str] | None = None) -> Cases:
 
 def run(cases: Cases) -> None:
     run_fsdp(cases.fsdp)
+    if cases.small is not None:
+        cases.small.root = os.path.join(cases.fsdp.root, "small")
+        run_small(cases.small)
 
 
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
