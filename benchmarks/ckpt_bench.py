@@ -1,7 +1,7 @@
 """Checkpoint benchmark: resilient vs PyTorch DCP vs this machine's limits, side by side in ONE run.
 
     python benchmarks/ckpt_bench.py [--total-gib 1.0] [--repeats 2] [--dir /tmp] [--width 2048]
-        [--small-tensors 2000] [--small-kib 16]
+        [--small-tensors 2000] [--small-kib 16] [--s3] [--s3-mib 256]
 
 A world of 4 gloo ranks on CPU builds a stack of Linear layers sharded with FSDP2 (``fully_shard``
 on a 1-D mesh), runs one AdamW step so the optimizer state exists, and takes the state with
@@ -11,8 +11,9 @@ then build the same model and load both 4-rank checkpoints (resharding 4->2, 4->
 checked against a fingerprint of the saved state. Every world runs one untimed warm-up round at
 full size, then ``--repeats`` measured rounds.
 
-Then many small tensors in one process, ours against DCP (``bench_small.py``;
-``--small-tensors 0`` skips it).
+Then two cases in one process each: many small tensors, ours against DCP (``bench_small.py``;
+``--small-tensors 0`` skips it), and, with ``--s3``, our save and load through a loopback S3
+endpoint against that endpoint's raw PUT/GET rate (``bench_s3.py``).
 
 Every time is the max over ranks of one rank's wall time, after a barrier: a collective operation
 is as slow as its slowest rank. stdout carries only JSON lines (one per result, then ratios);
@@ -26,6 +27,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -55,6 +57,7 @@ from bench_fsdp_state import (
     state_bytes,
     zero_state,
 )
+from bench_s3 import S3Config, moto_available, moto_path, run_s3
 from bench_small import SmallConfig, run_small
 
 SAVE_WORLD = 4
@@ -378,6 +381,7 @@ class Cases:
 
     fsdp: BenchConfig
     small: SmallConfig | None
+    s3: S3Config | None
     parent: str
     """Parent of the run's scratch directory."""
 
@@ -391,12 +395,15 @@ def parse_args(argv: list[str] | None = None) -> Cases:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit for each world")
     parser.add_argument("--small-tensors", type=int, default=2000, help="tensors of the small-tensor case (0: skip)")
     parser.add_argument("--small-kib", type=int, default=16, help="KiB of each small tensor")
+    parser.add_argument("--s3", action="store_true", help="run the S3 case (needs moto_server in the venv)")
+    parser.add_argument("--s3-mib", type=int, default=256, help="MiB saved in the S3 case")
     args = parser.parse_args(argv)
     common = {"repeats": args.repeats, "timeout_s": args.timeout_s}
     try:
         return Cases(
             fsdp=BenchConfig(total_gib=args.total_gib, width=args.width, **common),
             small=SmallConfig(tensors=args.small_tensors, kib=args.small_kib, **common) if args.small_tensors else None,
+            s3=S3Config(mib=args.s3_mib, **common) if args.s3 else None,
             parent=args.dir,
         )
     except ValueError as e:
@@ -408,10 +415,12 @@ def run(cases: Cases) -> None:
     if cases.small is not None:
         cases.small.root = os.path.join(cases.fsdp.root, "small")
         run_small(cases.small)
+    if cases.s3 is not None:
+        run_s3(cases.s3)
 
 
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
-    # SystemExit unwinds through every finally clause: ranks killed, scratch removed.
+    # SystemExit unwinds through every finally clause: ranks killed, moto stopped, scratch removed.
     raise SystemExit(128 + signum)
 
 
@@ -419,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     cases = parse_args(argv)
     setup_logging(None)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if cases.s3 is not None and not moto_available():
+        sys.exit(f"--s3 needs moto_server at {moto_path()} and boto3: pip install 'moto[server]' boto3")
     os.makedirs(cases.parent, exist_ok=True)
     cases.fsdp.root = tempfile.mkdtemp(prefix="ckpt_bench-", dir=cases.parent)
     started = time.perf_counter()
