@@ -24,8 +24,9 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The S3 case needs moto_server (the dev extra installs it): included whenever the venv has it.
 bench: install
-	$(PY) benchmarks/ckpt_bench.py
+	$(PY) benchmarks/ckpt_bench.py $$(test -x $(VENV)/bin/moto_server && echo --s3)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
