@@ -33,7 +33,9 @@ from resilient.storage.arrays import (
     zarr_group_document,
 )
 from resilient.storage.commit import commit_step, wait_for_commit, write_failure, write_receipt
+from resilient.storage.localwrite import AttemptFiles, run_parallel
 from resilient.storage.objects import ObjectStore
+from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
 from resilient.storage.snapshot import StagedRegion
 from resilient.storage.url import Location
 
@@ -50,6 +52,7 @@ class PersistJob:
     metadata: dict = field(default_factory=dict)
     commit_timeout_s: float = 600.0
     keep_last: int | None = None
+    io_threads: int = 4
 
     @property
     def attempt_key(self) -> str:
@@ -75,11 +78,17 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     stats.bytes_total = sum(p.nbytes for p in job.plans.values())
     t0 = time.perf_counter()
     try:
-        # zarr.json documents go out alongside the data, not before it.
-        docs = write_zarr_documents(location, job.attempt_key, job.plans, context, job.step) if job.rank == 0 else []
-        written = write_regions(location, job.attempt_key, _region_data(job, buffer), context)
-        for future in docs:
-            future.result()
+        items = _region_data(job, buffer)
+        if location.scheme == "file":
+            written = write_local(job, items, location.url)
+        else:
+            # zarr.json documents go out alongside the data, not before it.
+            docs = (
+                write_zarr_documents(location, job.attempt_key, job.plans, context, job.step) if job.rank == 0 else []
+            )
+            written = write_regions(location, job.attempt_key, items, context)
+            for future in docs:
+                future.result()
         stats.bytes_written = sum(r["nbytes"] for r in written)
         write_receipt(store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})
     except Exception as e:
@@ -134,14 +143,7 @@ def write_regions(location: Location, attempt_key: str, items: list[RegionData],
     for i, item in enumerate(items):
         store = opened[item.plan.fqn].result()
         pending.append(store[item.region.box.slices()].write(item.data))
-        receipt.append(
-            {
-                "fqn": item.plan.fqn,
-                **item.region.box.to_json(),
-                "nbytes": int(item.data.nbytes),
-                "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)),
-            }
-        )
+        receipt.append(_receipt_entry(item))
         if i == 0:
             fault_point("persist.first_region_issued")
     for future in pending:
@@ -150,16 +152,75 @@ def write_regions(location: Location, attempt_key: str, items: list[RegionData],
     return receipt
 
 
-def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, ArrayPlan], context, step: int) -> list:
-    """Start writing ``zarr.json`` for the attempt group, every intermediate group and every array
-    (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python); returns the futures."""
-    import tensorstore as ts
+def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dict]:
+    """The file system path of ``write_regions``: every shard object (and on rank 0 every zarr.json)
+    written by ``job.io_threads`` threads straight from the staging buffer, then made durable in
+    one pass (``localwrite``) before the receipt can be written."""
+    files = AttemptFiles(root)
+    objects = (
+        [(f"{job.attempt_key}/{key}", doc) for key, doc in zarr_documents(job.plans, job.step).items()]
+        if job.rank == 0
+        else []
+    )
+    objects += [
+        (f"{job.attempt_key}/{array_path(item.plan.fqn)}/{key}", (item, box))
+        for item in items
+        for key, box in _shards(item)
+    ]
+    files.make_dirs(key for key, _ in objects)
+    receipt = [_receipt_entry(item) for item in items]
+    first = next((key for key, what in objects if isinstance(what, tuple)), None)
 
-    kv = ts.KvStore.open(kvstore_spec(location, attempt_key), context=context).result()
+    def write(key: str, what) -> None:
+        if isinstance(what, dict):
+            files.write(key, [json.dumps(what).encode()])
+            return
+        item, box = what
+        files.write(key, encode_shard(_within(item, box), item.plan.shard_shape, item.plan.inner_shape))
+        if key == first:
+            fault_point("persist.first_region_issued")
+
+    run_parallel([lambda k=k, w=w: write(k, w) for k, w in objects], job.io_threads)
+    fault_point("persist.regions_written")
+    files.make_durable(job.io_threads)
+    return receipt
+
+
+def _shards(item: RegionData) -> list[tuple[str, Box]]:
+    return [(chunk_key(index), box) for index, box in shards_in(item.region.box, item.plan.shard_shape)]
+
+
+def _within(item: RegionData, box: Box) -> np.ndarray:
+    """The part of the region's data that is the shard at ``box``."""
+    origin = item.region.box.offsets
+    return item.data[tuple(slice(o - r, o - r + n) for o, r, n in zip(box.offsets, origin, box.sizes, strict=True))]
+
+
+def _receipt_entry(item: RegionData) -> dict:
+    return {
+        "fqn": item.plan.fqn,
+        **item.region.box.to_json(),
+        "nbytes": int(item.data.nbytes),
+        "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)),
+    }
+
+
+def zarr_documents(plans: dict[str, ArrayPlan], step: int) -> dict[str, dict]:
+    """``zarr.json`` of the attempt group, every intermediate group and every array, by key under
+    the attempt (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python)."""
     docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})}
     for fqn, plan in plans.items():
         parts = array_path(fqn).split("/")
         for depth in range(1, len(parts)):
             docs.setdefault("/".join(parts[:depth]) + "/zarr.json", zarr_group_document())
         docs["/".join(parts) + "/zarr.json"] = zarr_array_document(plan_metadata(plan), {"fqn": fqn})
-    return [kv.write(key, json.dumps(doc).encode()) for key, doc in docs.items()]
+    return docs
+
+
+def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, ArrayPlan], context, step: int) -> list:
+    """Start writing ``zarr.json`` for the attempt group, every intermediate group and every array
+    (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python); returns the futures."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(kvstore_spec(location, attempt_key), context=context).result()
+    return [kv.write(key, json.dumps(doc).encode()) for key, doc in zarr_documents(plans, step).items()]

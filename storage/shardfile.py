@@ -71,7 +71,7 @@ def encode_shard(data: np.ndarray, shard_shape: tuple[int, ...], inner_shape: tu
         stop = [min(s + i, d) for s, i, d in zip(start, inner_shape, data.shape, strict=True)]
         if any(s >= e for s, e in zip(start, stop, strict=True)):
             continue  # wholly outside the array: absent, as the readers expect
-        piece = data[tuple(slice(s, e) for s, e in zip(start, stop, strict=True))]
+        piece = data[tuple(slice(s, e) for s, e in zip(start, stop, strict=True))] if grid else data
         if piece.shape != tuple(inner_shape):  # cut by the array's edge: pad with the fill value
             padded = np.zeros(inner_shape, dtype=data.dtype)
             padded[tuple(slice(0, e - s) for s, e in zip(start, stop, strict=True))] = piece

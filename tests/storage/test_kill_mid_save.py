@@ -21,18 +21,20 @@ def _state(step: int) -> dict:
     return {"w": torch.full((2048, 1024), float(step)), "step": step}
 
 
-def two_saves(rank: int, world: int, url: str) -> None:
+def two_saves(rank: int, world: int, url: str, point: str) -> None:
     ckpt = Checkpointer(url)
     ckpt.save(1, _state(1)).wait()
-    os.environ["RESILIENT_FAULTS"] = "persist.first_region_issued=pause:600@rank1"
-    ckpt.save(2, _state(2)).wait()  # rank 1 pauses mid-write and is killed there
+    os.environ["RESILIENT_FAULTS"] = f"{point}=pause:600@rank1"
+    ckpt.save(2, _state(2)).wait()  # rank 1 pauses there and is killed there
 
 
-def test_sigkill_mid_save_leaves_previous_step_loadable(tmp_path):
+# mid-write; and after every write but before the one durability pass that precedes the receipt
+@pytest.mark.parametrize("point", ["persist.first_region_issued", "persist.regions_written"])
+def test_sigkill_mid_save_leaves_previous_step_loadable(tmp_path, point):
     url, markers = str(tmp_path / "ck"), tmp_path / "faults"
-    procs, _ = start_world(two_saves, 2, url, env={"RESILIENT_FAULTS_DIR": str(markers)})
+    procs, _ = start_world(two_saves, 2, url, point, env={"RESILIENT_FAULTS_DIR": str(markers)})
     try:
-        marker = markers / "persist.first_region_issued.rank1"
+        marker = markers / f"{point}.rank1"
         deadline = time.monotonic() + 120
         while not marker.exists():
             assert time.monotonic() < deadline, "rank 1 never reached the fault point"

@@ -1,0 +1,116 @@
+"""The file-system writer: shard objects byte-identical to TensorStore's, every file and every new
+directory durable before the receipt, writev of more buffers than IOV_MAX, errors surfaced."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient.errors import StorageError
+from resilient.layout import Box
+from resilient.storage import localwrite, persist
+from resilient.storage.arrays import array_metadata, make_context, open_array
+from resilient.storage.localwrite import AttemptFiles, run_parallel
+from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
+from resilient.storage.url import parse_url
+
+pytestmark = pytest.mark.timeout(120)
+
+CASES = [  # shape, dtype, shard shape, inner shape: edges cut shards and inner chunks
+    ((5, 3), "float32", (4, 3), (2, 3)),
+    ((37, 11), "float32", (16, 11), (4, 11)),
+    ((37, 11), "bfloat16", (16, 8), (8, 4)),
+    ((9, 4, 5), "int64", (4, 4, 5), (2, 2, 5)),
+    ((13,), "bool", (8,), (8,)),
+    ((7,), "float16", (7,), (1,)),
+    ((), "float32", (), ()),
+]
+
+
+def _data(shape, dtype):
+    rng = np.random.default_rng(sum(shape) + len(dtype))
+    if dtype == "bool":
+        return rng.random(shape) > 0.5
+    if dtype == "bfloat16":
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    return (rng.standard_normal(shape) * 100).astype(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype,shard,inner", CASES)
+def test_shard_objects_are_byte_identical_to_tensorstores(tmp_path, shape, dtype, shard, inner):
+    data = _data(shape, dtype)
+    location = parse_url(str(tmp_path / "ts"))
+    store = open_array(
+        location, "a", array_metadata(list(shape), dtype, list(shard), list(inner)), make_context(location)
+    )
+    store.result().write(data).result()
+    written = 0
+    for index, box in shards_in(Box((0,) * len(shape), shape), shard):
+        part = data[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes, strict=True))]
+        ours = b"".join(bytes(memoryview(b).cast("B")) for b in encode_shard(part, shard, inner))
+        with open(tmp_path / "ts" / "a" / chunk_key(index), "rb") as f:
+            assert ours == f.read(), f"shard {index} differs"
+        written += 1
+    stored = [n for _, _, names in os.walk(tmp_path / "ts" / "a") for n in names if n != "zarr.json"]
+    assert written == len(stored)
+
+
+def test_every_file_and_every_new_directory_is_durable_before_the_receipt(tmp_path, monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fdatasync, real_fsync, real_receipt = os.fdatasync, os.fsync, persist.write_receipt
+
+    def path_of(fd: int) -> str:
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (events.append(("sync", path_of(fd))), real_fdatasync(fd))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", path_of(fd))), real_fsync(fd))[1])
+    monkeypatch.setattr(
+        persist, "write_receipt", lambda *a, **k: (events.append(("receipt", "")), real_receipt(*a, **k))[1]
+    )
+    state = {"model": {"w": torch.randn(64, 32), "b": torch.randn(32), "deep": {"x": torch.arange(6)}}}
+    Checkpointer(str(tmp_path / "ck")).save(1, state).wait()
+
+    receipt_at = events.index(("receipt", ""))
+    synced_before = {p for kind, p in events[:receipt_at] if kind == "sync"}
+    attempt = next(p for p in (tmp_path / "ck" / "step-000000001").iterdir() if p.name.startswith("attempt-"))
+    files, dirs = set(), {str(attempt.parent)}  # the step directory gained the attempt
+    for root, subdirs, names in os.walk(attempt):
+        subdirs[:] = [d for d in subdirs if d != "receipts"]
+        files.update(os.path.join(root, n) for n in names)
+        dirs.add(root)
+    assert files and files <= synced_before, sorted(files - synced_before)
+    assert dirs <= synced_before, sorted(dirs - synced_before)
+
+
+def test_writev_resumes_across_more_buffers_than_iov_max(tmp_path):
+    buffers = [bytes([i % 256]) * (1 + i % 7) for i in range(3 * localwrite.IOV_MAX + 5)]
+    files = AttemptFiles(str(tmp_path))
+    files.make_dirs(["a/b/obj"])
+    assert files.write("a/b/obj", buffers) == sum(len(b) for b in buffers)
+    assert (tmp_path / "a" / "b" / "obj").read_bytes() == b"".join(buffers)
+
+
+def test_a_file_is_created_once_never_overwritten(tmp_path):
+    files = AttemptFiles(str(tmp_path))
+    files.make_dirs(["k"])
+    files.write("k", [b"first"])
+    with pytest.raises(StorageError, match="cannot create .*k"):
+        files.write("k", [b"second"])
+    assert (tmp_path / "k").read_bytes() == b"first"
+
+
+def test_run_parallel_runs_every_task_and_raises_the_first_failure():
+    done = []
+    run_parallel([lambda i=i: done.append(i) for i in range(50)], threads=4)
+    assert sorted(done) == list(range(50))
+
+    def boom() -> None:
+        raise StorageError("disk full")
+
+    with pytest.raises(StorageError, match="disk full"):
+        run_parallel([boom] + [lambda: None] * 10, threads=3)
