@@ -64,6 +64,12 @@ def write_failure(store: ObjectStore, attempt_key: str, rank: int, error: BaseEx
         store.write(failure_key(attempt_key, rank), json.dumps({"rank": rank, "error": repr(error)}).encode())
 
 
+def poll_cap_s(store: ObjectStore) -> float:
+    """Longest sleep between polls: a local poll costs a stat, so poll often (the last receipt's
+    wait is pure commit latency); an S3 poll costs requests, so back off further."""
+    return 0.01 if store.location.scheme in ("file", "memory") else 0.2
+
+
 def wait_for_receipts(
     store: ObjectStore, attempt_key: str, world_size: int, *, timeout_s: float, step: int
 ) -> list[dict]:
@@ -94,7 +100,7 @@ def wait_for_receipts(
                 "previous step is intact; raise checkpoint commit_timeout_s if saves are slow"
             )
         time.sleep(delay)
-        delay = min(delay * 2, 0.2)
+        delay = min(delay * 2, poll_cap_s(store))
 
 
 def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int) -> None:

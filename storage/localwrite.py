@@ -12,6 +12,8 @@ the file system's journal commits together instead of once per object.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -19,6 +21,24 @@ from collections.abc import Callable, Iterable
 from resilient.errors import StorageError
 
 IOV_MAX = 1024  # Linux's limit on buffers per writev
+SYNCFS_MIN_FILES = 64
+"""From this many files on, one ``syncfs`` makes them durable instead of one fdatasync each:
+measured here, 4,000 small files + their directories took 0.11 s by syncfs and 0.36-0.47 s by
+16 threads of fsync; for a few big files, per-file fdatasync waits for nothing but our data."""
+
+
+def _load_syncfs():
+    """libc's ``syncfs`` (Linux), or None where it does not exist."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    return fn
+
+
+_SYNCFS = _load_syncfs()
 
 
 def _writev_all(fd: int, buffers: list) -> None:
@@ -125,10 +145,25 @@ class AttemptFiles:
         return sum(memoryview(b).nbytes for b in buffers)
 
     def make_durable(self, threads: int) -> None:
-        """fdatasync every file written and fsync every directory that gained an entry, in
-        parallel, so the journal commits them together. Returns when all of it is on disk."""
+        """Return once every file written and every directory that gained an entry is on disk:
+        one ``syncfs`` of the file system for many files, else fdatasync of each file and fsync of
+        each such directory, in parallel so the journal commits them together."""
+        if len(self._files) >= SYNCFS_MIN_FILES and _SYNCFS is not None:
+            _syncfs(self.root)
+            return
         paths = [(p, False) for p in self._files] + [(d, True) for d in sorted(self._new_entries_in)]
         run_parallel([lambda p=p, d=d: _sync(p, directory=d) for p, d in paths], threads)
+
+
+def _syncfs(path: str) -> None:
+    """syncfs(2) of the file system holding ``path``; it reports writeback errors (Linux >= 5.8)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise StorageError(f"making the files under {path} durable (syncfs) failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _sync(path: str, *, directory: bool) -> None:

@@ -3,6 +3,8 @@ directory durable before the receipt, writev of more buffers than IOV_MAX, error
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 
 import ml_dtypes
@@ -114,3 +116,32 @@ def test_run_parallel_runs_every_task_and_raises_the_first_failure():
 
     with pytest.raises(StorageError, match="disk full"):
         run_parallel([boom] + [lambda: None] * 10, threads=3)
+
+
+def test_many_files_are_made_durable_by_one_syncfs_before_the_receipt(tmp_path, monkeypatch):
+    events: list[str] = []
+    real_syncfs, real_receipt = localwrite._SYNCFS, persist.write_receipt
+    assert real_syncfs is not None, "this Linux has syncfs"
+    monkeypatch.setattr(localwrite, "_SYNCFS", lambda fd: (events.append("syncfs"), real_syncfs(fd))[1])
+    monkeypatch.setattr(os, "fdatasync", lambda fd: events.append("fdatasync"))
+    monkeypatch.setattr(persist, "write_receipt", lambda *a, **k: (events.append("receipt"), real_receipt(*a, **k))[1])
+    state = {f"norm{i}": torch.randn(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
+    Checkpointer(str(tmp_path / "ck")).save(1, state).wait()
+    assert events == ["syncfs", "receipt"]
+
+
+def test_a_failed_syncfs_fails_the_save_and_the_previous_step_stays(tmp_path, monkeypatch):
+    state = {f"norm{i}": torch.full((8,), float(i)) for i in range(localwrite.SYNCFS_MIN_FILES)}
+    ckpt = Checkpointer(str(tmp_path / "ck"))
+    ckpt.save(1, state).wait()
+
+    def eio(fd: int) -> int:
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(localwrite, "_SYNCFS", eio)
+    with pytest.raises(StorageError, match="syncfs.*Input/output error"):
+        ckpt.save(2, state).wait()
+    assert ckpt.steps() == [1]
+    target = {f"norm{i}": torch.zeros(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
+    assert ckpt.load(target) == 1 and torch.equal(target["norm3"], torch.full((8,), 3.0))
