@@ -47,6 +47,9 @@ class CheckpointerConfig:
     writer_nice: int = 10
     """Nice value of the background writer (the whole process, or the Python writer thread), so
     persisting takes the CPU training leaves rather than competing with it; 0 = same priority."""
+    io_threads: int = 4
+    """Threads that write a rank's objects of a local (file://) checkpoint and make them durable,
+    1 .. 64; S3 and memory:// go through TensorStore's own I/O pool."""
     metrics_path: str | None = None
     """Append one JSON line of SaveStats per save to this file."""
     close_timeout_s: float = 600.0
@@ -69,6 +72,7 @@ class CheckpointerConfig:
             check_number(name, getattr(self, name), 0, open_low=True, unit="s")
         check_int("load_budget_bytes", self.load_budget_bytes, 1 << 20)
         check_int("max_inflight", self.max_inflight, 1, 8)
+        check_int("io_threads", self.io_threads, 1, 64)
         check_choice("if_busy", self.if_busy, ("wait", "skip"))
         check_choice("writer", self.writer, ("thread", "process"))
         check_int("staging_bytes", self.staging_bytes, 0)  # 0: automatic
