@@ -1,5 +1,9 @@
 """Load: read each target box straight from the zarr arrays into the destination tensors.
 
+Local checkpoints read into dense CPU tensors take the direct path of ``localread`` (preadv into
+the destination, no decode buffer, only the needed parts of inner chunks copied); everything else
+(S3, memory://, CUDA or strided destinations, a dtype conversion) goes through TensorStore.
+
 TensorStore fetches only the inner chunks that overlap a box and verifies their crc32c, then
 decodes straight into the destination's memory when it can (dense CPU tensors), so a load makes
 no second copy. Reads are kept in flight up to a byte budget: memory stays bounded while I/O
@@ -17,6 +21,7 @@ from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
 from resilient.storage.arrays import array_metadata, open_array, read_error
+from resilient.storage.localread import can_read_locally, read_local
 from resilient.storage.url import Location
 
 
@@ -40,6 +45,20 @@ def read_into(
     location: Location, attempt_key: str, targets: list[ReadTarget], context, *, step: int, budget_bytes: int
 ) -> int:
     """Fill every target; returns the bytes read. Raises IntegrityError on a bad/missing chunk."""
+    local = [t for t in targets if can_read_locally(location, t.dest, t.entry.dtype)]
+    others = [t for t in targets if not can_read_locally(location, t.dest, t.entry.dtype)]
+    total = 0
+    if local:
+        total += read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes)
+    if others:
+        total += read_tensorstore(location, attempt_key, others, context, step=step, budget_bytes=budget_bytes)
+    return total
+
+
+def read_tensorstore(
+    location: Location, attempt_key: str, targets: list[ReadTarget], context, *, step: int, budget_bytes: int
+) -> int:
+    """Fill every target through TensorStore (any location, any destination)."""
     opened = {}
     for t in targets:
         e = t.entry
