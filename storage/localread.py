@@ -100,14 +100,13 @@ class _Run:
 
     shard: _Shard
     chunks: list[_ChunkRead] = field(default_factory=list)
+    nbytes: int = 0  # read from the file, crcs included
+    scratch_bytes: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes + CRC_BYTES for c in self.chunks)
-
-    @property
-    def scratch_bytes(self) -> int:
-        return sum(c.scratch_bytes for c in self.chunks)
+    def add(self, read: _ChunkRead) -> None:
+        self.chunks.append(read)
+        self.nbytes += read.nbytes + CRC_BYTES
+        self.scratch_bytes += read.scratch_bytes
 
 
 def _contiguous_range(lo: tuple[int, ...], sizes: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, int] | None:
@@ -195,13 +194,13 @@ def _runs(shard: _Shard, reads: list[_ChunkRead], scratch_cap: int) -> Iterator[
         adjacent = last is not None and last.offset + last.nbytes + CRC_BYTES == read.offset
         fits = (
             len(run.chunks) < IOV_MAX // _ITEM_IOVECS
-            and run.nbytes + read.nbytes <= TASK_BYTES
+            and run.nbytes + read.nbytes + CRC_BYTES <= TASK_BYTES
             and run.scratch_bytes + read.scratch_bytes <= scratch_cap
         )
         if run.chunks and not (adjacent and fits):
             yield run
             run = _Run(shard)
-        run.chunks.append(read)
+        run.add(read)
     if run.chunks:
         yield run
 
