@@ -1,8 +1,9 @@
 """Load: read each target box straight from the zarr arrays into the destination tensors.
 
 Local checkpoints read into dense CPU tensors take the direct path of ``localread`` (preadv into
-the destination, no decode buffer, only the needed parts of inner chunks copied); everything else
-(S3, memory://, CUDA or strided destinations, a dtype conversion) goes through TensorStore.
+the destination's memory; the parts of a chunk a box does not need land in scratch, read only for
+their checksum); everything else (S3, memory://, CUDA or strided destinations, a dtype
+conversion) goes through TensorStore.
 
 TensorStore fetches only the inner chunks that overlap a box and verifies their crc32c, then
 decodes straight into the destination's memory when it can (dense CPU tensors), so a load makes
