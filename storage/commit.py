@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from resilient.errors import CommitError, ResilientError
+from resilient.errors import CommitError
 from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box
 from resilient.manifest import (
@@ -188,7 +188,7 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
     )
     try:
         apply_retention(store, KeepLast(job.keep_last))
-    except ResilientError as e:  # the step is committed; a failed cleanup is retried after the next commit
+    except Exception as e:  # noqa: BLE001 - the step is committed: cleanup is retried after the next commit and never decides the save
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
 
 

@@ -48,13 +48,29 @@ def list_steps(store: ObjectStore) -> StepListing:
     return listing
 
 
+class DamagedManifest(Exception):
+    """A step's manifest.json exists but cannot be read as a manifest (truncated, not JSON)."""
+
+
 def committed_attempt(store: ObjectStore, step: int) -> str | None:
+    """The attempt the step's manifest names (None: no manifest); DamagedManifest if unreadable."""
     data = store.read(f"{step_dir(step)}/{MANIFEST}")
-    return json.loads(data)["attempt"] if data is not None else None
+    if data is None:
+        return None
+    try:
+        attempt = json.loads(data)["attempt"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: {e}") from e
+    if not isinstance(attempt, str):
+        raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: attempt is {attempt!r}")
+    return attempt
 
 
-def plan_retention(store: ObjectStore, policy: KeepLast) -> list[str]:
-    """Keys (relative to the root) that retention would delete, oldest first."""
+def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | None = None) -> list[str]:
+    """Keys (relative to the root) that retention would delete, oldest first. A kept step whose
+    manifest is damaged is skipped (which attempt is real cannot be known; its step number goes
+    to ``damaged``): one bad old step must never make retention, and with it every later
+    commit, fail."""
     listing = list_steps(store)
     if not listing.committed:
         return []
@@ -68,7 +84,13 @@ def plan_retention(store: ObjectStore, policy: KeepLast) -> list[str]:
         if step < newest:  # a newer uncommitted step may be a save still in flight
             doomed.append(step_dir(step))
     for step in sorted(kept):
-        attempt = committed_attempt(store, step)
+        try:
+            attempt = committed_attempt(store, step)
+        except DamagedManifest as e:
+            log.warning("retention skips step %d, its manifest is damaged (%s); run resilient-ckpt verify", step, e)
+            if damaged is not None:
+                damaged.append(step)
+            continue
         for name in store.list_children(step_dir(step)):
             if name.startswith("attempt-") and name != attempt:
                 doomed.append(f"{step_dir(step)}/{name}")

@@ -170,4 +170,6 @@ def render_prune(result: dict) -> None:
         print(f"{verb} {result['root']}/{key}")
     for key in result["spared"]:
         print(f"kept {result['root']}/{key} (latest is {result['latest']}: nothing at or after it is pruned)")
+    for step in result.get("damaged", []):
+        print(f"damaged step {step}: its manifest is unreadable, left as it is (run resilient-ckpt verify)")
     print(f"{len(result['planned'])} {verb}; committed steps kept: {result['kept_committed']}")

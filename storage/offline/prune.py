@@ -32,8 +32,8 @@ def prune(url: str, keep_last: int, *, dry_run: bool = False) -> dict:
     latest = read_latest(store)
     newest = listing.committed[-1] if listing.committed else None
     guard = latest if latest is not None else newest
-    doomed, spared = [], []
-    for key in plan_retention(store, policy):
+    doomed, spared, damaged = [], [], []
+    for key in plan_retention(store, policy, damaged):
         step = _step_of(key)
         whole_step = "/" not in key
         if guard is not None and (step > guard or (whole_step and step == guard)):
@@ -52,4 +52,5 @@ def prune(url: str, keep_last: int, *, dry_run: bool = False) -> dict:
         "deleted": [] if dry_run else doomed,
         "spared": spared,
         "kept_committed": kept,
+        "damaged": damaged,  # kept steps whose manifest is unreadable: their orphans were left alone
     }

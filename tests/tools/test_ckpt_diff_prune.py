@@ -127,3 +127,29 @@ def test_reshard_to_mesh_and_explicit_chunks(tmp_path, saved, cli):
         assert_same_state(loaded, state)
     rc, _, err = cli("reshard", root, str(tmp_path / "bad"), "--chunks", "model.embed.weight=7x7:2x7")
     assert rc == 2 and "must divide" in err
+
+
+def test_a_damaged_old_manifest_never_fails_later_commits_nor_prune(tmp_path, cli):
+    """Issue 13 item 6: a truncated manifest of a kept step made retention raise JSONDecodeError,
+    so every later commit was reported failed, and prune crashed on the same root."""
+    root = str(tmp_path / "run")
+    ckpt = _train_and_save(root, [1, 2])
+    manifest = os.path.join(root, "step-000000001", "manifest.json")
+    with open(manifest, "r+") as f:
+        f.truncate(20)
+    _debris(root, "step-000000001/attempt-0rphan0000000000")
+    state = {
+        "model": {"weight": torch.ones(16, 32), "bias": torch.ones(16)},
+        "frozen": torch.ones(4),
+        "train": {"step": 3},
+    }
+    ckpt.save(3, state).wait()  # retention (keep every step) runs after this commit and must not fail it
+    assert ckpt.steps() == [1, 2, 3]
+
+    plan = cli.json("prune", root, "--keep-last", "5", "--dry-run")
+    assert (
+        plan["damaged"] == [1] and plan["planned"] == []
+    )  # its orphan is left alone: which attempt is real is unknown
+    rc, out, _ = cli("prune", root, "--keep-last", "2")
+    assert rc == 0 and "damaged step 1" not in out  # step 1 is now past keep_last: deleted whole
+    assert ckpt.steps() == [2, 3]
