@@ -19,7 +19,7 @@ import torch
 
 from resilient import dist
 from resilient.errors import CommitError, ConfigError, RestoreError, StateError
-from resilient.layout import ArrayPlan, LocalTensor, describe_json, describe_local, plan_arrays
+from resilient.layout import ArrayPlan, LocalTensor, describe_local, plan_arrays
 from resilient.manifest import (
     MANIFEST,
     Manifest,
@@ -29,13 +29,14 @@ from resilient.metrics import JsonlSink, RestoreStats, SaveStats
 from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
 from resilient.storage.config import CheckpointerConfig
+from resilient.storage.describe import LayoutCache
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
 from resilient.storage.objects import open_store
 from resilient.storage.persist import PersistJob
 from resilient.storage.reader import ReadTarget, read_into
 from resilient.storage.retention import list_steps
-from resilient.storage.snapshot import StagingPool, take_snapshot
+from resilient.storage.snapshot import SnapshotLayout, StagingPool, snapshot_layout, take_snapshot
 from resilient.storage.url import parse_url
 from resilient.storage.workers import PersistProcess, PersistThread
 
@@ -79,7 +80,8 @@ class Checkpointer:
         self._ledger.pool = self._pool
         self._writer = None
         self._stream = None
-        self._plan_cache: dict[str, ArrayPlan] | None = None
+        self._plan_cache: tuple[dict[str, ArrayPlan], SnapshotLayout] | None = None
+        self._layouts = LayoutCache()  # this rank's tensor layouts, described once, not per save
         self._sent_tensors: list[dict] | None = None  # this rank's layout as last sent to its peers
         self._peer_tensors: dict[int, list[dict]] = {}  # every rank's layout as last received
         self._gathered: list[dict] = []
@@ -109,11 +111,10 @@ class Checkpointer:
             stats.outcome = stats.policy = "skipped"
             self._ledger.record(stats)
             return SaveHandle.skipped(stats)
-        plans = self._plan()
+        plans, layout = self._plan()
         snap = take_snapshot(
-            plans,
+            layout,
             locals_,
-            self.rank,
             self._pool,
             timeout_s=self.config.commit_timeout_s,
             stream=self._side_stream(locals_),
@@ -256,17 +257,18 @@ class Checkpointer:
         reaches every rank, with its class."""
         if latched is not None:
             raise latched
-        values = {}
+        values, tensors = {}, {}
         for fqn, leaf in flatten_state(state).items():
             if leaf.is_tensor:
-                locals_[fqn] = describe_local(fqn, leaf.value.detach())
+                tensors[fqn] = leaf.value
             else:
                 values[fqn] = leaf.value
         try:
             json.dumps(metadata)
         except (TypeError, ValueError) as e:
             raise StateError(f"metadata is not JSON-able: {e}") from e
-        described = [describe_json(t) for t in locals_.values()]
+        described_locals, described = self._layouts.describe(tensors)
+        locals_.update(described_locals)
         # Layouts rarely change between saves: send ours only when it did (the all-gather is on
         # the training thread's critical path).
         changed = described != self._sent_tensors
@@ -285,14 +287,16 @@ class Checkpointer:
                 "save under a new step number (committed steps are never overwritten)"
             )
 
-    def _plan(self) -> dict[str, ArrayPlan]:
-        """The save plan, recomputed only when some rank's tensor layout changed."""
+    def _plan(self) -> tuple[dict[str, ArrayPlan], SnapshotLayout]:
+        """The save plan and where this rank stages its part of it, recomputed only when some
+        rank's tensor layout changed."""
         if self._plan_cache is None:
-            self._plan_cache = plan_arrays(
+            plans = plan_arrays(
                 [self._peer_tensors[r] for r in range(self.world_size)],
                 inner_chunk_bytes=self.config.inner_chunk_bytes,
                 max_shard_bytes=self.config.max_shard_bytes,
             )
+            self._plan_cache = (plans, snapshot_layout(plans, self.rank))
         return self._plan_cache
 
     def _side_stream(self, locals_: dict[str, LocalTensor]):
