@@ -180,8 +180,18 @@ def take_snapshot(
     stream: torch.cuda.Stream | None = None,
 ) -> Snapshot:
     buffer = pool.acquire(layout.nbytes, timeout_s=timeout_s)
+    try:
+        event = _copy_into(buffer, layout, locals_, stream)
+    except BaseException:
+        pool.release(buffer)  # a failed snapshot must not hold its buffer for good
+        raise
+    return Snapshot(buffer, layout.regions, layout.nbytes, event)
+
+
+def _copy_into(
+    buffer: StagingBuffer, layout: SnapshotLayout, locals_: dict[str, LocalTensor], stream: torch.cuda.Stream | None
+) -> torch.cuda.Event | None:
     targets = _targets(buffer, layout)
-    event = None
     if stream is not None:
         # The side stream must see the parameters as of now, not a later optimizer step.
         stream.wait_stream(torch.cuda.current_stream())
@@ -192,10 +202,11 @@ def take_snapshot(
             dst.copy_(src, non_blocking=stream is not None)
             if stream is not None and src.is_cuda:
                 src.record_stream(stream)  # keep the source alive until the copy has run
-        if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
-    return Snapshot(buffer, layout.regions, layout.nbytes, event)
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
 
 class _nullcontext:
