@@ -111,7 +111,8 @@ class Checkpointer:
         early = self._snapshot_early(agreement, locals_, busy)
         try:
             attempt = self._prepare_finish(agreement)
-        except BaseException:
+            plans, layout = self._plan() if attempt is not None else (None, None)
+        except BaseException:  # every rank raises the same here (the plan is computed alike)
             self._discard(early)
             raise
         if attempt is None:  # some rank was busy under if_busy="skip": every rank skips together
@@ -119,7 +120,6 @@ class Checkpointer:
             stats.outcome = stats.policy = "skipped"
             self._ledger.record(stats)
             return SaveHandle.skipped(stats)
-        plans, layout = self._plan()
         snap = early[1] if early is not None and early[0] is layout else None
         if snap is None:  # no early copy, or a peer's layout changed and with it the plan
             self._discard(early)
