@@ -67,17 +67,47 @@ def _decode(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.cpu().numpy()).decode())
 
 
+# An all-gather of a few hundred bytes among 4 gloo ranks on 2 cores took ~5 ms here, most of it
+# latency; sending the length first and the text second doubled that on every save. A slot of
+# this many bytes carries the length and a text that fits; a longer text sends only its remainder
+# in a second round. Every rank must use the same size: a constant, never a value a rank learned.
+_SLOT_BYTES = 16 << 10
+_HEADER = 8  # the text's length in bytes, int64
+
+
+class _TextGather:
+    """An all-gather of one text per rank whose first round (the slots) is in flight; ``wait``
+    finishes it. Started apart from its wait so that a caller can work while it crosses."""
+
+    def __init__(self, text: str, group: Any) -> None:
+        self._group, self._device = group, _device(group)
+        self._mine = _encode(text, self._device)
+        n, inline = self._mine.numel(), _SLOT_BYTES - _HEADER
+        slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8, device=self._device)
+        slot[:_HEADER] = torch.tensor([n], dtype=torch.int64, device=self._device).view(torch.uint8)
+        slot[_HEADER : _HEADER + min(n, inline)] = self._mine[:inline]
+        self._slots = [torch.empty_like(slot) for _ in range(dist.get_world_size(group))]
+        self._work = dist.all_gather(self._slots, slot, group=group, async_op=True)
+
+    def wait(self) -> list[Any]:
+        """Every rank's text, decoded as JSON, in rank order."""
+        self._work.wait()
+        mine, slots, inline = self._mine, self._slots, _SLOT_BYTES - _HEADER
+        sizes = torch.stack([s[:_HEADER] for s in slots]).view(torch.int64).flatten().tolist()
+        parts = [[s[_HEADER : _HEADER + min(size, inline)]] for s, size in zip(slots, sizes, strict=True)]
+        longest = max(sizes)
+        if longest > inline:  # a second round for what did not fit, padded to the longest remainder
+            rest = torch.zeros(longest - inline, dtype=torch.uint8, device=self._device)
+            rest[: max(0, mine.numel() - inline)] = mine[inline:]
+            rests = [torch.empty_like(rest) for _ in slots]
+            dist.all_gather(rests, rest, group=self._group)
+            for part, r, size in zip(parts, rests, sizes, strict=True):
+                part.append(r[: max(0, size - inline)])
+        return [_decode(torch.cat(part)) for part in parts]
+
+
 def _all_gather_text(text: str, group: Any) -> list[Any]:
-    device = _device(group)
-    mine = _encode(text, device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-    dist.all_gather(out, padded, group=group)
-    return [_decode(t[: int(n)]) for t, n in zip(out, sizes, strict=True)]
+    return _TextGather(text, group).wait()
 
 
 def _broadcast_text(text: str, src: int, group: Any) -> Any:
@@ -108,6 +138,28 @@ def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
 # --- fail together --------------------------------------------------------------------------------
 
 
+def _run_shared(fn: Callable[[], Any]) -> tuple[str, BaseException | None]:
+    """``fn``'s outcome as the JSON text to share, and the error it raised (if any)."""
+    try:
+        # Encoded inside the try: a result JSON cannot hold is this rank's error, shared like
+        # any other (raised here alone, it would leave the peers waiting in the collective).
+        return json.dumps({"ok": fn()}), None
+    except Exception as e:  # shared, then raised on every rank
+        return json.dumps({"error": to_payload(e)}), e
+
+
+def _settle(outcomes: list[Any], rank: int, local_error: BaseException | None, what: str) -> None:
+    """Raise the first failing rank's error, the same on every rank, if any rank failed."""
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o is not None and "error" in o]
+    if failed:
+        first_rank, payload = failed[0]
+        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        err = from_payload(payload, prefix=f"{what + ': ' if what else ''}[rank {first_rank}{others}] ")
+        if first_rank == rank and local_error is not None:
+            raise err from local_error  # this rank's own traceback, not a copy of it
+        raise err
+
+
 def agree(fn: Callable[[], T], *, group: Any = None, src: int | None = None, what: str = "") -> Any:
     """Run ``fn`` on rank ``src`` of ``group`` (or on every rank when ``src`` is None) and share
     the outcome: every rank returns ``src``'s result (or the list of every rank's results, in rank
@@ -117,32 +169,41 @@ def agree(fn: Callable[[], T], *, group: Any = None, src: int | None = None, wha
     ``fn``'s result must be JSON-able. Any ``Exception`` counts as failure; a ``BaseException``
     (KeyboardInterrupt, SystemExit) still propagates on its own rank only.
     """
+    if src is None:
+        return agree_async(fn, group=group, what=what).result()
     rank = get_rank(group)
-    text = "null"
-    local_error: BaseException | None = None
-    if src is None or rank == src:
-        try:
-            # Encoded inside the try: a result JSON cannot hold is this rank's error, shared like
-            # any other (raised here alone, it would leave the peers waiting in the collective).
-            text = json.dumps({"ok": fn()})
-        except Exception as e:  # shared below, then raised on every rank
-            local_error = e
-            text = json.dumps({"error": to_payload(e)})
-    if not is_distributed():
-        outcomes = [json.loads(text)]
-    elif src is None:
-        outcomes = _all_gather_text(text, group)
-    else:
-        outcomes = [None] * get_world_size(group)
-        outcomes[src] = _broadcast_text(text, src, group)
-    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o is not None and "error" in o]
-    if failed:
-        first_rank, payload = failed[0]
-        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-        err = from_payload(payload, prefix=f"{what + ': ' if what else ''}[rank {first_rank}{others}] ")
-        if first_rank == rank and local_error is not None:
-            raise err from local_error  # this rank's own traceback, not a copy of it
-        raise err
-    if src is not None:
-        return outcomes[src]["ok"]
-    return [o["ok"] for o in outcomes]
+    text, local_error = _run_shared(fn) if rank == src else ("null", None)
+    outcomes: list[Any] = [None] * get_world_size(group)
+    outcomes[src] = _broadcast_text(text, src, group) if is_distributed() else json.loads(text)
+    _settle(outcomes, rank, local_error, what)
+    return outcomes[src]["ok"]
+
+
+class Agreement:
+    """An ``agree`` over every rank whose collective is in flight (``agree_async``)."""
+
+    def __init__(self, text: str, local_error: BaseException | None, group: Any, what: str) -> None:
+        self._rank, self._local_error, self._what = get_rank(group), local_error, what
+        self._gather = _TextGather(text, group) if is_distributed() else None
+        self._outcomes = None if self._gather is not None else [json.loads(text)]
+
+    @property
+    def local_error(self) -> BaseException | None:
+        """The error ``fn`` raised on this rank (its peers' are known only to ``result``)."""
+        return self._local_error
+
+    def result(self) -> list[Any]:
+        """Every rank's result in rank order, or the same error raised on every rank, as ``agree``.
+        Call it exactly once, on every rank, before this group's next collective."""
+        if self._outcomes is None:
+            self._outcomes = self._gather.wait()
+        _settle(self._outcomes, self._rank, self._local_error, self._what)
+        return [o["ok"] for o in self._outcomes]
+
+
+def agree_async(fn: Callable[[], Any], *, group: Any = None, what: str = "") -> Agreement:
+    """``agree(fn)`` over every rank, split in two: ``fn`` runs and its outcome starts crossing
+    now; ``.result()`` returns or raises what ``agree`` would. Whatever a rank does between the two
+    must not depend on the others' outcome (e.g. work it throws away if the agreement says so)."""
+    text, local_error = _run_shared(fn)
+    return Agreement(text, local_error, group, what)
