@@ -136,6 +136,7 @@ class Checkpointer:
             metadata=metadata or {},
             commit_timeout_s=self.config.commit_timeout_s,
             keep_last=self.config.keep_last,
+            io_threads=self.config.io_threads,
         )
         handle = SaveHandle(step, staged=snap.staged)
         handle.stats = stats
