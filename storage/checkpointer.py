@@ -422,10 +422,19 @@ class _SaveLedger:
         self.sink = sink
         self.stats: list[SaveStats] = []
         self.pool: StagingPool | None = None
+        self.sink_failed = False
 
     def record(self, stats: SaveStats) -> None:
+        """Account a save. A metrics file that cannot be written is logged (once), never raised:
+        this runs on the writer thread before the handle completes, and a side effect must not
+        decide a save's fate (it killed the writer and left the committed save's handle hanging)."""
         self.stats.append(stats)
-        self.sink.write(stats.to_json())
+        try:
+            self.sink.write(stats.to_json())
+        except Exception as e:  # noqa: BLE001 - any failure of a side effect, see above
+            if not self.sink_failed:
+                log.warning("[rank %d] cannot record save metrics to %s: %s", self.rank, self.sink.path, e)
+            self.sink_failed = True
 
     def on_done(self, handle: SaveHandle, buffer, stats: SaveStats | None, error: BaseException | None) -> None:
         self.pool.release(buffer)

@@ -219,3 +219,17 @@ def test_background_writer_runs_at_writer_nice(tmp_path, writer):
         ckpt.close()
     with pytest.raises(ConfigError, match=r"writer_nice must be an integer in \[0, 19\], got 20"):
         CheckpointerConfig(writer_nice=20)
+
+
+@pytest.mark.timeout(60)
+def test_an_unwritable_metrics_file_never_decides_a_save(tmp_path):
+    """Issue 13 item 5: the sink's OSError killed the writer thread; the committed step's handle
+    never completed and the next save stalled."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the metrics directory should be")
+    config = CheckpointerConfig(metrics_path=str(blocker / "saves.jsonl"), close_timeout_s=20)
+    with Checkpointer(str(tmp_path / "ck"), config=config) as ckpt:
+        for step in (1, 2):
+            stats = ckpt.save(step, {"w": torch.full((4,), float(step))}).wait(timeout=20)
+            assert stats.step == step and stats.outcome == "committed"
+        assert ckpt.steps() == [1, 2] and [s.step for s in ckpt.save_stats] == [1, 2]
