@@ -263,6 +263,14 @@ def _preadv_exact(fd: int, buffers: list[memoryview], offset: int) -> bool:
     return True
 
 
+def _scrub(run: _Run) -> None:
+    """Zero (the fill value) what this run read straight into the destination: bytes that failed
+    or never got their checksum must not be left in the caller's live tensors."""
+    for c in run.chunks:
+        if c.span[1] > c.span[0]:
+            np.frombuffer(c.dest, dtype=np.uint8)[:] = 0
+
+
 def _read_run(fd: int, run: _Run, scratch: memoryview) -> None:
     """One preadv for the whole run, then each chunk's crc over the bytes where they landed."""
     pieces: list[list[memoryview]] = []
@@ -280,6 +288,7 @@ def _read_run(fd: int, run: _Run, scratch: memoryview) -> None:
         pos += rest
         pieces.append(views)
     if not _preadv_exact(fd, [v for views in pieces for v in views], run.chunks[0].offset):
+        _scrub(run)
         where = _where(run.shard, run.chunks[0].grid_index)
         raise _damaged(run.shard, where, "is cut short: the file ends inside it")
     for c, views in zip(run.chunks, pieces, strict=True):
@@ -288,6 +297,7 @@ def _read_run(fd: int, run: _Run, scratch: memoryview) -> None:
             crc = crc32c.crc32c(v, crc)
         crc = crc32c.crc32c(views[-1][:-CRC_BYTES], crc)
         if crc.to_bytes(CRC_BYTES, "little") != bytes(views[-1][-CRC_BYTES:]):
+            _scrub(run)
             raise _corrupt(run.shard, _where(run.shard, c.grid_index))
         if c.copy is not None:
             dst, part = c.copy

@@ -284,3 +284,22 @@ def test_checkpointer_save_loads_through_the_direct_path(tmp_path, monkeypatch):
         target = ReadTarget(manifest.arrays["w"], box, dest)
         localread.read_local(location, attempt_key, [target], step=1, budget_bytes=BUDGET)
         assert torch.equal(dest, state["w"][box.slices()]), box
+
+
+def test_a_chunk_that_fails_its_checksum_leaves_no_damaged_bytes_in_the_destination(written):
+    """Review finding: preadv lands bytes in the live tensor before the crc check; on a mismatch
+    they were left there. Now the run's direct spans are zeroed (the fill value) before raising."""
+    root, location, entry, data = written
+    path = _shard_file(root, "c/0/0")
+    offset, _ = _index(path, SHARD, INNER)[1]
+    raw = bytearray(path.read_bytes())
+    raw[int(offset) + 9] ^= 0x40
+    path.write_bytes(bytes(raw))
+    dest = torch.full((50, 8), 7.0)
+    with pytest.raises(IntegrityError):
+        localread.read_local(
+            location, ATTEMPT, [ReadTarget(entry, Box((0, 0), (50, 8)), dest)], step=1, budget_bytes=BUDGET
+        )
+    damaged_rows = dest[10:20]
+    assert torch.equal(damaged_rows, torch.zeros(10, 8)), "unverified bytes left in the destination"
+    assert not any(torch.equal(dest[r], data[r]) and not torch.equal(data[r], torch.zeros(8)) for r in range(10, 20))
