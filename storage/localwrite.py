@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from resilient.errors import StorageError
@@ -39,6 +40,37 @@ def _load_syncfs():
 
 
 _SYNCFS = _load_syncfs()
+TRUSTED_SYNCFS_TYPES = ("ext4", "xfs", "btrfs", "tmpfs")
+"""Local file systems whose syncfs writes back and reports errors. Network and FUSE mounts may
+return 0 without the server making anything durable: they get per-file fsync."""
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        got = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
+
+
+def _fs_type(path: str) -> str | None:
+    """The type of the file system mounted at the longest mount point above ``path``."""
+    path, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mount = fields[1].replace("\\040", " ")
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
+def syncfs_is_trusted(path: str) -> bool:
+    """syncfs reports writeback errors from Linux 5.8 on, and only local file systems honour it."""
+    return _SYNCFS is not None and _kernel_at_least(5, 8) and _fs_type(path) in TRUSTED_SYNCFS_TYPES
 
 
 def _writev_all(fd: int, buffers: list) -> None:
@@ -60,7 +92,7 @@ def _writev_all(fd: int, buffers: list) -> None:
 def run_parallel(tasks: Iterable[Callable[[], None]], threads: int) -> None:
     """Run ``tasks`` on up to ``threads`` plain threads (not an executor: saves also drain at
     interpreter exit, when executors refuse new work); raise the first failure after all stop."""
-    pending = list(tasks)
+    pending = deque(tasks)  # taken from the front: the first task starts first (fault points rely on it)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -69,7 +101,7 @@ def run_parallel(tasks: Iterable[Callable[[], None]], threads: int) -> None:
             with lock:
                 if not pending or errors:
                     return
-                task = pending.pop()
+                task = pending.popleft()
             try:
                 task()
             except BaseException as e:  # noqa: BLE001 - re-raised below, on the caller's thread
@@ -95,8 +127,11 @@ class AttemptFiles:
     ``write`` may be called from several threads; ``make_durable`` once, after every write.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, expected_files: int) -> None:
         self.root = root
+        # Decided up front: per-file durability syncs each file on the fd that wrote it (so a
+        # writeback error cannot be lost between close and a reopen).
+        self.use_syncfs = expected_files >= SYNCFS_MIN_FILES and syncfs_is_trusted(root)
         self._files: list[str] = []
         self._new_entries_in: set[str] = set()  # directories that gained a file or subdirectory
         self._known_dirs: set[str] = set()
@@ -104,6 +139,11 @@ class AttemptFiles:
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
+
+    def sync_dirs_anyway(self, paths: Iterable[str]) -> None:
+        """Directories to fsync even if another attempt or rank created the entry in them: a
+        failed earlier attempt may have made ``step-N/`` and died before its own durability pass."""
+        self._new_entries_in.update(os.path.join(self.root, p) for p in paths)
 
     def make_dirs(self, keys: Iterable[str]) -> None:
         """Create the parent directories of ``keys`` (serially: mkdir is a journal operation and
@@ -135,6 +175,8 @@ class AttemptFiles:
             raise StorageError(f"cannot create {path}: {e.strerror}") from e
         try:
             _writev_all(fd, buffers)
+            if not self.use_syncfs:
+                os.fdatasync(fd)
         except OSError as e:
             raise StorageError(f"writing {path} failed: {e.strerror}") from e
         finally:
@@ -148,11 +190,11 @@ class AttemptFiles:
         """Return once every file written and every directory that gained an entry is on disk:
         one ``syncfs`` of the file system for many files, else fdatasync of each file and fsync of
         each such directory, in parallel so the journal commits them together."""
-        if len(self._files) >= SYNCFS_MIN_FILES and _SYNCFS is not None:
+        if self.use_syncfs:
             _syncfs(self.root)
             return
-        paths = [(p, False) for p in self._files] + [(d, True) for d in sorted(self._new_entries_in)]
-        run_parallel([lambda p=p, d=d: _sync(p, directory=d) for p, d in paths], threads)
+        # the files were synced as they were written; now the entries naming them
+        run_parallel([lambda d=d: _sync(d, directory=True) for d in sorted(self._new_entries_in)], threads)
 
 
 def _syncfs(path: str) -> None:

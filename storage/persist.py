@@ -156,7 +156,6 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
     """The file system path of ``write_regions``: every shard object (and on rank 0 every zarr.json)
     written by ``job.io_threads`` threads straight from the staging buffer, then made durable in
     one pass (``localwrite``) before the receipt can be written."""
-    files = AttemptFiles(root)
     objects = (
         [(f"{job.attempt_key}/{key}", doc) for key, doc in zarr_documents(job.plans, job.step).items()]
         if job.rank == 0
@@ -167,7 +166,9 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
         for item in items
         for key, box in _shards(item)
     ]
+    files = AttemptFiles(root, expected_files=len(objects))
     files.make_dirs(key for key, _ in objects)
+    files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
     receipt = [_receipt_entry(item) for item in items]
     first = next((key for key, what in objects if isinstance(what, tuple)), None)
 

@@ -80,7 +80,9 @@ def test_every_file_and_every_new_directory_is_durable_before_the_receipt(tmp_pa
     receipt_at = events.index(("receipt", ""))
     synced_before = {p for kind, p in events[:receipt_at] if kind == "sync"}
     attempt = next(p for p in (tmp_path / "ck" / "step-000000001").iterdir() if p.name.startswith("attempt-"))
-    files, dirs = set(), {str(attempt.parent)}  # the step directory gained the attempt
+    # the step directory names the attempt, the root names the step: both synced whoever made them
+    # (review: a failed earlier attempt may have created step-N/ and died before syncing the root)
+    files, dirs = set(), {str(attempt.parent), str(attempt.parent.parent)}
     for root, subdirs, names in os.walk(attempt):
         subdirs[:] = [d for d in subdirs if d != "receipts"]
         files.update(os.path.join(root, n) for n in names)
@@ -91,14 +93,14 @@ def test_every_file_and_every_new_directory_is_durable_before_the_receipt(tmp_pa
 
 def test_writev_resumes_across_more_buffers_than_iov_max(tmp_path):
     buffers = [bytes([i % 256]) * (1 + i % 7) for i in range(3 * localwrite.IOV_MAX + 5)]
-    files = AttemptFiles(str(tmp_path))
+    files = AttemptFiles(str(tmp_path), expected_files=1)
     files.make_dirs(["a/b/obj"])
     assert files.write("a/b/obj", buffers) == sum(len(b) for b in buffers)
     assert (tmp_path / "a" / "b" / "obj").read_bytes() == b"".join(buffers)
 
 
 def test_a_file_is_created_once_never_overwritten(tmp_path):
-    files = AttemptFiles(str(tmp_path))
+    files = AttemptFiles(str(tmp_path), expected_files=1)
     files.make_dirs(["k"])
     files.write("k", [b"first"])
     with pytest.raises(StorageError, match="cannot create .*k"):
@@ -145,3 +147,12 @@ def test_a_failed_syncfs_fails_the_save_and_the_previous_step_stays(tmp_path, mo
     assert ckpt.steps() == [1]
     target = {f"norm{i}": torch.zeros(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
     assert ckpt.load(target) == 1 and torch.equal(target["norm3"], torch.full((8,), 3.0))
+
+
+def test_syncfs_is_trusted_only_on_local_file_systems(tmp_path):
+    assert localwrite._fs_type("/proc/self") == "proc"
+    assert not localwrite.syncfs_is_trusted("/proc/self")  # not a local disk file system
+    local = localwrite._fs_type(str(tmp_path)) in localwrite.TRUSTED_SYNCFS_TYPES
+    assert localwrite.syncfs_is_trusted(str(tmp_path)) == (local and localwrite._kernel_at_least(5, 8))
+    few, many = (AttemptFiles(str(tmp_path), expected_files=n) for n in (1, localwrite.SYNCFS_MIN_FILES))
+    assert not few.use_syncfs and many.use_syncfs == localwrite.syncfs_is_trusted(str(tmp_path))
