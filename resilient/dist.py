@@ -70,9 +70,14 @@ def _decode(t: torch.Tensor) -> Any:
 # An all-gather of a few hundred bytes among 4 gloo ranks on 2 cores took ~5 ms here, most of it
 # latency; sending the length first and the text second doubled that on every save. A slot of
 # this many bytes carries the length and a text that fits; a longer text sends only its remainder
-# in a second round. Every rank must use the same size: a constant, never a value a rank learned.
-_SLOT_BYTES = 16 << 10
+# in a second round. Every rank must use the same size: a function of the world size only, never
+# a value a rank learned. It shrinks as the world grows, so the slots of one all-gather stay
+# within ~1 MiB per rank (16 KiB x 16k ranks would be 256 MiB on every device).
 _HEADER = 8  # the text's length in bytes, int64
+
+
+def slot_bytes(world_size: int) -> int:
+    return max(256, min(16 << 10, (1 << 20) // max(1, world_size)))
 
 
 class _TextGather:
@@ -82,8 +87,9 @@ class _TextGather:
     def __init__(self, text: str, group: Any) -> None:
         self._group, self._device = group, _device(group)
         self._mine = _encode(text, self._device)
-        n, inline = self._mine.numel(), _SLOT_BYTES - _HEADER
-        slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8, device=self._device)
+        self._slot_bytes = slot_bytes(dist.get_world_size(group))
+        n, inline = self._mine.numel(), self._slot_bytes - _HEADER
+        slot = torch.zeros(self._slot_bytes, dtype=torch.uint8, device=self._device)
         slot[:_HEADER] = torch.tensor([n], dtype=torch.int64, device=self._device).view(torch.uint8)
         slot[_HEADER : _HEADER + min(n, inline)] = self._mine[:inline]
         self._slots = [torch.empty_like(slot) for _ in range(dist.get_world_size(group))]
@@ -92,7 +98,7 @@ class _TextGather:
     def wait(self) -> list[Any]:
         """Every rank's text, decoded as JSON, in rank order."""
         self._work.wait()
-        mine, slots, inline = self._mine, self._slots, _SLOT_BYTES - _HEADER
+        mine, slots, inline = self._mine, self._slots, self._slot_bytes - _HEADER
         sizes = torch.stack([s[:_HEADER] for s in slots]).view(torch.int64).flatten().tolist()
         parts = [[s[_HEADER : _HEADER + min(size, inline)]] for s, size in zip(slots, sizes, strict=True)]
         longest = max(sizes)

@@ -22,7 +22,7 @@ def _gather_worker(rank: int, world: int) -> dict:
         return real(*args, **kwargs)
 
     dist.all_gather = counting
-    inline = rdist._SLOT_BYTES - rdist._HEADER
+    inline = rdist.slot_bytes(2) - rdist._HEADER
     # JSON text of a string of n characters is n + 2 bytes (its quotes).
     cases = {
         "small": ["a" * 10, "b" * 3][rank],
@@ -42,15 +42,24 @@ def _gather_worker(rank: int, world: int) -> dict:
 def test_all_gather_json_takes_one_collective_when_the_texts_fit() -> None:
     from resilient import dist as rdist
 
-    inline = rdist._SLOT_BYTES - rdist._HEADER
+    inline = rdist.slot_bytes(2) - rdist._HEADER
     results = run_world(_gather_worker, 2, timeout_s=90)
     for out in results:
-        assert out["small"] == {"got": ["a" * 10, "b" * 3], "collectives": [rdist._SLOT_BYTES]}
-        assert out["exactly_fits"] == {"got": ["c" * (inline - 2)] * 2, "collectives": [rdist._SLOT_BYTES]}
+        assert out["small"] == {"got": ["a" * 10, "b" * 3], "collectives": [rdist.slot_bytes(2)]}
+        assert out["exactly_fits"] == {"got": ["c" * (inline - 2)] * 2, "collectives": [rdist.slot_bytes(2)]}
         # A second round carries only the remainder past the slot, padded to the longest one.
         assert out["one_rank_long"]["got"] == ["d" * (inline + 5000), "e"]
-        assert out["one_rank_long"]["collectives"] == [rdist._SLOT_BYTES, 5002]
+        assert out["one_rank_long"]["collectives"] == [rdist.slot_bytes(2), 5002]
         assert out["both_long_uneven"]["got"] == ["f" * (3 * inline), "g" * (inline + 1)]
-        assert out["both_long_uneven"]["collectives"] == [rdist._SLOT_BYTES, 2 * inline + 2]
+        assert out["both_long_uneven"]["collectives"] == [rdist.slot_bytes(2), 2 * inline + 2]
         assert out["escaped"]["got"] == ["é" * (inline // 6 + 1)] * 2
-        assert out["escaped"]["collectives"] == [rdist._SLOT_BYTES, 6]
+        assert out["escaped"]["collectives"] == [rdist.slot_bytes(2), 6]
+
+
+def test_slots_shrink_as_the_world_grows_so_one_agree_stays_near_1_mib_per_rank() -> None:
+    from resilient import dist as rdist
+
+    assert rdist.slot_bytes(1) == rdist.slot_bytes(64) == 16 << 10
+    assert rdist.slot_bytes(4096) == 256 and rdist.slot_bytes(16384) == 256
+    assert rdist.slot_bytes(1024) == 1024
+    assert all(rdist.slot_bytes(w) * w <= (1 << 20) for w in (64, 128, 1000, 4096))
