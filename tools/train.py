@@ -15,16 +15,28 @@ runs G replica groups under a torchft quorum instead. An argparse shell: the lau
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from resilient.errors import ConfigError
+from resilient.runfiles import group_id
 from resilient.trainer.config import load_config
-from resilient.trainer.launch import ReplicaLaunch, run, run_replicated, torchrun_command, trainer_args
+from resilient.trainer.launch import (
+    ReplicaLaunch,
+    check_nproc,
+    interrupted_line,
+    run,
+    run_replicated,
+    torchrun_command,
+    trainer_args,
+)
+from resilient.trainer.quiet import DEBUG_ENV
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, help="ranks of the group (= parallel.dp_shard x tp)")
+    parser.add_argument("--nproc", type=int, help="ranks of the group (default: parallel.dp_shard x tp of the recipe)")
     parser.add_argument("--replica-groups", type=int, help="replica groups under a torchft quorum")
     parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= dp_shard x tp)")
     parser.add_argument("--lighthouse", default="", help="URL of a running torchft lighthouse (default: start one)")
@@ -46,9 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="override one config key (repeatable), e.g. --set parallel.tp=1",
     )
     parser.add_argument("--grace-s", type=float, default=30.0, help="wait after forwarding a signal before killing")
+    parser.add_argument("--debug", action="store_true", help="show every rank's traceback on a failure")
     args = parser.parse_args(argv)
     if args.replica_groups is None:
-        if args.nproc is None or args.nproc < 1:
+        if args.nproc is not None and args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")
     elif args.nproc is not None or args.nproc_per_group is None:
         parser.error("--replica-groups takes --nproc-per-group N (ranks per group), not --nproc")
@@ -76,11 +89,28 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     return run_replicated(launch)
 
 
+def run_one_group(args: argparse.Namespace) -> int:
+    # Every config mistake is found here, in a second, before torchrun starts any worker.
+    try:
+        config = load_config(args.config, args.overrides)
+        args.nproc = check_nproc(config, args.nproc)
+        group_id()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s)
+    if code == 128 + signal.SIGINT:
+        print(interrupted_line(config), file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the workers inherit it
     if args.replica_groups is not None:
         return run_replica_groups(args)
-    return run(torchrun_command(args), args.grace_s)
+    return run_one_group(args)
 
 
 if __name__ == "__main__":

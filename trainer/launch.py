@@ -42,18 +42,23 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
+from resilient import Checkpointer
 from resilient.dist import free_port
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, ResilientError
 from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.runfiles import (
     GROUP_ENV,
+    METRICS_FILE,
     EventLog,
+    group_file,
     lighthouse_pid_path,
     logs_dir,
     pids_dir,
+    read_jsonl_by_step,
     read_pid_file,
     write_pid_file,
 )
+from resilient.trainer.config import TrainConfig
 from resilient.validate import check_int
 
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
@@ -92,10 +97,37 @@ def trainer_args(args: argparse.Namespace) -> list[str]:
     return out + [arg for item in args.overrides for arg in ("--set", item)]
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
+def check_nproc(config: TrainConfig, nproc: int | None) -> int:
+    """``--nproc`` as given, or the recipe's dp_shard x tp; ConfigError when the two disagree."""
+    p = config.parallel
+    if nproc is None:
+        return p.dp_shard * p.tp
+    if nproc != p.dp_shard * p.tp:
+        raise ConfigError(
+            f"--nproc {nproc} but parallel.dp_shard={p.dp_shard} x parallel.tp={p.tp} = {p.dp_shard * p.tp} "
+            f"ranks: drop --nproc (it defaults to {p.dp_shard * p.tp}), or set parallel.dp_shard / parallel.tp "
+            f"so that their product is {nproc}"
+        )
+    return nproc
+
+
+def interrupted_line(config: TrainConfig) -> str:
+    """What the operator reads after Ctrl-C: where the run stood and what survives of it."""
+    steps = read_jsonl_by_step(group_file(config.run.dir, METRICS_FILE, 0))
+    try:
+        committed = Checkpointer(config.checkpoint.url).steps()
+    except ResilientError:
+        committed = []
+    last = committed[-1] if committed else "none"
+    return f"interrupted at step {max(steps, default=0)}; last committed step {last}; rerun the same command to resume"
+
+
+def torchrun_command(args: argparse.Namespace, quiet: bool = False) -> list[str]:
     """The torchrun command line for one group (standalone: a local rendezvous on a free port);
-    ``args``: ``nproc``, ``config``, ``overrides`` and optionally ``max_restarts``, as parsed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    ``args``: ``nproc``, ``config``, ``overrides`` and optionally ``max_restarts``, as parsed.
+    ``quiet``: torchrun without its own traceback when a rank fails (``resilient.trainer.quiet``)."""
+    runner = "resilient.trainer.quiet" if quiet else "torch.distributed.run"
+    command = [sys.executable, "-m", runner, "--standalone", "--nproc-per-node", str(args.nproc)]
     max_restarts = getattr(args, "max_restarts", None)
     if max_restarts:
         command += ["--max-restarts", str(max_restarts)]

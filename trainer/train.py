@@ -31,6 +31,7 @@ from resilient.trainer.build import (
 from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.loop import Trainer
 from resilient.trainer.outputs import RunOutputs
+from resilient.trainer.quiet import report_failure
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer = build_trainer(config, device)
         trainer.run()
         trainer.close()
-    except BaseException:
+    except BaseException as e:
         if trainer is not None:
             _close_quietly(trainer)
-        raise
+        code = report_failure(config.run.dir, rank, e)
+        if code is None:
+            raise
+        return code
     finally:
         dist.destroy_process_group()
     return 0

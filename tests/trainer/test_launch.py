@@ -20,14 +20,17 @@ def test_launcher_arguments() -> None:
     assert "--max-restarts" not in torchrun_command(parse_args(["--nproc", "2"]))  # one group: no restarts
     with pytest.raises(SystemExit):
         parse_args(["--replica-groups", "2", "--nproc", "2"])
+    assert parse_args([]).nproc is None  # from the recipe: parallel.dp_shard x tp
     with pytest.raises(SystemExit):
-        parse_args([])
+        parse_args(["--nproc", "0"])
 
 
 def test_single_group_command_passes_config_and_overrides_on() -> None:
     sets = ["--set", "run.steps=3", "--set", "parallel.tp=1"]
     command = torchrun_command(parse_args(["--nproc", "4", "--config", "configs/tiny.toml", *sets]))
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--standalone" in command
+    quiet = torchrun_command(parse_args(["--nproc", "4", "--config", "configs/tiny.toml", *sets]), quiet=True)
+    assert quiet[:3] == [sys.executable, "-m", "resilient.trainer.quiet"] and quiet[3:] == command[3:]
     assert command[command.index("-m", 3) :] == ["-m", "resilient.trainer", "--config", "configs/tiny.toml", *sets]
 
 

@@ -1,0 +1,122 @@
+"""What the operator of ``resilient-train`` sees when something goes wrong (issue 13, items 9, 10, 12):
+one ``error:`` line and exit 2 for a config mistake (before any worker starts) or a ``ResilientError``
+at run time, tracebacks only with ``--debug``; Ctrl-C says where the run stood and exits 130."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient import Checkpointer
+from tests.procs import kill_tree
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+TWO_RANKS = ["--set", "parallel.dp_shard=2", "--set", "parallel.tp=1"]
+PACE = "tests.recovery.ram_hooks:pace"
+
+
+def _launch(args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "resilient.tools.train", *args, "--set", f"run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_GROUP": "0", **(env or {})}
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"did not finish within {timeout_s} s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return proc.returncode, stdout, stderr
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line.lower()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("recipe", "args", "says"),
+    [
+        ("[run]\nbogus = 1\n", [], "unknown key run.bogus"),
+        ("[run\n", [], "is not valid TOML"),
+        (None, ["--set", "run.steps=-1"], "run.steps=-1"),
+        (None, ["--set", "parallel.tp=3"], "parallel.tp"),
+        (None, ["--nproc", "3"], "--nproc 3"),
+        (None, ["--set", "parallel.dp_shard=3"], "parallel.dp_shard=3"),
+        ("missing", [], "does not exist"),
+    ],
+)
+def test_config_mistake_is_one_line_before_any_worker(
+    tmp_path: Path, recipe: str | None, args: list, says: str
+) -> None:
+    path = TINY
+    if recipe == "missing":
+        path = str(tmp_path / "missing.toml")
+    elif recipe is not None:
+        path = str(tmp_path / "recipe.toml")
+        Path(path).write_text(recipe)
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    code, _, stderr = _finish(_launch(["--config", path, *args], run_dir), timeout_s=90)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], stderr
+    assert "Traceback" not in stderr and "--nproc-per-node" not in stderr
+    assert not run_dir.exists()  # no worker ever started: no pid file, no log, no checkpoint
+    # The launcher only imports torch and reads the recipe (~2 s on an idle machine); a worker start
+    # would cost a torchrun rendezvous on top.
+    assert time.monotonic() - start < 60
+
+
+def _train(run_dir: Path, steps: int, *extra: str) -> None:
+    args = ["--config", TINY, *TWO_RANKS, "--set", f"run.steps={steps}", *extra]
+    code, _, stderr = _finish(_launch(args, run_dir), timeout_s=180)
+    assert code == 0, stderr[-4000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_runtime_error_is_one_line_and_exit_2_tracebacks_with_debug(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _train(run_dir, 4)
+    # A resume with a different model: every rank meets a RestoreError (a changed shape).
+    resume = ["--config", TINY, *TWO_RANKS, "--set", "run.steps=8", "--set", "model.ffn_hidden_dim=96"]
+    code, _, stderr = _finish(_launch(resume, run_dir), timeout_s=180)
+    assert code == 2, stderr[-4000:]
+    assert len(_error_lines(stderr)) == 1 and "Traceback" not in stderr, stderr[-4000:]
+    code, _, stderr = _finish(_launch([*resume, "--debug"], run_dir), timeout_s=180)
+    assert code != 0 and "Traceback" in stderr, stderr[-4000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ctrl_c_says_where_the_run_stood_and_exits_130(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--config", TINY, *TWO_RANKS, "--set", "run.steps=200", "--set", "checkpoint.persist_every=2"]
+    args += ["--set", f'run.step_hooks=["{PACE}"]']
+    proc = _launch(args, run_dir, env={"RESILIENT_TEST_STEP_SLEEP": "0.3"})
+    ckpt = Checkpointer(str(run_dir / "ckpt"))
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "ckpt").exists() and len(ckpt.steps()) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-4000:]
+    proc.send_signal(signal.SIGINT)
+    code, _, stderr = _finish(proc, timeout_s=120)
+    assert code == 130 and "Traceback" not in stderr, stderr[-4000:]
+    last = Checkpointer(str(run_dir / "ckpt")).steps()[-1]
+    lines = [line for line in stderr.splitlines() if line.startswith("interrupted at step ")]
+    assert lines and lines[0].endswith(f"last committed step {last}; rerun the same command to resume"), stderr
+    assert _error_lines(stderr) == []
+    # The last committed step loads: the same command (shorter) resumes from it and trains on.
+    _train(run_dir, last + 2, "--set", "checkpoint.persist_every=2")
+    assert Checkpointer(str(run_dir / "ckpt")).steps()[-1] == last + 2

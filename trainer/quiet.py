@@ -1,0 +1,86 @@
+"""How a failed run reaches the operator: one ``error:`` line and exit 2, not one traceback per rank.
+
+A ``ResilientError`` on any rank (a corrupt chunk, a damaged manifest, a missing bucket, a changed
+model shape) is reported once: the first rank to see it claims ``<run.dir>/logs/error-<run id>``
+(create-if-absent, so exactly one rank wins) and prints the line; every rank then exits 2. A peer
+that fails only because that rank left (a collective that lost its partner) sees the claimed file
+and exits 2 quietly too. ``RESILIENT_DEBUG=1`` (``resilient-train --debug``) keeps the tracebacks.
+
+``python -m resilient.trainer.quiet`` is torchrun without its own ``ChildFailedError`` traceback:
+it exits with the first failed rank's code, so the launcher can pass exit 2 on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from resilient.errors import ResilientError
+from resilient.runfiles import logs_dir
+
+DEBUG_ENV = "RESILIENT_DEBUG"
+ERROR_EXIT = 2
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def error_path(run_dir: str) -> str:
+    # torchrun gives every worker of one launch the same run id: a stale file of an earlier launch
+    # never silences this one.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getppid()))
+    return os.path.join(logs_dir(run_dir), f"error-{run_id}")
+
+
+def claim_report(run_dir: str, message: str) -> bool:
+    """True if this rank is the first to report an error of this launch (and has recorded it)."""
+    path = error_path(run_dir)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # the run directory is unwritable: better a line per rank than none
+    with os.fdopen(fd, "w") as f:
+        f.write(message + "\n")
+    return True
+
+
+def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:
+    """The exit code for a worker that failed with ``error``; None: re-raise it (a traceback)."""
+    if debug_enabled():
+        return None
+    if isinstance(error, ResilientError):
+        if claim_report(run_dir, f"error: [rank {rank}] {error}"):
+            print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
+        return ERROR_EXIT
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + 2  # Ctrl-C: torchrun passed the launcher's SIGINT on; the launcher says where we stood
+    if isinstance(error, Exception) and os.path.exists(error_path(run_dir)):
+        return ERROR_EXIT  # a peer reported the cause; this rank only lost its partner
+    return None
+
+
+def run_torchrun(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # The agent's "failed (exitcode: 2)" and "closing signal" lines repeat what the rank said; its
+    # loggers take their level from LOGLEVEL when they are created (on import).
+    if not debug_enabled():
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        return 128 - code if code < 0 else (code or 1)
+    except SignalException as e:
+        return 128 + int(e.sigval)  # the workers were stopped with the same signal
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_torchrun(sys.argv[1:]))
