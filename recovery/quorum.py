@@ -31,7 +31,8 @@ from torchft.process_group import ProcessGroupGloo, ReduceOp
 
 from resilient.errors import QuorumTimeout
 from resilient.recovery.config import QuorumConfig, check_rows_divisible
-from resilient.recovery.transport import CountingHTTPTransport
+from resilient.recovery.heal_codec import adopt_shards, has_shards
+from resilient.recovery.transport import HealTransport
 
 __all__ = ["QuorumConfig", "QuorumInfo", "ReplicaGroupSync", "check_rows_divisible", "replica_name"]
 
@@ -84,6 +85,7 @@ class ReplicaGroupSync:
 
     ``state_dict``/``load_state_dict``: the training state a healing group receives. Its JSON part
     must be identical in every group: the ranks of one group may heal from different groups.
+    ``secret`` (``job_secret``, the same in every group) keys the heal channel, which listens on ``host``.
 
     Structurally a ``resilient.trainer.sync.StepSync``: the trainer's one train step calls
     ``allreduce_sum`` / ``allreduce_gradients`` / ``should_commit`` on it.
@@ -102,12 +104,16 @@ class ReplicaGroupSync:
         world_size: int,
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
+        secret: bytes,
+        host: str,
     ) -> None:
         self.config = config
         self.group = group
         self.rank = rank
+        self._user_state = state_dict
         self._load_user_state = load_state_dict
-        self.transport = CountingHTTPTransport(timeout=timedelta(seconds=config.timeout_s), num_chunks=0)
+        # Heals travel over the authenticated channel, never torchft's pickle-over-HTTP (``transport``).
+        self.transport = HealTransport(secret, rank=rank, host=host, timeout=timedelta(seconds=config.timeout_s))
         self._healed_now = False
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
@@ -199,6 +205,8 @@ class ReplicaGroupSync:
         return int(self._manager.current_step())
 
     def _on_heal(self, state: dict[str, Any]) -> None:
+        if has_shards(state):  # DTensors arrive as local shards: put them on this rank's own mesh
+            state = adopt_shards(state, self._user_state())
         self._load_user_state(state)
         self._healed_now = True
 

@@ -1,49 +1,152 @@
-"""torchft's HTTP checkpoint transport, counting what a heal receives (bytes and seconds).
+"""torchft's checkpoint transport for live heals, over the authenticated replication channel.
 
-Same wire behaviour as ``torchft.checkpointing.HTTPTransport`` (one GET of the whole state per group
-rank). Caveat (ENV-NOTES): it advertises ``http://<socket.gethostname()>:PORT`` whatever the
-Manager's hostname argument says; the hostname must resolve to an address peers can reach.
+torchft's own HTTP transport serves the state as a pickle to anyone who asks and unpickles what it
+fetches: a stranger on the network could read a group's weights, or make a healing group run code.
+Here the heal is the RAM tier's channel (``ram.channel``: mutual HMAC handshake with the job's
+secret, every message MAC'd) carrying the no-pickle format of ``heal_codec`` (tensors + JSON):
+
+- ``send_checkpoint`` encodes the state into one buffer (a copy: the trainer may change its state
+  as soon as ``disallow_checkpoint`` returns) and serves it, only for that step and only to the
+  same group rank, which is how torchft pairs ranks;
+- ``recv_checkpoint`` fetches it; the channel verifies the whole message's MAC before a byte is
+  decoded, and the decoder checks the layout before any tensor is built;
+- ``metadata`` (what torchft passes to the healer) is this server's ``{"host", "port"}`` JSON;
+  pointing it elsewhere gains nothing: the client checks the server's proof of the secret first.
+
+A request that arrives before ``send_checkpoint`` (the healer may be quicker than its source) waits
+for it, up to the transport's timeout, as torchft's HTTP transport does.
 """
 
 from __future__ import annotations
 
-import io
+import json
+import logging
+import threading
 import time
-import urllib.request
 from datetime import timedelta
 
-from torchft.checkpointing._serialization import _streaming_load
-from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.checkpointing.transport import CheckpointTransport
+
+from resilient.errors import ResilientError
+from resilient.recovery.heal_codec import decode_state, encode_state
+from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
+
+log = logging.getLogger(__name__)
 
 
-class _CountingReader(io.RawIOBase):
-    def __init__(self, response: io.RawIOBase) -> None:
-        self._response = response
-        self.count = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        data = self._response.read(len(buffer))
-        buffer[: len(data)] = data
-        self.count += len(data)
-        return len(data)
+def heal_key(step: int) -> str:
+    """The channel key under which a source serves the state of ``step``."""
+    return f"heal/step-{step:09d}"
 
 
-class CountingHTTPTransport(HTTPTransport):
-    """Records the size and duration of the last checkpoint this process received."""
+class _HealHandler:
+    """What the heal server serves: the staged state of one step, to the same group rank only."""
 
-    last_recv_bytes: int = 0
-    last_recv_s: float = 0.0
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self._rank, self._timeout_s = rank, timeout_s
+        self._ready = threading.Condition()
+        self._step: int | None = None
+        self._payload: bytearray | None = None
+        self._closing = False
 
-    @classmethod
-    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+    def stage(self, step: int, payload: bytearray) -> None:
+        with self._ready:
+            self._step, self._payload = step, payload
+            self._ready.notify_all()
+
+    def withdraw(self, closing: bool = False) -> None:
+        with self._ready:
+            self._step, self._payload = None, None
+            self._closing = self._closing or closing
+            self._ready.notify_all()
+
+    def _serving(self, key: str) -> bool:
+        return self._closing or (self._payload is not None and self._step is not None and heal_key(self._step) == key)
+
+    def put(self, sender_rank: int, key: str, header: dict, payload: memoryview) -> None:
+        raise ResilientError(f"the heal server of rank {self._rank} accepts no uploads (key {key!r})")
+
+    def get(self, requester_rank: int, key: str) -> tuple[dict, bytearray] | None:
+        if requester_rank != self._rank:
+            raise ResilientError(f"rank {self._rank} serves heals to group rank {self._rank}, not {requester_rank}")
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._serving(key), self._timeout_s) or self._payload is None:
+                raise ResilientError(
+                    f"rank {self._rank} is not serving {key!r} (serving step {self._step}) "
+                    f"after {self._timeout_s} s: the quorum moved on"
+                )
+            assert self._payload is not None
+            return {"bytes": len(self._payload)}, self._payload
+
+
+class HealTransport(CheckpointTransport[dict]):
+    """Serves this rank's state to a healing peer and fetches a peer's; see the module docstring.
+
+    ``last_recv_bytes`` / ``last_recv_s``: size and duration of the last state this rank received.
+    """
+
+    def __init__(self, secret: bytes, *, rank: int, host: str, timeout: timedelta, thread_nice: int = 0) -> None:
+        self._secret = secret
+        self.rank = rank
+        self._timeout = timeout
+        self._handler = _HealHandler(rank, timeout.total_seconds())
+        self._server = ReplicationServer(
+            secret, self._handler, host=host, timeout_s=timeout.total_seconds(), thread_nice=thread_nice
+        )
+        self._server.start()
+        self.last_recv_bytes = 0
+        self.last_recv_s = 0.0
+
+    def __repr__(self) -> str:
+        return f"HealTransport(rank={self.rank}, address={self._server.address})"
+
+    @property
+    def rejected(self) -> list[str]:
+        """Why connections to this rank's heal server were refused (never containing the secret)."""
+        return self._server.rejected
+
+    def metadata(self) -> str:
+        host, port = self._server.address
+        return json.dumps({"host": host, "port": port})
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
         start = time.perf_counter()
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
-            reader = _CountingReader(response)
-            # Pickle, as torchft does: peers are trusted members of the same job.
-            state = _streaming_load(io.BufferedReader(reader), weights_only=False)
-        cls.last_recv_bytes = reader.count
-        cls.last_recv_s = time.perf_counter() - start
+        payload = encode_state(state_dict)
+        self._handler.stage(step, payload)
+        log.info(
+            "[rank %d] serving the state of step %d to healing groups %s (%d bytes, encoded in %.3f s)",
+            self.rank,
+            step,
+            dst_ranks,
+            len(payload),
+            time.perf_counter() - start,
+            extra={"event": "heal_serve", "step": step, "bytes": len(payload)},
+        )
+
+    def disallow_checkpoint(self) -> None:
+        # The payload is a copy: a send still in flight keeps its own reference, and the trainer's
+        # state is free to change at once.
+        self._handler.withdraw()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
+        try:
+            where = json.loads(metadata)
+            address = (str(where["host"]), int(where["port"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ResilientError(
+                f"heal source of replica rank {src_rank} sent unusable metadata {metadata!r:.200}"
+            ) from e
+        start = time.perf_counter()
+        with ReplicationClient(self._secret, address, rank=self.rank, timeout_s=timeout.total_seconds()) as client:
+            held = client.get(heal_key(step))
+        if held is None:
+            raise ResilientError(f"heal source {address[0]}:{address[1]} holds no state of step {step}")
+        _, payload = held
+        state = decode_state(payload, source=f"replica rank {src_rank} at {address[0]}:{address[1]}, step {step}")
+        self.last_recv_bytes = len(payload)
+        self.last_recv_s = time.perf_counter() - start
         return state
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._handler.withdraw(closing=True)
+        self._server.close(timeout_s=5.0 if wait else 0.5)

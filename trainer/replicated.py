@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.faults import fault_point
+from resilient.recovery.job_secret import job_secret
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
+from resilient.recovery.ram.buddy import bind_host
 from resilient.recovery.restore import PeerHeal
 from resilient.runfiles import FINAL_DIGEST, EventLog, group_id
 from resilient.state import state_digest
@@ -66,6 +68,8 @@ class ReplicatedTrainer(Trainer):
             world_size=self.mesh.size(),
             state_dict=self._heal_state,
             load_state_dict=self._load_heal_state,
+            secret=job_secret(self.config.run.dir),
+            host=bind_host(self.config.recovery),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

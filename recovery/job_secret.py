@@ -1,0 +1,80 @@
+"""The secret every replica group of one job shares: it keys the heal channel across groups.
+
+The RAM tier's channel key (``ram.buddy.shared_secret``) is broadcast over ONE group's process
+group, so another group (another torchrun job) cannot know it. A heal crosses groups, so its key
+comes from what all groups share:
+
+1. ``$RESILIENT_JOB_SECRET`` (hex, at least 16 bytes) when set: multi-node jobs hand it out like
+   any other secret (SLURM/Kubernetes secret store) to every group;
+2. else ``<run.dir>/job.key``, created once (mode 0600, atomically: the first rank of any group
+   wins the race) and read by every rank after. Run directories on a filesystem only this user
+   may read keep it private; a key file another user owns or may read is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+
+from resilient.errors import ConfigError
+from resilient.recovery.ram.wire import check_secret
+
+SECRET_ENV = "RESILIENT_JOB_SECRET"
+KEY_FILE = "job.key"
+_SECRET_BYTES = 32
+
+
+def job_secret(run_dir: str) -> bytes:
+    """The job's heal-channel key (see the module docstring for where it comes from)."""
+    text = os.environ.get(SECRET_ENV, "").strip()
+    if text:
+        try:
+            return check_secret(bytes.fromhex(text))
+        except ValueError as e:
+            raise ConfigError(
+                f"${SECRET_ENV} must be at least 16 bytes as hex (e.g. `openssl rand -hex 32`): {e}"
+            ) from e
+    path = os.path.join(run_dir, KEY_FILE)
+    if not os.path.exists(path):
+        _create(path)
+    return _read(path)
+
+
+def _create(path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(_SECRET_BYTES).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        # link() fails if the name exists: whoever links first wins, and readers see the name only
+        # once it holds the whole key.
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
+def _read(path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ConfigError(f"cannot read the job key {path}: {e}; delete it to make a new one") from e
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise ConfigError(
+                f"job key {path} must be owned by this user and readable by no one else (owner uid "
+                f"{info.st_uid}, mode {oct(info.st_mode & 0o777)}): delete it, or set ${SECRET_ENV}"
+            )
+        text = os.read(fd, 4096).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    try:
+        return check_secret(bytes.fromhex(text))
+    except ValueError as e:
+        raise ConfigError(f"job key {path} is damaged ({e}); delete it to make a new one") from e
