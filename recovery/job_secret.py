@@ -19,9 +19,9 @@ import secrets
 
 from resilient.errors import ConfigError
 from resilient.recovery.ram.wire import check_secret
+from resilient.runfiles import JOB_KEY_FILE
 
 SECRET_ENV = "RESILIENT_JOB_SECRET"
-KEY_FILE = "job.key"
 _SECRET_BYTES = 32
 
 
@@ -35,7 +35,7 @@ def job_secret(run_dir: str) -> bytes:
             raise ConfigError(
                 f"${SECRET_ENV} must be at least 16 bytes as hex (e.g. `openssl rand -hex 32`): {e}"
             ) from e
-    path = os.path.join(run_dir, KEY_FILE)
+    path = os.path.join(run_dir, JOB_KEY_FILE)
     if not os.path.exists(path):
         _create(path)
     return _read(path)

@@ -42,6 +42,7 @@ CONFIG_FILE = "config.json"
 HOOK_EVENTS_FILE = "hook_events.jsonl"
 """``<run.dir>/chaos/hook_events.jsonl``: what the chaos step hook did (holds, corruptions)."""
 FINAL_DIGEST = "final.json"
+JOB_KEY_FILE = "job.key"  # the replica groups' shared heal key (recovery/job_secret.py), mode 0600
 """``group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
 
 GROUP_ENV = "RESILIENT_GROUP"
