@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery.job_secret import KEY_FILE, SECRET_ENV, job_secret
+from resilient.recovery.job_secret import SECRET_ENV, job_secret
+from resilient.runfiles import JOB_KEY_FILE as KEY_FILE
 
 
 @pytest.mark.timeout(10)
