@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from resilient.dtypes import itemsize, torch_dtype
 from resilient.errors import IntegrityError, RestoreError, StateError
 from resilient.recovery.ram.store import ALIGN, TensorEntry, layout_tensors, tensor_view
-from resilient.state import check_json_value
+from resilient.state import check_json_value, contains_tensor
 
 FORMAT = "resilient-heal/1"
 _LEN = struct.Struct(">Q")
@@ -49,16 +49,6 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _contains_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_contains_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_contains_tensor(v) for v in value)
-    return False
-
-
 def _skeleton(value: Any, fqn: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
     if isinstance(value, DTensor):
         tensors.append(value.to_local())
@@ -66,12 +56,12 @@ def _skeleton(value: Any, fqn: str, tensors: list[torch.Tensor]) -> dict[str, An
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return {"tensor": len(tensors) - 1}
-    if isinstance(value, dict) and _contains_tensor(value):
+    if isinstance(value, dict) and contains_tensor(value):
         for key in value:
             if not isinstance(key, str):
                 raise StateError(f"heal state key {key!r} under {fqn!r} is not a str; JSON needs string keys")
         return {"dict": {k: _skeleton(v, f"{fqn}.{k}", tensors) for k, v in value.items()}}
-    if isinstance(value, (list, tuple)) and _contains_tensor(value):
+    if isinstance(value, (list, tuple)) and contains_tensor(value):
         return {"list": [_skeleton(v, f"{fqn}[{i}]", tensors) for i, v in enumerate(value)]}
     check_json_value(value, fqn)
     return {"json": value}

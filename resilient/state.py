@@ -45,13 +45,13 @@ def _check_component(part: str, path: tuple[str, ...]) -> None:
         )
 
 
-def _contains_tensor(value: Any) -> bool:
+def contains_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, dict):
-        return any(_contains_tensor(v) for v in value.values())
+        return any(contains_tensor(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_contains_tensor(v) for v in value)
+        return any(contains_tensor(v) for v in value)
     return False
 
 
@@ -104,9 +104,9 @@ def _walk(container: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
         part = str(key)
         _check_component(part, path)
         child = (*path, part)
-        if isinstance(value, MutableMapping) and _contains_tensor(value):
+        if isinstance(value, MutableMapping) and contains_tensor(value):
             yield from _walk(value, child)
-        elif isinstance(value, (list, tuple)) and _contains_tensor(value):
+        elif isinstance(value, (list, tuple)) and contains_tensor(value):
             if isinstance(value, tuple):
                 raise StateError(
                     f"state entry {'.'.join(child)!r} is a tuple holding tensors; tuples cannot be "
