@@ -18,9 +18,10 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from resilient.errors import ConfigError
-from resilient.runfiles import group_id
+from resilient.runfiles import group_id, logs_dir
 from resilient.trainer.config import load_config
 from resilient.trainer.launch import (
     ReplicaLaunch,
@@ -31,7 +32,7 @@ from resilient.trainer.launch import (
     torchrun_command,
     trainer_args,
 )
-from resilient.trainer.quiet import DEBUG_ENV
+from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +87,17 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run_replicated(launch)
+    # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
+    started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
+    code = run_replicated(launch)
+    if code == 128 + signal.SIGINT:
+        print(interrupted_line(config), file=sys.stderr)
+    elif code != 0:
+        line = reported_since(config.run.dir, started)
+        where = f"the groups' logs are in {logs_dir(config.run.dir)}"
+        print(f"{line} ({where})" if line else f"error: a replica group exited with {code}; {where}", file=sys.stderr)
+        return ERROR_EXIT if line else code
+    return code
 
 
 def run_one_group(args: argparse.Namespace) -> int:

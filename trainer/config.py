@@ -23,9 +23,9 @@ from typing import Any
 from resilient.errors import ConfigError
 from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
 from resilient.runfiles import default_ckpt_url
-from resilient.trainer.data import DataConfig
-from resilient.trainer.model import ModelConfig
-from resilient.trainer.parallelize import ParallelConfig, check_model_compatible
+from resilient.trainer.data.config import DataConfig
+from resilient.trainer.model.config import ModelConfig
+from resilient.trainer.parallel_config import ParallelConfig, check_model_compatible
 from resilient.validate import check_bool, check_choice, check_int, check_number
 
 

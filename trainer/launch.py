@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
-from resilient import Checkpointer
-from resilient.dist import free_port
 from resilient.errors import ConfigError, ResilientError
 from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.runfiles import (
@@ -81,6 +79,9 @@ class ReplicaLaunch:
     grace_s: float = 40.0
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every rank (tests: pacing, fault injection)."""
+    launch_id: str = field(default_factory=lambda: f"{os.getpid()}x{int(time.time())}")
+    """Part of every group's rendezvous id, so that each launch has run ids of its own: the
+    one-error-line claim (``resilient.trainer.quiet``) of an earlier launch never silences this one."""
 
     def __post_init__(self) -> None:
         check_int("--replica-groups", self.groups, 1)
@@ -114,6 +115,8 @@ def check_nproc(config: TrainConfig, nproc: int | None) -> int:
 def interrupted_line(config: TrainConfig) -> str:
     """What the operator reads after Ctrl-C: where the run stood and what survives of it."""
     steps = read_jsonl_by_step(group_file(config.run.dir, METRICS_FILE, 0))
+    from resilient.storage.checkpointer import Checkpointer  # deferred: the config check skips torch
+
     try:
         committed = Checkpointer(config.checkpoint.url).steps()
     except ResilientError:
@@ -231,9 +234,9 @@ def group_command(launch: ReplicaLaunch, group: int) -> list[str]:
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
+        f"127.0.0.1:{_free_port()}",
         "--rdzv-id",
-        f"group{group}",
+        f"group{group}-{launch.launch_id}",
         "--max-restarts",
         str(launch.max_restarts),
         "--monitor-interval",
@@ -272,7 +275,7 @@ class ReplicaJob:
         os.makedirs(self.log_dir, exist_ok=True)
         os.makedirs(pids_dir(self.run_dir), exist_ok=True)
         if not self.lighthouse_url:
-            self.lighthouse_port = free_port()
+            self.lighthouse_port = _free_port()
             start = time.monotonic()
             self._start_lighthouse()
             self.lighthouse_url = f"http://127.0.0.1:{self.lighthouse_port}"
@@ -406,3 +409,9 @@ def run_replicated(launch: ReplicaLaunch) -> int:
         job.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _free_port() -> int:
+    from resilient.dist import free_port  # deferred: resilient.dist imports torch
+
+    return free_port()

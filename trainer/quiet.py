@@ -12,6 +12,7 @@ it exits with the first failed rank's code, so the launcher can pass exit 2 on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -46,6 +47,25 @@ def claim_report(run_dir: str, message: str) -> bool:
     with os.fdopen(fd, "w") as f:
         f.write(message + "\n")
     return True
+
+
+def reported_since(run_dir: str, since: float) -> str | None:
+    """The error line a rank claimed (``claim_report``) at or after ``since`` (``time.time()``), the
+    earliest if several groups claimed one; None if none did. For launchers whose ranks write to log
+    files (replica groups), which print the line for them."""
+    folder = logs_dir(run_dir)
+    claims = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            if name.startswith("error-") and os.stat(path).st_mtime >= since:
+                claims.append((os.stat(path).st_mtime, path))
+    for _, path in sorted(claims):
+        with contextlib.suppress(OSError), open(path) as f:
+            line = f.readline().strip()
+            if line:
+                return line
+    return None
 
 
 def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:

@@ -37,7 +37,11 @@ def test_single_group_command_passes_config_and_overrides_on() -> None:
 def test_group_command_is_one_torchrun_per_group_with_the_replica_keys() -> None:
     launch = ReplicaLaunch(groups=3, nproc_per_group=2, run_dir="runs/x", trainer_args=["--set", "run.steps=5"])
     first, second = group_command(launch, 1), group_command(launch, 2)
-    assert first[first.index("--rdzv-id") + 1] == "group1" and second[second.index("--rdzv-id") + 1] == "group2"
+    assert first[first.index("--rdzv-id") + 1] == f"group1-{launch.launch_id}"
+    assert second[second.index("--rdzv-id") + 1] == f"group2-{launch.launch_id}"
+    # A later launch in the same run directory gets rendezvous (= run) ids of its own.
+    again = ReplicaLaunch(groups=3, nproc_per_group=2, run_dir="runs/x", trainer_args=[], launch_id="other")
+    assert group_command(again, 1)[first.index("--rdzv-id") + 1] == "group1-other"
     # Each group rendezvous on its own port: a restarted group must never meet another group's ranks.
     assert first[first.index("--rdzv-endpoint") + 1] != second[second.index("--rdzv-endpoint") + 1]
     assert first[first.index("--max-restarts") + 1] == "3" and first[first.index("--nproc-per-node") + 1] == "2"

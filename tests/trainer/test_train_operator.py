@@ -71,9 +71,25 @@ def test_config_mistake_is_one_line_before_any_worker(
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], stderr
     assert "Traceback" not in stderr and "--nproc-per-node" not in stderr
     assert not run_dir.exists()  # no worker ever started: no pid file, no log, no checkpoint
-    # The launcher only imports torch and reads the recipe (~2 s on an idle machine); a worker start
-    # would cost a torchrun rendezvous on top.
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60  # a hang guard only; the speed is held by the next test
+
+
+HEAVY_MODULES = ("torch", "tensorstore", "ml_dtypes", "zarr")
+
+
+@pytest.mark.timeout(60)
+def test_config_check_imports_no_heavy_module(tmp_path: Path) -> None:
+    # The operator waits for this answer: importing torch, TensorStore and ml_dtypes costs ~4 s on
+    # this machine, the check itself ~0.2 s. Held by what gets imported, not by a clock.
+    probe = (
+        "import sys\n"
+        "from resilient.tools.train import main\n"
+        f"code = main(['--config', {TINY!r}, '--set', 'run.bogus=1', '--set', 'run.dir={tmp_path}'])\n"
+        f"print(code, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=50)
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr
+    assert done.stderr.startswith("error: unknown key run.bogus"), done.stderr
 
 
 def _train(run_dir: Path, steps: int, *extra: str) -> None:
@@ -120,3 +136,38 @@ def test_ctrl_c_says_where_the_run_stood_and_exits_130(tmp_path: Path) -> None:
     # The last committed step loads: the same command (shorter) resumes from it and trains on.
     _train(run_dir, last + 2, "--set", "checkpoint.persist_every=2")
     assert Checkpointer(str(run_dir / "ckpt")).steps()[-1] == last + 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("outcome", ["rank_error", "crash", "interrupt"])
+def test_replica_groups_launcher_says_what_its_groups_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], outcome: str
+) -> None:
+    # The groups' ranks write to log files; the launcher reads the one claimed error line back.
+    from resilient.tools import train as cli
+    from resilient.trainer.quiet import claim_report
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    claim_report(str(run_dir), "error: [rank 0] an old launch's error")  # stale: must not be shown
+    old = time.time() - 3600
+    for stale in (run_dir / "logs").iterdir():
+        os.utime(stale, (old, old))
+
+    def fake_run(launch) -> int:  # what the groups would have done
+        if outcome == "rank_error":
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"group1-{launch.launch_id}")
+            assert claim_report(launch.run_dir, "error: [rank 1] checkpoint step 4 is damaged: do X")
+        return {"rank_error": 1, "crash": 1, "interrupt": 130}[outcome]
+
+    monkeypatch.setattr(cli, "run_replicated", fake_run)
+    args = ["--replica-groups", "2", "--nproc-per-group", "1", "--config", TINY, "--set", f"run.dir={run_dir}"]
+    code = cli.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    if outcome == "rank_error":
+        assert code == 2 and err[0].startswith("error: [rank 1] checkpoint step 4 is damaged: do X (the groups' logs")
+    elif outcome == "crash":
+        assert code == 1 and err[0].startswith("error: a replica group exited with 1;") and "logs" in err[0]
+    else:
+        assert code == 130 and err[0].startswith("interrupted at step"), err

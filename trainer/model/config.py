@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from resilient.errors import ConfigError
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16")
+"""Parameter dtypes by name (``torch.<name>``). Names, not torch objects: the launcher checks a
+recipe without importing torch."""
 
 
 def _swiglu_hidden_dim(dim: int, multiple_of: int = 64) -> int:
@@ -84,7 +88,9 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch  # deferred: see DTYPES
+
+        return getattr(torch, self.dtype)
 
 
 def _require_positive_int(name: str, value: object) -> None:
