@@ -13,14 +13,13 @@ buffers >= 32 KiB) release the GIL."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import sys
 import threading
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import crc32c
@@ -31,6 +30,7 @@ from resilient.dtypes import itemsize, to_numpy, torch_dtype
 from resilient.errors import IntegrityError, StorageError
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
+from resilient.storage.localwrite import run_parallel
 from resilient.storage.shardfile import CRC_BYTES, MISSING, chunk_key, chunks_per_shard, index_nbytes, parse_index
 from resilient.storage.url import Location
 
@@ -351,43 +351,31 @@ def read_local(
 
     Scratch memory stays within ``budget_bytes``: each thread's scratch holds at most a
     ``budget_bytes / threads`` share (or one inner chunk, when a chunk is bigger than that).
-    Raises IntegrityError on a missing, short or corrupted shard, StorageError on other I/O errors.
+    Raises IntegrityError on a missing, short or corrupted shard, StorageError on other I/O errors;
+    no thread writes into a destination after this returns or raises.
     """
     root = "/" + location.join(attempt_key)
     scratch_cap = max(1, budget_bytes // threads)
     scratch = _Scratch()
-    inflight: deque[Future] = deque()
-    total = 0
-    with ThreadPoolExecutor(threads, thread_name_prefix="resilient-localread") as pool:
-        try:
-            task: list[_Run] = []
-            task_bytes = 0
-            for t in targets:
-                if t.box.numel == 0:
-                    continue
-                for run in _target_runs(root, t.entry, t.box, t.dest, step, scratch_cap):
-                    task.append(run)
-                    task_bytes += run.nbytes
-                    if task_bytes >= TASK_BYTES:
-                        _submit(pool, inflight, task, scratch, limit=2 * threads)
-                        task, task_bytes = [], 0
-                total += t.box.numel * itemsize(t.entry.dtype)
-            if task:
-                _submit(pool, inflight, task, scratch, limit=2 * threads)
-            while inflight:
-                inflight.popleft().result()
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # no thread may write into dest after we return
-            raise
-    return total
+    live = [t for t in targets if t.box.numel > 0]
+    # Planning (reading each shard's index) runs on the threads too, one task ahead of the reads.
+    run_parallel(_tasks(root, live, step, scratch_cap, scratch), threads)
+    return sum(t.box.numel * itemsize(t.entry.dtype) for t in live)
 
 
-def _submit(pool: ThreadPoolExecutor, inflight: deque, task: list[_Run], scratch: _Scratch, *, limit: int) -> None:
-    """Queue one task; first wait for the oldest while ``limit`` are in flight (a bounded queue:
-    an error stops the load after at most ``limit`` more tasks)."""
-    while len(inflight) >= limit:
-        inflight.popleft().result()
-    inflight.append(pool.submit(_run_task, task, scratch))
+def _tasks(root: str, targets: list, step: int, scratch_cap: int, scratch: _Scratch) -> Iterator[Callable[[], None]]:
+    """The load's runs, grouped into tasks of about TASK_BYTES each."""
+    task: list[_Run] = []
+    task_bytes = 0
+    for t in targets:
+        for run in _target_runs(root, t.entry, t.box, t.dest, step, scratch_cap):
+            task.append(run)
+            task_bytes += run.nbytes
+            if task_bytes >= TASK_BYTES:
+                yield functools.partial(_run_task, task, scratch)
+                task, task_bytes = [], 0
+    if task:
+        yield functools.partial(_run_task, task, scratch)
 
 
 # ---------------------------------------------------------------------------------------------

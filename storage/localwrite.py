@@ -16,8 +16,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 
 from resilient.errors import StorageError
 
@@ -90,29 +89,41 @@ def _writev_all(fd: int, buffers: list) -> None:
 
 
 def run_parallel(tasks: Iterable[Callable[[], None]], threads: int) -> None:
-    """Run ``tasks`` on up to ``threads`` plain threads (not an executor: saves also drain at
-    interpreter exit, when executors refuse new work); raise the first failure after all stop."""
-    pending = deque(tasks)  # taken from the front: the first task starts first (fault points rely on it)
+    """Run ``tasks`` on up to ``threads`` plain threads (not an executor: saves also drain and loads
+    also run at interpreter exit, when executors refuse new work); raise the first failure after all
+    stop. ``tasks`` may be a generator: it is drawn one task at a time, in order (fault points rely on
+    the first task starting first), so a reader plans its next reads while earlier ones run and
+    holds no more than ``threads`` planned tasks at once. An error, raised by a task or by the
+    generator, stops the drawing."""
+    if isinstance(tasks, Sized):
+        threads = min(threads, len(tasks))  # a thread per task at most; one task runs right here
+    source = iter(tasks)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
     def worker() -> None:
         while True:
             with lock:
-                if not pending or errors:
+                if errors:
                     return
-                task = pending.popleft()
+                try:
+                    task = next(source, None)
+                except BaseException as e:  # noqa: BLE001 - re-raised below, on the caller's thread
+                    errors.append(e)
+                    return
+            if task is None:
+                return
             try:
                 task()
             except BaseException as e:  # noqa: BLE001 - re-raised below, on the caller's thread
                 with lock:
                     errors.append(e)
 
-    if len(pending) <= 1 or threads <= 1:
-        for task in pending:
+    if threads <= 1:
+        for task in source:
             task()
         return
-    workers = [threading.Thread(target=worker, daemon=True) for _ in range(min(threads, len(pending)))]
+    workers = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
     for w in workers:
         w.start()
     for w in workers:

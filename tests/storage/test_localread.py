@@ -303,3 +303,27 @@ def test_a_chunk_that_fails_its_checksum_leaves_no_damaged_bytes_in_the_destinat
     damaged_rows = dest[10:20]
     assert torch.equal(damaged_rows, torch.zeros(10, 8)), "unverified bytes left in the destination"
     assert not any(torch.equal(dest[r], data[r]) and not torch.equal(data[r], torch.zeros(8)) for r in range(10, 20))
+
+
+@pytest.mark.timeout(90)
+def test_a_load_at_interpreter_exit_reads_through_the_direct_path(tmp_path):
+    # Loads may run in atexit handlers (an emergency restore, a tool's cleanup), where a
+    # ThreadPoolExecutor refuses new work: the direct path uses plain threads.
+    script = f"""
+import atexit, torch
+from resilient import Checkpointer
+
+def load_at_exit():
+    state = {{"w": torch.zeros(64, 1024)}}
+    Checkpointer({str(tmp_path)!r}).load(state)
+    print("loaded", float(state["w"].sum()))
+
+with Checkpointer({str(tmp_path)!r}) as ckpt:
+    ckpt.save(1, {{"w": torch.ones(64, 1024)}}).wait(60)
+atexit.register(load_at_exit)
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0 and done.stdout.strip() == f"loaded {64.0 * 1024}", done.stdout + done.stderr[-2000:]
