@@ -2,8 +2,8 @@
 
 This module is the package's face: it re-exports the public API from where it lives. The errors are
 imported at once (they are tiny); the checkpoint API on first use (``resilient.lazy``), so that a
-config check or a tool's ``--help`` does not pay for torch and TensorStore. Importing
-``resilient.storage`` (which any use of ``Checkpointer`` does) registers bfloat16 with zarr-python.
+config check or a tool's ``--help`` does not pay for torch and TensorStore. zarr-python learns
+bfloat16 from ``import resilient.zarr_bfloat16``.
 """
 
 from typing import TYPE_CHECKING

@@ -2,13 +2,10 @@
 
 Tensors are stored in their own dtype. bfloat16 has no numpy dtype of its own, so it travels as
 ``ml_dtypes.bfloat16`` (bit-compatible, zero-copy through an int16 view); zarr-python 3 learns the
-name from :func:`register_zarr_bfloat16`, which importing ``resilient`` calls.
+name from ``import resilient.zarr_bfloat16``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -84,28 +81,10 @@ def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def register_zarr_bfloat16() -> None:
-    """Teach zarr-python 3 the ``bfloat16`` data type (backed by ml_dtypes), bit-exact both ways."""
+    """Teach zarr-python 3 the ``bfloat16`` data type (``resilient.zarr_bfloat16``); a no-op when
+    zarr-python is absent or laid out differently."""
     try:
-        from zarr.core.dtype import data_type_registry
-        from zarr.core.dtype.npy.float import BaseFloat
-    except ImportError:  # zarr-python absent or a layout we do not know: nothing to register
+        from resilient.zarr_bfloat16 import register
+    except ImportError:
         return
-
-    @dataclass(frozen=True, kw_only=True)
-    class BFloat16(BaseFloat):
-        dtype_cls = type(np.dtype(ml_dtypes.bfloat16))
-        _zarr_v3_name: ClassVar[str] = "bfloat16"
-        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
-
-        @classmethod
-        def _check_native_dtype(cls, dtype: object) -> bool:
-            return isinstance(dtype, np.dtype) and dtype == np.dtype(ml_dtypes.bfloat16)
-
-        def to_native_dtype(self) -> np.dtype:
-            return np.dtype(ml_dtypes.bfloat16)
-
-        @property
-        def item_size(self) -> int:
-            return 2
-
-    data_type_registry.register(BFloat16._zarr_v3_name, BFloat16)
+    register()

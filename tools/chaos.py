@@ -16,6 +16,8 @@ import os
 import sys
 import traceback
 
+from resilient.tools.cli import OneLineParser
+
 EXIT_CODES = """exit codes of `run`:
   0  every invariant holds
   1  an invariant failed (report.json names it, with its reason)
@@ -26,7 +28,7 @@ EXIT_PASSED, EXIT_FAILED, EXIT_CONFIG, EXIT_CRASH = 0, 1, 2, 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="resilient-chaos",
         description=__doc__.split("\n\n")[0],
         epilog=EXIT_CODES,

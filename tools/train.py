@@ -22,6 +22,7 @@ import time
 
 from resilient.errors import ConfigError
 from resilient.runfiles import group_id, logs_dir
+from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import load_config
 from resilient.trainer.launch import (
     ReplicaLaunch,
@@ -36,7 +37,7 @@ from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, help="ranks of the group (default: parallel.dp_shard x tp of the recipe)")
     parser.add_argument("--replica-groups", type=int, help="replica groups under a torchft quorum")
     parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= dp_shard x tp)")

@@ -23,6 +23,7 @@ from typing import Any
 from resilient.errors import ConfigError
 from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
 from resilient.runfiles import default_ckpt_url
+from resilient.storage.url import parse_url
 from resilient.trainer.data.config import DataConfig
 from resilient.trainer.model.config import ModelConfig
 from resilient.trainer.parallel_config import ParallelConfig, check_model_compatible
@@ -209,6 +210,10 @@ class TrainConfig:
             check_rows_divisible(data.global_rows, self.parallel.dp_shard, self.replica.groups)
         if not self.checkpoint.url:
             self.checkpoint.url = default_ckpt_url(self.run.dir)
+        try:  # a wrong scheme or bucket is known here, before any worker starts
+            parse_url(self.checkpoint.url)
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint.url: {e}") from e
 
     @property
     def decay_steps(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -101,10 +103,23 @@ def test_rng_state_round_trips_as_json(tmp_path):
     assert torch.equal(torch.rand(4), expected)
 
 
+@pytest.mark.timeout(60)
+def test_plain_zarr_python_opens_a_bf16_array_after_one_import_without_torch(tmp_path):
+    Checkpointer(str(tmp_path)).save(1, {"w": torch.arange(6, dtype=torch.bfloat16)}).wait()
+    attempt = json.loads((tmp_path / "step-000000001" / "manifest.json").read_text())["attempt"]
+    probe = (
+        "import sys, zarr, resilient.zarr_bfloat16\n"
+        f"a = zarr.open_array({str(tmp_path / 'step-000000001' / attempt / 'w')!r}, mode='r')\n"
+        "print(a.dtype, a[...].astype('float32').tolist(), 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    assert done.stdout.split(" ", 1) == ["bfloat16", "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0] False\n"], done.stderr[-2000:]
+
+
 def test_zarr_python_reads_every_array_and_no_file_is_a_pickle(tmp_path):
     import zarr
 
-    import resilient  # noqa: F401  (registers bfloat16 with zarr-python)
+    import resilient.zarr_bfloat16  # noqa: F401  (teaches zarr-python bfloat16)
 
     state = make_state(2)
     Checkpointer(str(tmp_path)).save(3, state).wait()

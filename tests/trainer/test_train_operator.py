@@ -53,6 +53,8 @@ def _error_lines(stderr: str) -> list[str]:
         (None, ["--nproc", "3"], "--nproc 3"),
         (None, ["--set", "parallel.dp_shard=3"], "parallel.dp_shard=3"),
         ("missing", [], "does not exist"),
+        (None, ["--set", "checkpoint.url=ftp://host/ckpt"], "checkpoint.url: unsupported checkpoint URL"),
+        (None, ["--set", "checkpoint.url=s3://x/ckpt"], "checkpoint.url: S3 URL 's3://x/ckpt' has no valid bucket"),
     ],
 )
 def test_config_mistake_is_one_line_before_any_worker(
@@ -72,6 +74,14 @@ def test_config_mistake_is_one_line_before_any_worker(
     assert "Traceback" not in stderr and "--nproc-per-node" not in stderr
     assert not run_dir.exists()  # no worker ever started: no pid file, no log, no checkpoint
     assert time.monotonic() - start < 60  # a hang guard only; the speed is held by the next test
+
+
+@pytest.mark.timeout(60)
+def test_unknown_flag_is_one_line(tmp_path: Path) -> None:
+    code, _, stderr = _finish(_launch(["--frobnicate", "--config", TINY], tmp_path / "run"), timeout_s=50)
+    assert code == 2 and stderr.splitlines() == [
+        "resilient-train: error: unrecognized arguments: --frobnicate (see resilient-train --help)"
+    ]
 
 
 HEAVY_MODULES = ("torch", "tensorstore", "ml_dtypes", "zarr")
