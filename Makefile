@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 demo: install
 	$(PY) -m resilient.tools.demo
