@@ -1,18 +1,26 @@
 """S3 (or any S3-compatible store) through boto3: small objects, listings, deletes, commit markers.
 
 The commit point is a conditional PUT (``If-None-Match: *``): of two writers of the same manifest
-exactly one succeeds, with no lock service.
+exactly one succeeds, with no lock service. A PUT whose response is lost is ambiguous: botocore
+retries it, and the retry meets our own object (412). So a 412 is answered by reading the object
+back: it is ours iff it holds exactly our bytes (a manifest names its attempt's uuid).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from resilient.errors import StorageError
 from resilient.storage.url import Location
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
-_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_EXISTS_CODES = {"PreconditionFailed", "412"}
+# 409: another conditional write to the same key was in flight; S3 says to retry, nothing exists yet.
+_CONFLICT_CODES = {"ConditionalRequestConflict", "409"}
+CONFLICT_TRIES = 6
+"""Conditional PUTs answered 409 before giving up (backoff doubles from CONFLICT_BACKOFF_S, ~3 s in all)."""
+CONFLICT_BACKOFF_S = 0.1
 
 
 def s3_client(location: Location):
@@ -61,13 +69,30 @@ class S3ObjectStore:
             raise self._fail("writing", key, e) from e
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
-            return True
-        except Exception as e:
-            if _code(e) in _PRECONDITION_CODES:
-                return False
-            raise self._fail("creating", key, e) from e
+        """True iff ``key`` now holds ``data`` from this call (or from an earlier try of it whose
+        response was lost); False if another writer's bytes are there."""
+        delay = CONFLICT_BACKOFF_S
+        for attempt in range(CONFLICT_TRIES):
+            if attempt:
+                time.sleep(delay)
+                delay *= 2
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+                return True
+            except Exception as e:
+                code = _code(e)
+                if code not in _EXISTS_CODES | _CONFLICT_CODES:
+                    raise self._fail("creating", key, e) from e
+                if code in _EXISTS_CODES:
+                    stored = self.read(key)
+                    if stored is not None:
+                        return stored == data
+                    # Deleted between the 412 and our read: nothing is there, so try again.
+        where = f"s3://{self.bucket}/{self._key(key)}"
+        raise StorageError(
+            f"creating {where} failed: {CONFLICT_TRIES} conditional PUTs in a row met a concurrent write "
+            "(409 ConditionalRequestConflict); another writer is saving the same step: stop it, then save again"
+        )
 
     def exists(self, key: str) -> bool:
         try:
