@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from resilient.errors import StorageError
+from resilient.manifest import MANIFEST
 from resilient.storage.url import Location
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
@@ -129,20 +130,39 @@ class S3ObjectStore:
         return sorted(out)
 
     def delete_prefix(self, key: str) -> None:
+        """Delete ``key`` and everything under it. Commit markers (manifests) go first, in a batch of
+        their own: if one cannot be deleted, nothing it names is touched (a step whose data is gone
+        must not stay committed). Per-key failures inside a 200 answer raise too."""
         keys = [self.location.join(key, k) for k in self.list_keys(key)]
         if self.exists(key):
             keys.append(self._key(key))
-        batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
-
-        def delete(batch: list[str]) -> None:
-            objects = [{"Key": k} for k in batch]
-            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
-
+        markers = [k for k in keys if k.rsplit("/", 1)[-1] == MANIFEST]
+        rest = [k for k in keys if k.rsplit("/", 1)[-1] != MANIFEST]
         try:
+            for i in range(0, len(markers), 1000):
+                self._delete_batch(key, markers[i : i + 1000])
+            batches = [rest[i : i + 1000] for i in range(0, len(rest), 1000)]
             with ThreadPoolExecutor(max_workers=8, thread_name_prefix="resilient-s3-delete") as pool:
-                list(pool.map(delete, batches))
+                list(pool.map(lambda batch: self._delete_batch(key, batch), batches))
+        except StorageError:
+            raise
         except Exception as e:
             raise self._fail("deleting", key, e) from e
+
+    def _delete_batch(self, prefix: str, batch: list[str]) -> None:
+        objects = [{"Key": k} for k in batch]
+        response = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+        # DeleteObjects answers 200 even when keys failed; the failures are listed in Errors.
+        errors = response.get("Errors") or []
+        if errors:
+            first = errors[0]
+            more = f" (and {len(errors) - 1} more key(s))" if len(errors) > 1 else ""
+            raise StorageError(
+                f"deleting s3://{self.bucket}/{first.get('Key')} under {self.location.url}/{prefix} failed: "
+                f"{first.get('Code')}: {first.get('Message')}{more}; what failed is still there: "
+                "check delete permissions on the bucket; retention tries again after the next commit "
+                f"(or run resilient-ckpt prune {self.location.url} --keep-last N)"
+            )
 
     def check_root(self, *, create: bool) -> None:
         try:

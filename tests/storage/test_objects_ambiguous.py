@@ -1,15 +1,18 @@
-"""Ambiguous answers from storage (issue 13, item 3): a create-if-absent that landed but whose
-answer was lost counts as ours; a 409 is retried, not taken for "exists".
+"""Ambiguous answers from storage (issue 13, items 3 and 7): a create-if-absent that landed but whose
+answer was lost counts as ours; a 409 is retried, not taken for "exists"; a per-key DeleteObjects
+error raises, and a step's data is never deleted after its manifest failed to delete.
 
-S3 cases talk HTTP to the session's moto server; the answers S3 gives but moto never does (409)
-are injected at botocore's ``before-send`` hook, so they are parsed by
+S3 cases talk HTTP to the session's moto server; the answers S3 gives but moto never does (409,
+per-key delete errors) are injected at botocore's ``before-send`` hook, so they are parsed by
 botocore exactly as real answers would be.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
+import boto3
 import pytest
 from botocore.awsrequest import AWSResponse
 
@@ -17,6 +20,7 @@ from resilient.chaos.s3_proxy import FaultProxy
 from resilient.errors import StorageError
 from resilient.storage import s3 as s3_module
 from resilient.storage.objects import FileObjectStore, MemoryObjectStore
+from resilient.storage.retention import KeepLast, apply_retention
 from resilient.storage.s3 import S3ObjectStore
 from resilient.storage.url import parse_url
 
@@ -93,6 +97,66 @@ def test_s3_conflict_that_never_clears_raises_naming_the_key(s3_endpoint, s3_buc
     assert f"s3://{s3_bucket}/run/{MANIFEST_KEY}" in message
     assert f"{s3_module.CONFLICT_TRIES} conditional PUTs" in message and "409" in message
     assert store.read(MANIFEST_KEY) is None
+
+
+def _refuse_manifest_deletes(store: S3ObjectStore, endpoint: str) -> list[list[str]]:
+    """DeleteObjects answers 200 with a per-key AccessDenied for every manifest.json; the other keys
+    of the batch are really deleted (as S3 does). Returns the batches seen."""
+    direct = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    batches: list[list[str]] = []
+
+    def handler(request, **_: object) -> AWSResponse:
+        keys = re.findall(r"<Key>(.*?)</Key>", request.body.decode() if isinstance(request.body, bytes) else "")
+        batches.append(keys)
+        errors = ""
+        for key in keys:
+            if key.endswith("/manifest.json"):
+                errors += f"<Error><Key>{key}</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            else:
+                direct.delete_object(Bucket=store.bucket, Key=key)
+        body = f"<?xml version='1.0'?><DeleteResult>{errors}</DeleteResult>".encode()
+        return _answer(request, 200, body)
+
+    store._client.meta.events.register("before-send.s3.DeleteObjects", handler)
+    return batches
+
+
+def _committed_step(store: S3ObjectStore, step: int) -> list[str]:
+    base = f"step-{step:09d}"
+    keys = [f"{base}/attempt-{step}/w/zarr.json", f"{base}/attempt-{step}/w/c/0"]
+    for key in keys:
+        store.write(key, b"data")
+    store.write(f"{base}/manifest.json", f'{{"step": {step}, "attempt": "attempt-{step}"}}'.encode())
+    return keys
+
+
+def test_s3_delete_error_raises_and_retention_keeps_the_steps_data(s3_endpoint, s3_bucket) -> None:
+    store = _store(s3_bucket, s3_endpoint)
+    old_data = _committed_step(store, 1)
+    _committed_step(store, 2)
+    batches = _refuse_manifest_deletes(store, s3_endpoint)
+    with pytest.raises(StorageError) as err:
+        apply_retention(store, KeepLast(1))
+    message = str(err.value)
+    assert f"s3://{s3_bucket}/run/step-000000001/manifest.json" in message and "AccessDenied" in message
+    assert "still there" in message
+    # The manifest could not go, so the step stays committed, and its data must still be there.
+    assert store.exists("step-000000001/manifest.json")
+    assert all(store.exists(k) for k in old_data)
+    assert batches == [[f"run/{MANIFEST_KEY}"]]
+
+
+def test_s3_delete_prefix_deletes_the_manifest_before_the_data(s3_endpoint, s3_bucket) -> None:
+    store = _store(s3_bucket, s3_endpoint)
+    data = _committed_step(store, 1)
+    batches = _refuse_manifest_deletes(store, s3_endpoint)
+    with pytest.raises(StorageError, match="AccessDenied"):
+        store.delete_prefix("step-000000001")
+    assert store.exists("step-000000001/manifest.json") and all(store.exists(k) for k in data)
+    assert batches == [[f"run/{MANIFEST_KEY}"]], "the manifest goes alone, first"
+    store._client = s3_module.s3_client(store.location)  # a client without the refusing hook
+    store.delete_prefix("step-000000001")
+    assert store.list_keys("step-000000001") == []
 
 
 def test_file_link_that_landed_but_reported_eexist_counts_as_ours(tmp_path, monkeypatch) -> None:
