@@ -27,6 +27,7 @@ from typing import Any
 from resilient.chaos.inject import FaultRecord
 
 _DETECT_EVENTS = {"joining", "lighthouse_exited", "restore"}
+_NO_DOWNTIME_KINDS = {"corrupt_chunk", "corrupt_replica", "s3_errors", "s3_resets", "s3_latency", "s3_ambiguous"}
 
 
 def _commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,7 +91,7 @@ def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, 
         out["restore_check"] = restore_check(record, events)
     # Not a crash: nothing to detect or recover from (S3 trouble is retried inside the saves; its
     # cost shows as checkpoint stall in metrics.jsonl, not as a stall of the job).
-    if t_f is None or record.spec.kind in ("corrupt_chunk", "corrupt_replica", "s3_errors", "s3_resets", "s3_latency"):
+    if t_f is None or record.spec.kind in _NO_DOWNTIME_KINDS:
         return out
     commits = _commits(events)
     pre = max((e["step"] for e in commits if e["t"] < t_f), default=0)

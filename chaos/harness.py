@@ -282,6 +282,8 @@ def _invariants(
         "twin_match": twin_verdict,
         "steps_lost_within_bound": inv.steps_lost_within_bound(costs, check.max_steps_lost_per_fault),
         "no_orphans": inv.no_orphans(leftovers),
+        "storage_faults_absorbed": inv.storage_faults_absorbed(run, [f.kind for f in scenario.faults]),
+        "final_step_durable": inv.final_step_durable(run, verify=check.verify),
     }
 
 

@@ -252,7 +252,9 @@ def _start_corrupt_chunk(record: FaultRecord, ctx: InjectContext) -> bool:
 def _start_s3_window(record: FaultRecord, ctx: InjectContext) -> bool:
     spec = record.spec
     assert ctx.proxy is not None, "s3_* faults need job.storage = 's3' (checked by the scenario parser)"
-    window = ctx.proxy.add_window(spec.kind[3:], spec.seconds, rate=spec.rate, delay_s=spec.delay_s)
+    window = ctx.proxy.add_window(
+        spec.kind[3:], spec.seconds, rate=spec.rate, delay_s=spec.delay_s, keys=spec.keys, drops=spec.drops
+    )
     record.extra["window"] = {"start": window.start, "end": window.end}
     record.state = "done"
     return True
@@ -285,6 +287,7 @@ _STARTERS: dict[str, Callable[[FaultRecord, InjectContext], bool]] = {
     "s3_errors": _start_s3_window,
     "s3_resets": _start_s3_window,
     "s3_latency": _start_s3_window,
+    "s3_ambiguous": _start_s3_window,
     "kill_lighthouse": _start_kill_lighthouse,
     "corrupt_replica": _start_corrupt_replica,
 }

@@ -13,7 +13,13 @@
   same groups as in the twin; otherwise within ``check.twin_atol``;
 - ``steps_lost_within_bound``: each fault's ``steps_lost`` <= ``check.max_steps_lost_per_fault``,
   every fault was injected, and a fault's killed ranks restored from its ``expect_restore_source``;
-- ``no_orphans``: no process the job started is alive after the launcher exited.
+- ``no_orphans``: no process the job started is alive after the launcher exited;
+- ``storage_faults_absorbed``: when no fault kills or stops a process (only S3 trouble, flipped
+  bytes), no group restarted and no save failed: storage faults are retried inside the saves, and
+  an ambiguous answer is resolved, never taken for a failure that crashes a group;
+- ``final_step_durable``: the run's last step is committed to ``checkpoint.url`` and verifies
+  (a run that ends, even with exit 0, while its final state lives only in RAM or in a save that
+  never committed has lost it).
 """
 
 from __future__ import annotations
@@ -25,7 +31,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.chaos.hooks import digest_path
-from resilient.runfiles import FINAL_DIGEST, SAMPLES_FILE, chaos_dir, group_file, read_jsonl, read_jsonl_by_step
+from resilient.runfiles import (
+    FINAL_DIGEST,
+    SAMPLES_FILE,
+    SAVES_FILE,
+    chaos_dir,
+    group_file,
+    read_jsonl,
+    read_jsonl_by_step,
+)
+
+PROCESS_FAULTS = {
+    *("kill_rank", "kill_node", "kill_group", "stop_rank"),
+    *("kill_during_persist", "kill_during_heal", "kill_lighthouse"),
+}
+"""Fault kinds that kill or stop a process: a restart or a failed save may follow from them."""
 
 
 def result(ok: bool, reason: str) -> dict[str, Any]:
@@ -135,6 +155,50 @@ def commits_verify(run: RunData, corrupted: dict[int, str]) -> dict[str, Any]:
     if pruned:
         reason += f"; corrupted step(s) {pruned} were pruned by retention before the check"
     return result(True, reason)
+
+
+def final_step_durable(run: RunData, verify: bool = True) -> dict[str, Any]:
+    from resilient.storage.offline.catalog import list_checkpoint, open_checkpoint
+    from resilient.storage.offline.verify import verify_step
+
+    step, url = run.steps, run.checkpoint_url
+    try:
+        listing = list_checkpoint(url)
+    except Exception as e:  # noqa: BLE001 (any failure to list is the finding)
+        return result(False, f"cannot list {url}: {type(e).__name__}: {e}")
+    committed = [s["step"] for s in listing["steps"] if s["committed"]]
+    if step not in committed:
+        newest = committed[-1] if committed else None
+        return result(False, f"the last step {step} is not committed to {url} (newest committed: {newest})")
+    if not verify:
+        return result(True, f"step {step} is committed to {url} (not verified: check.verify = false)")
+    try:
+        problems = [f"{p.kind} {p.fqn} {p.chunk}" for p in verify_step(open_checkpoint(url, step)).problems]
+    except Exception as e:  # noqa: BLE001 (a final step that cannot be opened is the finding)
+        problems = [f"{type(e).__name__}: {e}"]
+    if problems:
+        return result(False, f"the last step {step} is committed to {url} but fails verification: {problems[:3]}")
+    return result(True, f"the last step {step} is committed to {url} and verifies")
+
+
+def storage_faults_absorbed(run: RunData, fault_kinds: list[str]) -> dict[str, Any]:
+    process = sorted(set(fault_kinds) & PROCESS_FAULTS)
+    if process:
+        return result(True, f"not checked: faults {process} kill or stop processes")
+    restarts = sorted(
+        {(e["group"], e["attempt"]) for e in run.events if e.get("event") == "joining" and e.get("attempt", 0) > 0}
+    )
+    failed = []
+    for group in range(run.groups):
+        path = run.group_file(group, SAVES_FILE)
+        records = read_jsonl(path) if os.path.exists(path) else []
+        failed += [f"group {group} step {r.get('step')}" for r in records if r.get("outcome") == "failed"]
+    if restarts or failed:
+        why = [f"groups restarted (group, attempt): {restarts}"] if restarts else []
+        why += [f"saves failed: {failed[:5]}"] if failed else []
+        return result(False, f"no fault killed a process, yet {'; '.join(why)} (see logs/ in the run directory)")
+    kinds = sorted(set(fault_kinds)) or "none"
+    return result(True, f"storage faults {kinds}: no group restarted, every save committed or was skipped")
 
 
 def exactly_once(run: RunData, num_samples: int, twin: RunData | None) -> dict[str, Any]:

@@ -6,7 +6,12 @@ moto unchanged (Host header included: SigV4 signs it) and, while a fault window 
 - ``errors``: answers a fraction ``rate`` of requests with ``503 SlowDown`` (S3's throttling reply,
   which clients must retry with backoff) without forwarding them;
 - ``resets``: closes a fraction ``rate`` of connections with a TCP RST instead of answering;
-- ``latency``: delays every request by ``delay_s`` before forwarding it.
+- ``latency``: delays every request by ``delay_s`` before forwarding it;
+- ``ambiguous``: forwards a fraction ``rate`` of the requests that change the store (PUT, POST,
+  DELETE) whose object key matches ``keys``, lets them take effect, then drops the response (TCP
+  RST): the client cannot tell whether its write landed and retries it; at most ``drops`` of them
+  per window (0: no limit). Keys are matched on path-style URLs (``/bucket/key``), which is what
+  clients use against an IP endpoint; a pattern without ``/`` matches the key's last component.
 
 Counts of what it did are kept per kind, for the report. Threads: one per client connection
 (ThreadingHTTPServer), each with its own upstream connection; ``close()`` stops them all.
@@ -15,6 +20,7 @@ Counts of what it did are kept per kind, for the report. Threads: one per client
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import http.client
 import os
 import random
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -33,22 +40,43 @@ SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate. (injected by resilient-chaos)</Message></Error>"
 )
+_MUTATING = {"PUT", "POST", "DELETE"}
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 
 
 @dataclass(slots=True)
 class Window:
-    kind: str  # "errors" | "resets" | "latency"
+    kind: str  # "errors" | "resets" | "latency" | "ambiguous"
     start: float
     end: float
     rate: float = 1.0
     delay_s: float = 0.0
+    keys: str = "*"
+    """ambiguous: glob of the object keys whose responses may be dropped."""
+    drops: int = 0
+    """ambiguous: most responses dropped in this window (0: no limit)."""
+    dropped: int = 0
+
+
+def key_matches(pattern: str, key: str) -> bool:
+    """``pattern`` (a glob; ``*`` crosses ``/``) matches the whole key, or, without a ``/``, its last part."""
+    if fnmatch.fnmatchcase(key, pattern):
+        return True
+    return "/" not in pattern and fnmatch.fnmatchcase(key.rsplit("/", 1)[-1], pattern)
+
+
+def object_key(path: str) -> str:
+    """The object key of a path-style request path (``/bucket/a/b?x=1`` -> ``a/b``; '' for the bucket)."""
+    parts = urllib.parse.unquote(urllib.parse.urlsplit(path).path).lstrip("/").split("/", 1)
+    return parts[1] if len(parts) > 1 else ""
 
 
 @dataclass(slots=True)
 class ProxyState:
     windows: list[Window] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0, "resets": 0, "delayed": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"requests": 0, "errors": 0, "resets": 0, "delayed": 0, "ambiguous": 0}
+    )
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,6 +91,22 @@ class ProxyState:
     def count(self, key: str) -> None:
         with self.lock:
             self.counts[key] += 1
+
+    def claim_drop(self, method: str, key: str) -> bool:
+        """True if an open ``ambiguous`` window takes this request's response (and counts it)."""
+        if method not in _MUTATING:
+            return False
+        now = time.time()
+        with self.lock:
+            for w in self.windows:
+                if w.kind != "ambiguous" or not w.start <= now < w.end or not key_matches(w.keys, key):
+                    continue
+                if (w.drops and w.dropped >= w.drops) or self.rng.random() >= w.rate:
+                    continue
+                w.dropped += 1
+                self.counts["ambiguous"] += 1
+                return True
+        return False
 
 
 class _ProxyHandler(BaseHTTPRequestHandler):
@@ -116,9 +160,14 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if (w := self.state.active("latency")) is not None:
             self.state.count("delayed")
             time.sleep(w.delay_s)
-        self._relay(body)
+        drop = self.state.claim_drop(self.command, object_key(self.path))
+        response, data = self._upstream(body)
+        if drop:
+            self._reset()  # the request took effect upstream; its answer never reaches the client
+            return
+        self._answer(response, data)
 
-    def _relay(self, body: bytes) -> None:
+    def _upstream(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
         for attempt in range(2):  # a kept-alive upstream connection moto closed: reconnect once
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(*self.upstream, timeout=120)
@@ -130,13 +179,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self._conn.putheader("Content-Length", str(len(body)))
                 self._conn.endheaders(body)
                 response = self._conn.getresponse()
-                data = response.read()
-                break
+                return response, response.read()
             except (http.client.HTTPException, OSError):
                 self._conn.close()
                 self._conn = None
                 if attempt:
                     raise
+        raise AssertionError("unreachable: the second try returns or raises")
+
+    def _answer(self, response: http.client.HTTPResponse, data: bytes) -> None:
         self.send_response_only(response.status, response.reason)
         for key, value in response.getheaders():
             if key.lower() not in _HOP_BY_HOP and not (key.lower() == "content-length" and self.command != "HEAD"):
@@ -172,10 +223,13 @@ class FaultProxy:
         self._thread = threading.Thread(target=self.server.serve_forever, name="chaos-s3-proxy", daemon=True)
         self._thread.start()
 
-    def add_window(self, kind: str, seconds: float, *, rate: float = 1.0, delay_s: float = 0.0) -> Window:
+    def add_window(
+        self, kind: str, seconds: float, *, rate: float = 1.0, delay_s: float = 0.0, keys: str = "*", drops: int = 0
+    ) -> Window:
         now = time.time()
-        window = Window(kind=kind, start=now, end=now + seconds, rate=rate, delay_s=delay_s)
-        self.state.windows.append(window)
+        window = Window(kind=kind, start=now, end=now + seconds, rate=rate, delay_s=delay_s, keys=keys, drops=drops)
+        with self.state.lock:
+            self.state.windows.append(window)
         return window
 
     @property

@@ -56,6 +56,8 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "s3_errors": (set(), {"seconds", "rate"}),
     "s3_resets": (set(), {"seconds", "rate"}),
     "s3_latency": (set(), {"seconds", "delay_s"}),
+    # Writes that land but whose answers are lost: the client's retry meets its own write.
+    "s3_ambiguous": (set(), {"seconds", "rate", "keys", "drops"}),
     "kill_lighthouse": (set(), set()),
     # Test-only: perturbs one parameter of a group, so replicas_identical and twin_match must fail.
     "corrupt_replica": ({"group"}, set()),
@@ -71,6 +73,7 @@ _DEFAULT_SECONDS = {
     "s3_errors": 5.0,
     "s3_resets": 5.0,
     "s3_latency": 5.0,
+    "s3_ambiguous": 10.0,
 }
 
 
@@ -163,6 +166,11 @@ class FaultSpec:
     rate: float = 1.0
     delay_s: float = 0.5
     target: str = "oldest"
+    keys: str = "*"
+    """s3_ambiguous: glob of the object keys whose write answers are dropped ('*/manifest.json',
+    'latest'; without a '/' it matches the key's last component)."""
+    drops: int = 1
+    """s3_ambiguous: most answers dropped while the window is open (0: every matching one)."""
     expect_restore_source: str | None = None
     """If set, every rank the fault killed must restore from this source (own, buddy, persistent,
     peer, fresh) on its restart, per its ``restore`` event in events.jsonl; else the fault fails."""
@@ -322,6 +330,9 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
     _number(f"{where}.seconds", fault.seconds, 0.0, 3600.0)
     _number(f"{where}.rate", fault.rate, 0.0, 1.0)
     _number(f"{where}.delay_s", fault.delay_s, 0.0, 60.0)
+    if not isinstance(fault.keys, str) or not fault.keys:
+        raise ConfigError(f"{where}.keys={fault.keys!r} must be a non-empty glob such as '*/manifest.json'")
+    _int(f"{where}.drops", fault.drops, 0, 10_000)
     if fault.expect_restore_source is not None and fault.expect_restore_source not in SOURCES:
         raise ConfigError(
             f"{where}.expect_restore_source={fault.expect_restore_source!r} must be one of {list(SOURCES)}"

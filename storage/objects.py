@@ -24,7 +24,12 @@ class ObjectStore(Protocol):
 
     def read(self, key: str) -> bytes | None: ...
     def write(self, key: str, data: bytes) -> None: ...
-    def write_if_absent(self, key: str, data: bytes) -> bool: ...
+    def write_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` iff absent. True iff it now holds ``data`` written by this call, including
+        a try of this call whose answer was lost (the store's retry then finds our own bytes); False
+        if another writer's bytes are there."""
+        ...
+
     def exists(self, key: str) -> bool: ...
     def list_children(self, key: str) -> list[str]: ...
     def list_keys(self, key: str) -> list[str]: ...
@@ -48,6 +53,17 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _same_or_equal(ours: str, path: str, data: bytes) -> bool:
+    """``path`` is the file ``ours`` (same inode) or holds exactly ``data``."""
+    try:
+        if os.path.samefile(ours, path):
+            return True
+        with open(path, "rb") as f:
+            return f.read(len(data) + 1) == data
+    except FileNotFoundError:
+        return False
 
 
 class FileObjectStore:
@@ -99,7 +115,10 @@ class FileObjectStore:
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                return False
+                # On NFS a link whose reply was lost is retried by the client and fails with EEXIST
+                # although it took effect: the name then points at our own inode (or our bytes).
+                if not _same_or_equal(tmp, path, data):
+                    return False
             finally:
                 os.unlink(tmp)
             _fsync_dir(os.path.dirname(path))
@@ -186,8 +205,9 @@ class MemoryObjectStore:
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
         with self._lock:
-            if self.exists(key):
-                return False
+            stored = self.read(key)
+            if stored is not None:
+                return stored == data  # the other backends' rule: our own bytes count as ours
             self.write(key, data)
             return True
 

@@ -1,18 +1,27 @@
 """S3 (or any S3-compatible store) through boto3: small objects, listings, deletes, commit markers.
 
 The commit point is a conditional PUT (``If-None-Match: *``): of two writers of the same manifest
-exactly one succeeds, with no lock service.
+exactly one succeeds, with no lock service. A PUT whose response is lost is ambiguous: botocore
+retries it, and the retry meets our own object (412). So a 412 is answered by reading the object
+back: it is ours iff it holds exactly our bytes (a manifest names its attempt's uuid).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from resilient.errors import StorageError
+from resilient.manifest import MANIFEST
 from resilient.storage.url import Location
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
-_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_EXISTS_CODES = {"PreconditionFailed", "412"}
+# 409: another conditional write to the same key was in flight; S3 says to retry, nothing exists yet.
+_CONFLICT_CODES = {"ConditionalRequestConflict", "409"}
+CONFLICT_TRIES = 6
+"""Conditional PUTs answered 409 before giving up (backoff doubles from CONFLICT_BACKOFF_S, ~3 s in all)."""
+CONFLICT_BACKOFF_S = 0.1
 
 
 def s3_client(location: Location):
@@ -61,13 +70,30 @@ class S3ObjectStore:
             raise self._fail("writing", key, e) from e
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
-            return True
-        except Exception as e:
-            if _code(e) in _PRECONDITION_CODES:
-                return False
-            raise self._fail("creating", key, e) from e
+        """True iff ``key`` now holds ``data`` from this call (or from an earlier try of it whose
+        response was lost); False if another writer's bytes are there."""
+        delay = CONFLICT_BACKOFF_S
+        for attempt in range(CONFLICT_TRIES):
+            if attempt:
+                time.sleep(delay)
+                delay *= 2
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+                return True
+            except Exception as e:
+                code = _code(e)
+                if code not in _EXISTS_CODES | _CONFLICT_CODES:
+                    raise self._fail("creating", key, e) from e
+                if code in _EXISTS_CODES:
+                    stored = self.read(key)
+                    if stored is not None:
+                        return stored == data
+                    # Deleted between the 412 and our read: nothing is there, so try again.
+        where = f"s3://{self.bucket}/{self._key(key)}"
+        raise StorageError(
+            f"creating {where} failed: {CONFLICT_TRIES} conditional PUTs in a row met a concurrent write "
+            "(409 ConditionalRequestConflict); another writer is saving the same step: stop it, then save again"
+        )
 
     def exists(self, key: str) -> bool:
         try:
@@ -104,20 +130,39 @@ class S3ObjectStore:
         return sorted(out)
 
     def delete_prefix(self, key: str) -> None:
+        """Delete ``key`` and everything under it. Commit markers (manifests) go first, in a batch of
+        their own: if one cannot be deleted, nothing it names is touched (a step whose data is gone
+        must not stay committed). Per-key failures inside a 200 answer raise too."""
         keys = [self.location.join(key, k) for k in self.list_keys(key)]
         if self.exists(key):
             keys.append(self._key(key))
-        batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
-
-        def delete(batch: list[str]) -> None:
-            objects = [{"Key": k} for k in batch]
-            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
-
+        markers = [k for k in keys if k.rsplit("/", 1)[-1] == MANIFEST]
+        rest = [k for k in keys if k.rsplit("/", 1)[-1] != MANIFEST]
         try:
+            for i in range(0, len(markers), 1000):
+                self._delete_batch(key, markers[i : i + 1000])
+            batches = [rest[i : i + 1000] for i in range(0, len(rest), 1000)]
             with ThreadPoolExecutor(max_workers=8, thread_name_prefix="resilient-s3-delete") as pool:
-                list(pool.map(delete, batches))
+                list(pool.map(lambda batch: self._delete_batch(key, batch), batches))
+        except StorageError:
+            raise
         except Exception as e:
             raise self._fail("deleting", key, e) from e
+
+    def _delete_batch(self, prefix: str, batch: list[str]) -> None:
+        objects = [{"Key": k} for k in batch]
+        response = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+        # DeleteObjects answers 200 even when keys failed; the failures are listed in Errors.
+        errors = response.get("Errors") or []
+        if errors:
+            first = errors[0]
+            more = f" (and {len(errors) - 1} more key(s))" if len(errors) > 1 else ""
+            raise StorageError(
+                f"deleting s3://{self.bucket}/{first.get('Key')} under {self.location.url}/{prefix} failed: "
+                f"{first.get('Code')}: {first.get('Message')}{more}; what failed is still there: "
+                "check delete permissions on the bucket; retention tries again after the next commit "
+                f"(or run resilient-ckpt prune {self.location.url} --keep-last N)"
+            )
 
     def check_root(self, *, create: bool) -> None:
         try:

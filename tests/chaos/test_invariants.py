@@ -1,4 +1,4 @@
-"""Each of the seven invariants can fail: judged on the smallest fake run data (no job is run).
+"""Each of the nine invariants can fail: judged on the smallest fake run data (no job is run).
 
 A check that cannot fail proves nothing; these pin down what each one catches.
 """
@@ -94,6 +94,62 @@ def test_commits_verify_fails_on_a_bad_step_and_on_an_undetected_corruption(tmp_
     verdict = inv.commits_verify(run, {})
     assert not verdict["ok"] and "1 committed step(s) fail verification" in verdict["reason"], verdict
     assert inv.commits_verify(run, {2: "w"})["ok"], "a corruption the scenario made, and detected, passes"
+
+
+def _flip_a_chunk_byte(step_dir: str) -> None:
+    chunks = sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs if f"{os.sep}c{os.sep}" in os.path.join(d, f)
+    )
+    data = bytearray(Path(chunks[0]).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(chunks[0]).write_bytes(bytes(data))
+
+
+def test_final_step_durable_fails_unless_the_last_step_is_committed_and_verifies(tmp_path: Path) -> None:
+    import torch
+
+    from resilient import Checkpointer
+
+    run = _run(tmp_path)
+    verdict = inv.final_step_durable(run)
+    assert not verdict["ok"] and verdict["reason"].startswith(f"cannot list {run.checkpoint_url}: StorageError")
+    ckpt = Checkpointer(run.checkpoint_url, config=None)
+    for step in range(1, STEPS):
+        ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    # A run that ended at its last step while that step lives only in RAM (or never committed).
+    verdict = inv.final_step_durable(run)
+    assert verdict == inv.result(
+        False, f"the last step {STEPS} is not committed to {run.checkpoint_url} (newest committed: {STEPS - 1})"
+    )
+    ckpt.save(STEPS, {"w": torch.arange(4096, dtype=torch.float32)}).wait()
+    assert inv.final_step_durable(run) == inv.result(
+        True, f"the last step {STEPS} is committed to {run.checkpoint_url} and verifies"
+    )
+    _flip_a_chunk_byte(os.path.join(run.checkpoint_url, f"step-{STEPS:09d}"))
+    verdict = inv.final_step_durable(run)
+    assert not verdict["ok"] and "committed to" in verdict["reason"] and "fails verification" in verdict["reason"]
+    assert inv.final_step_durable(run, verify=False)["ok"], "check.verify = false: committed is enough"
+
+
+def test_storage_faults_absorbed_fails_on_a_restart_or_a_failed_save_without_a_kill(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    _write_lines(run.group_file(0, "saves.jsonl"), [{"step": 4, "outcome": "committed"}])
+    _write_lines(run.group_file(1, "saves.jsonl"), [{"step": 8, "outcome": "skipped"}])
+    assert inv.storage_faults_absorbed(run, ["s3_ambiguous"]) == inv.result(
+        True, "storage faults ['s3_ambiguous']: no group restarted, every save committed or was skipped"
+    )
+    # What a 412 on our own manifest did: "already committed", the save failed, the group restarted.
+    _write_lines(run.group_file(1, "saves.jsonl"), [{"step": 8, "outcome": "failed"}])
+    run.events = [{"t": 1.0, "event": "joining", "group": 1, "attempt": 1}]
+    verdict = inv.storage_faults_absorbed(run, ["s3_ambiguous", "s3_errors"])
+    assert verdict == inv.result(
+        False,
+        "no fault killed a process, yet groups restarted (group, attempt): [(1, 1)]; saves failed: "
+        "['group 1 step 8'] (see logs/ in the run directory)",
+    )
+    assert inv.storage_faults_absorbed(run, ["s3_ambiguous", "kill_rank"]) == inv.result(
+        True, "not checked: faults ['kill_rank'] kill or stop processes"
+    )
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,58 @@ def test_fault_kinds_that_need_other_settings_are_refused() -> None:
         parse_scenario(rate)
 
 
+def test_s3_ambiguous_takes_a_key_glob_and_a_drop_limit() -> None:
+    data = _with(job__storage="s3")
+    data["fault"] = [{"kind": "s3_ambiguous", "at_step": 3, "keys": "*/manifest.json", "drops": 2}]
+    (fault,) = parse_scenario(data).faults
+    assert (fault.kind, fault.keys, fault.drops, fault.seconds, fault.rate) == (
+        "s3_ambiguous",
+        "*/manifest.json",
+        2,
+        10.0,
+        1.0,
+    )
+    assert fault.describe() == {
+        "kind": "s3_ambiguous",
+        "at_step": 3,
+        "drawn": False,
+        "seconds": 10.0,
+        "rate": 1.0,
+        "keys": "*/manifest.json",
+        "drops": 2,
+    }
+    data["fault"] = [{"kind": "s3_ambiguous", "at_step": 3}]
+    (fault,) = parse_scenario(data).faults
+    assert (fault.keys, fault.drops) == ("*", 1), "by default: any key, one lost answer"
+    for bad, message in [
+        ({"keys": ""}, "fault[0] (s3_ambiguous).keys='' must be a non-empty glob"),
+        ({"keys": 3}, "fault[0] (s3_ambiguous).keys=3 must be a non-empty glob"),
+        ({"drops": -1}, "fault[0] (s3_ambiguous).drops=-1 must be an integer [0, 10000]"),
+        ({"delay_s": 1.0}, "unknown key(s) ['delay_s']; s3_ambiguous takes ['drops', 'keys', 'rate', 'seconds']"),
+    ]:
+        data["fault"] = [{"kind": "s3_ambiguous", "at_step": 3, **bad}]
+        with pytest.raises(ConfigError) as err:
+            parse_scenario(data)
+        assert message in str(err.value)
+    local = _with()
+    local["fault"] = [{"kind": "s3_ambiguous", "at_step": 3, "keys": "latest"}]
+    with pytest.raises(ConfigError, match=r"s3_ambiguous needs job.storage = 's3' \(got 'local'\)"):
+        parse_scenario(local)
+
+
+def test_s3_ambiguous_scenario_aims_at_manifests_latest_and_the_final_save() -> None:
+    scenario = load_scenario("s3_ambiguous")
+    assert scenario.job.storage == "s3"
+    hits = [(f.kind, f.keys, f.drops, f.at_step) for f in scenario.faults]
+    assert hits == [
+        ("s3_ambiguous", "*/manifest.json", 1, 2),
+        ("s3_ambiguous", "latest", 1, 10),
+        ("s3_ambiguous", "*/manifest.json", 1, 14),
+    ]
+    # The last window opens before the final step's save: that commit is the one under test.
+    assert scenario.faults[-1].at_step < scenario.job.steps
+
+
 def test_random_faults_are_drawn_from_the_seed() -> None:
     data = _with()
     data["fault"] = [{"kind": "kill_rank", "random": True, "count": 4, "min_step": 3, "max_step": 15}]

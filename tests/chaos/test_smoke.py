@@ -25,6 +25,8 @@ INVARIANTS = {
     "twin_match",
     "steps_lost_within_bound",
     "no_orphans",
+    "storage_faults_absorbed",
+    "final_step_durable",
 }
 GOODPUT = {"total_s", "productive_s", "detect_s", "reconfigure_s", "reload_s", "replay_s"}
 
@@ -85,7 +87,7 @@ def test_broken_invariant_makes_the_harness_fail_and_name_it(tmp_path: Path, twi
     assert verdicts["replicas_identical"]["ok"] is False
     assert "groups hold different parameters after step" in verdicts["replicas_identical"]["reason"]
     assert verdicts["twin_match"]["ok"] is False, "group 1's corrupted gradients reached the checkpoint"
-    for name in ("finished", "commits_verify", "exactly_once", "no_orphans"):
+    for name in ("finished", "commits_verify", "exactly_once", "no_orphans", "final_step_durable"):
         assert verdicts[name]["ok"], (name, verdicts[name])
     assert "FAILED: replicas_identical, twin_match" in out
     assert [f["kind"] for f in report["faults"]] == ["kill_rank", "corrupt_replica"]
