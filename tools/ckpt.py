@@ -179,18 +179,18 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     config = StreamConfig(max_memory=args.max_memory)
     if args.mesh:
         mesh = parse_mesh(args.mesh)
-        layout, origin = mesh_layout(mesh, config.shard_bytes), {"mesh": mesh}
+        layout, target = mesh_layout(mesh, config.shard_bytes), {"mesh": mesh}
     else:
         rules = [parse_chunks(r) for r in args.chunks]
         layout = chunks_layout(rules, default_layout(config.shard_bytes), config.budget_bytes)
-        origin = {"chunks": args.chunks}
+        target = {"chunks": args.chunks}
     bar = _bar(args, "reshard", open_checkpoint(args.src, args.step).manifest.total_bytes)
     try:
         result = reshard(
             args.src,
             args.dst,
             layout=layout,
-            origin=origin,
+            target=target,
             config=config,
             step=args.step,
             out_step=args.out_step,
@@ -199,7 +199,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    out.emit_json(result) if args.json else out.render_summary(result)
+    out.emit_json(result) if args.json else out.render_reshard(result)
     return 0
 
 
@@ -324,12 +324,14 @@ def _add_reshard(sub) -> None:
         help="rewrite a step with chunking for another layout (offline)",
         description="Rewrite one step into a new root with shards and inner chunks aligned "
         "to a target mesh or explicit shapes; checksums are recomputed and the "
-        "manifest's metadata records resharded_from.",
+        "manifest's metadata records resharded_from (the source step and its save-time mesh) "
+        "and resharded_to (the target). --mesh takes the trainer's dims (dp_shard, tp) and "
+        "those the checkpoint was saved with; a dim that splits no dim of a tensor is named.",
     )
     p.add_argument("src", help="resilient checkpoint root or step directory")
     p.add_argument("dst", help="new resilient root (path or s3://)")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--mesh", help="target mesh, e.g. dp_shard=8,tp=4")
+    target.add_argument("--mesh", help="target mesh, e.g. dp_shard=8,tp=4 (outer dim first)")
     target.add_argument(
         "--chunks",
         action="append",

@@ -171,6 +171,27 @@ def render_summary(result: dict) -> None:
     )
 
 
+def _mesh(mesh: dict | list | None) -> str:
+    if mesh is None:
+        return "no device mesh"
+    meshes = mesh if isinstance(mesh, list) else [mesh]
+    return " + ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m in meshes)
+
+
+def render_reshard(result: dict) -> None:
+    render_summary(result)
+    origin, target = result["resharded_from"], result["resharded_to"]
+    to = _mesh(target["mesh"]) if "mesh" in target else "chunks " + ", ".join(target["chunks"])
+    print(f"  from step {origin['step']} saved on {_mesh(origin['mesh'])} ({origin['world_size']} rank(s)) to {to}")
+    for group in result["not_applied"]:
+        names = group["tensors"]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        print(
+            f"  note: {group['dim']}={group['size']} does not apply to {len(names)} tensor(s), "
+            f"{group['reason']}: {shown}"
+        )
+
+
 def render_prune(result: dict) -> None:
     verb = "would delete" if result["dry_run"] else "deleted"
     for key in result["planned"]:
