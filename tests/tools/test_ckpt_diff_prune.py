@@ -100,7 +100,10 @@ def test_prune_dry_run_and_real(tmp_path, cli):
     stale = cli.json("prune", root, "--keep-last", "1")
     assert stale["deleted"] == [] and stale["spared"] == ["step-000000003"] and ckpt.steps() == [3, 5]
     rc, _, err = cli("prune", root, "--keep-last", "0")
-    assert rc == 2 and "keep_last" in err
+    assert (
+        rc == 2
+        and err == "resilient-ckpt: error: --keep-last must be at least 1 (keep_last=0 would delete every step)\n"
+    )
 
 
 def test_reshard_to_mesh_and_explicit_chunks(tmp_path, saved, cli):
