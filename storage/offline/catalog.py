@@ -156,14 +156,14 @@ def open_every_step(url: str) -> list[CheckpointRef | DamagedStep]:
     latest = read_latest(store)
     if latest is not None and latest not in listing.committed:
         where = f"{location.url}/{step_dir(latest)}"
-        state = "its directory holds no manifest" if latest in listing.uncommitted else "it does not exist"
+        state = "its directory holds no manifest" if latest in listing.uncommitted else "its directory is gone"
         opened.append(
             DamagedStep(
                 latest,
                 where,
                 "manifest-missing",
-                f"step {latest}: {location.url}/latest names it but {state}; the committed step lost "
-                "its manifest (restore falls back to an older step)",
+                f"step {latest}: {location.url}/latest names it but {state}: a committed step was lost "
+                "after its commit; the newest loadable step is an older one",
             )
         )
     return sorted(opened, key=lambda o: o.step)
