@@ -11,6 +11,9 @@
 URLs are local paths, file:///..., or s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL); a URL may
 name a checkpoint root (its newest step) or one step directory. Exit codes: 0 ok; 1 a finding
 (corruption, a difference, a damaged manifest); 2 a usage or access error, one line on stderr.
+A damaged step is a finding, never the end of the command: ``ls`` and ``verify --all`` report it
+and go on to the other steps (``--json``: each step's ``status`` is "ok" or "damaged"), and
+``inspect ROOT`` shows the newest step that reads, naming the newer damaged ones (exit 1).
 Thin by design: all logic lives in resilient.storage.offline (catalog, verify, diff, convert, reshard, prune).
 """
 
@@ -73,41 +76,44 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import open_checkpoint, summarize
+    from resilient.storage.offline.catalog import DamagedStep, open_newest_readable, summarize
 
-    summary = summarize(open_checkpoint(args.url, args.step), args.tensors)
+    opened, skipped = open_newest_readable(args.url, args.step)
+    if isinstance(opened, DamagedStep):  # the step asked for (or every committed one) is damaged
+        if args.json:
+            out.emit_json({**opened.to_json(), "status": "damaged", "damaged": [d.to_json() for d in skipped]})
+        else:
+            sys.stderr.write(f"{PROG}: {opened.message} (resilient-ckpt verify --all checks every step)\n")
+        return 1
+    summary = {**summarize(opened, args.tensors), "status": "ok", "damaged": [d.to_json() for d in skipped]}
     out.emit_json(summary) if args.json else out.render_inspect(summary)
-    return 0
+    return 1 if skipped else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import open_checkpoint, open_root
+    from resilient.storage.offline.catalog import CheckpointRef, open_every_step, open_step
     from resilient.storage.offline.convert import StreamConfig
-    from resilient.storage.offline.verify import verify_step
-    from resilient.storage.retention import list_steps
+    from resilient.storage.offline.verify import verify_steps
 
-    if args.all:
-        _, store, url_step = open_root(args.url)
-        steps = [url_step] if url_step is not None else list_steps(store).committed
-        refs = [open_checkpoint(args.url, s) for s in steps] if steps else [open_checkpoint(args.url)]
-    else:
-        refs = [open_checkpoint(args.url, args.step)]
+    opened = open_every_step(args.url) if args.all else [open_step(args.url, args.step)]
+    refs = [o for o in opened if isinstance(o, CheckpointRef)]
     bar = _bar(args, "verify", sum(_selected_bytes(r.manifest, args.tensors) for r in refs))
     memory = StreamConfig(max_memory=args.max_memory)
-    reports = [
-        verify_step(
-            r,
+    try:
+        reports = verify_steps(
+            opened,
             patterns=args.tensors,
             block_bytes=memory.block_bytes,
             budget_bytes=memory.budget_bytes,
             progress=_update(bar),
-        ).to_json()
-        for r in refs
-    ]
-    if bar is not None:
-        bar.close()
-    out.emit_json({"ok": all(r["ok"] for r in reports), "steps": reports}) if args.json else out.render_verify(reports)
-    return 0 if all(r["ok"] for r in reports) else 1
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    result = [r.to_json() for r in reports]
+    ok = all(r["ok"] for r in result)
+    out.emit_json({"ok": ok, "steps": result}) if args.json else out.render_verify(result)
+    return 0 if ok else 1
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -173,18 +179,18 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     config = StreamConfig(max_memory=args.max_memory)
     if args.mesh:
         mesh = parse_mesh(args.mesh)
-        layout, origin = mesh_layout(mesh, config.shard_bytes), {"mesh": mesh}
+        layout, target = mesh_layout(mesh, config.shard_bytes), {"mesh": mesh}
     else:
         rules = [parse_chunks(r) for r in args.chunks]
         layout = chunks_layout(rules, default_layout(config.shard_bytes), config.budget_bytes)
-        origin = {"chunks": args.chunks}
+        target = {"chunks": args.chunks}
     bar = _bar(args, "reshard", open_checkpoint(args.src, args.step).manifest.total_bytes)
     try:
         result = reshard(
             args.src,
             args.dst,
             layout=layout,
-            origin=origin,
+            target=target,
             config=config,
             step=args.step,
             out_step=args.out_step,
@@ -193,7 +199,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    out.emit_json(result) if args.json else out.render_summary(result)
+    out.emit_json(result) if args.json else out.render_reshard(result)
     return 0
 
 
@@ -318,12 +324,14 @@ def _add_reshard(sub) -> None:
         help="rewrite a step with chunking for another layout (offline)",
         description="Rewrite one step into a new root with shards and inner chunks aligned "
         "to a target mesh or explicit shapes; checksums are recomputed and the "
-        "manifest's metadata records resharded_from.",
+        "manifest's metadata records resharded_from (the source step and its save-time mesh) "
+        "and resharded_to (the target). --mesh takes the trainer's dims (dp_shard, tp) and "
+        "those the checkpoint was saved with; a dim that splits no dim of a tensor is named.",
     )
     p.add_argument("src", help="resilient checkpoint root or step directory")
     p.add_argument("dst", help="new resilient root (path or s3://)")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--mesh", help="target mesh, e.g. dp_shard=8,tp=4")
+    target.add_argument("--mesh", help="target mesh, e.g. dp_shard=8,tp=4 (outer dim first)")
     target.add_argument(
         "--chunks",
         action="append",

@@ -93,6 +93,8 @@ def render_ls(listing: dict) -> None:
 
 
 def render_inspect(summary: dict) -> None:
+    for damaged in summary.get("damaged", []):
+        print(f"! step {damaged['step']} skipped, damaged: {damaged['message']}")
     print(f"{summary['url']}")
     print(
         f"  step {summary['step']}  format v{summary['format_version']}  {summary['attempt']}  "
@@ -122,13 +124,18 @@ def render_inspect(summary: dict) -> None:
 
 def render_verify(reports: list[dict]) -> None:
     for r in reports:
-        head = "OK" if r["ok"] else f"{len(r['problems'])} PROBLEM(S)"
+        # One block per step, damaged or not, and a last line that counts them.
+        head = "OK" if r["ok"] else f"DAMAGED, {len(r['problems'])} PROBLEM(S)"
         print(
             f"step {r['step']} {r['url']}: {head} ({r['tensors']} tensors, {human(r['bytes_read'])} read "
             f"in {r['seconds']:.2f} s)"
         )
         for p in r["problems"]:
-            print(f"  [{p['kind']}] {p['fqn'] or '-'} {p['chunk'] or ''}: {p['message']}")
+            where = " ".join(filter(None, (p["fqn"], p["chunk"])))
+            print(f"  [{p['kind']}] {where + ': ' if where else ''}{p['message']}")
+    if len(reports) > 1:
+        damaged = [r["step"] for r in reports if not r["ok"]]
+        print(f"{len(reports)} step(s) checked, {len(damaged)} damaged" + (f": {damaged}" if damaged else ""))
 
 
 def render_diff(result: dict) -> None:
@@ -162,6 +169,27 @@ def render_summary(result: dict) -> None:
         f"wrote {where}: {result['tensors']} tensors, {human(result['bytes'])}{files}"
         + (f" in {result['seconds']:.1f} s" if "seconds" in result else "")
     )
+
+
+def _mesh(mesh: dict | list | None) -> str:
+    if mesh is None:
+        return "no device mesh"
+    meshes = mesh if isinstance(mesh, list) else [mesh]
+    return " + ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m in meshes)
+
+
+def render_reshard(result: dict) -> None:
+    render_summary(result)
+    origin, target = result["resharded_from"], result["resharded_to"]
+    to = _mesh(target["mesh"]) if "mesh" in target else "chunks " + ", ".join(target["chunks"])
+    print(f"  from step {origin['step']} saved on {_mesh(origin['mesh'])} ({origin['world_size']} rank(s)) to {to}")
+    for group in result["not_applied"]:
+        names = group["tensors"]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        print(
+            f"  note: {group['dim']}={group['size']} does not apply to {len(names)} tensor(s), "
+            f"{group['reason']}: {shown}"
+        )
 
 
 def render_prune(result: dict) -> None:

@@ -50,8 +50,10 @@ def _wait_for_step(run_dir: str, step: int, proc: subprocess.Popen) -> None:
     sys.exit(f"[demo] the RAM-tier run did not reach step {step} in {TIMEOUT_S:.0f} s")
 
 
-def _lose_node(run_dir: str, recipe: str, rank: int) -> None:
+def _lose_node(run_dir: str, recipe: str, rank: int) -> float:
+    """Wipe ``rank``'s node store and SIGKILL it; returns when (unix time, as events record it)."""
     config = load_config(recipe, _overrides(run_dir))
+    lost_at = time.time()
     pid = read_pid(run_dir, 0, rank)
     if pid is None:
         sys.exit(f"[demo] no pid file for rank {rank} under {run_dir}/pids")
@@ -62,6 +64,7 @@ def _lose_node(run_dir: str, recipe: str, rank: int) -> None:
         f"[demo] node {rank} lost at step >= {KILL_STEP}: rank {rank} (pid {pid}) SIGKILLed, its RAM store wiped",
         flush=True,
     )
+    return lost_at
 
 
 def run_ram_phase(recipe: str, run_dir: str) -> None:
@@ -81,27 +84,46 @@ def run_ram_phase(recipe: str, run_dir: str) -> None:
     proc = subprocess.Popen(command, start_new_session=True)
     try:
         _wait_for_step(run_dir, KILL_STEP, proc)
-        _lose_node(run_dir, recipe, rank=1)
+        lost_at = _lose_node(run_dir, recipe, rank=1)
         code = proc.wait(timeout=TIMEOUT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     if code != 0:
         sys.exit(f"[demo] the RAM-tier run failed with exit code {code}")
-    _summary(run_dir)
+    _summary(run_dir, lost_at)
 
 
-def _summary(run_dir: str) -> None:
-    restores = [e for e in read_events(run_dir) if e["event"] == "restore" and e["source"] != "fresh"]
-    print("\n[ram] restore after losing node 1 (one line per rank, from events.jsonl):")
-    for e in restores:
+_WHERE = {
+    "own": "its own node's RAM",
+    "buddy": "its buddy node's copy, in RAM",
+    "persistent": "persistent storage",
+    "peer": "a live replica group",
+    "fresh": "nothing: a fresh start",
+}
+
+
+def restores_after(run_dir: str, since: float) -> dict[int, dict]:
+    """Each rank's last ``restore`` event written after ``since``: the restart's, whatever the
+    first start (or an earlier restart) recorded."""
+    latest: dict[int, dict] = {}
+    for e in read_events(run_dir):
+        if e["event"] == "restore" and e["t"] >= since:
+            latest[e["rank"]] = e
+    return dict(sorted(latest.items()))
+
+
+def _summary(run_dir: str, lost_at: float) -> None:
+    restores = restores_after(run_dir, lost_at)
+    print("\n[ram] restore after losing node 1 (each rank's own restore event, from events.jsonl):")
+    for rank, e in restores.items():
         print(
-            f"  rank {e['rank']}: step {e['step']} from {e['source']:<5} {e['bytes'] / 2**20:6.2f} MiB "
-            f"in {e['seconds']:.3f} s, storage reads: {e['storage_reads']}"
+            f"  rank {rank}: step {e['step']} from {e['source']} ({_WHERE.get(e['source'], e['source'])}), "
+            f"{e['bytes'] / 2**20:.2f} MiB in {e['seconds']:.3f} s, storage reads: {e['storage_reads']}"
         )
-    sources = sorted((e["rank"], e["source"]) for e in restores)
-    if sources != [(0, "own"), (1, "buddy")] or any(e["storage_reads"] for e in restores):
-        sys.exit(f"[demo] expected rank 0 from its own store and rank 1 from its buddy, no storage reads: {restores}")
+    sources = {rank: e["source"] for rank, e in restores.items()}
+    if sources != {0: "own", 1: "buddy"} or any(e["storage_reads"] for e in restores.values()):
+        sys.exit(f"[demo] expected rank 0 from its own store and rank 1 from its buddy, no storage reads: {sources}")
     metrics = read_jsonl_by_step(group_file(run_dir, METRICS_FILE, 0))
     print(
         f"[ram] resumed at step {restores[0]['step']} (the newest snapshot every rank had in RAM), trained to "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from resilient.errors import ConfigError, IntegrityError, StorageError
 from resilient.manifest import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
 from resilient.storage.objects import ObjectStore, open_store
-from resilient.storage.retention import list_steps
+from resilient.storage.retention import StepListing, list_steps
 from resilient.storage.url import Location, parse_url
 
 
@@ -68,11 +68,25 @@ def read_manifest(location: Location, store: ObjectStore, step: int) -> Manifest
     data = store.read(key)
     if data is None:
         raise ConfigError(f"step {step} is not committed under {location.url} (no {key}); see resilient-ckpt ls")
-    return Manifest.loads(data, where=f"{location.url}/{key}")
+    try:
+        return Manifest.loads(data, where=f"{location.url}/{key}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        # Valid JSON that lacks a field (a hand edit, a foreign file) is as damaged as a truncated
+        # one; without this it surfaced as "unexpected error: KeyError: 'arrays'".
+        raise IntegrityError(
+            f"manifest {location.url}/{key} is valid JSON but not a complete manifest "
+            f"({type(e).__name__}: {e}); the step is damaged"
+        ) from e
 
 
 def open_checkpoint(url: str, step: int | None = None) -> CheckpointRef:
     """The committed step ``step`` (or the one the URL names, or the newest) of a checkpoint."""
+    location, store, wanted, _ = _resolve(url, step)
+    return CheckpointRef(location, store, wanted, read_manifest(location, store, wanted))
+
+
+def _resolve(url: str, step: int | None) -> tuple[Location, ObjectStore, int, StepListing]:
+    """Root, store and the committed step wanted (newest by default), without reading its manifest."""
     location, store, url_step = open_root(url)
     if url_step is not None and step is not None and url_step != step:
         raise ConfigError(f"{url} names step {url_step} but --step {step} was given; pass one of them")
@@ -94,7 +108,80 @@ def open_checkpoint(url: str, step: int | None = None) -> CheckpointRef:
         raise ConfigError(
             f"step {wanted} is not committed under {location.url}; committed steps: {listing.committed[-10:] or 'none'}"
         )
-    return CheckpointRef(location, store, wanted, read_manifest(location, store, wanted))
+    return location, store, wanted, listing
+
+
+@dataclass(slots=True)
+class DamagedStep:
+    """A step that should be readable but is not: its manifest is unreadable, or gone."""
+
+    step: int
+    url: str
+    kind: str  # "manifest" (unreadable) | "manifest-missing"
+    message: str
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def _try_open(location: Location, store: ObjectStore, step: int) -> CheckpointRef | DamagedStep:
+    url = f"{location.url}/{step_dir(step)}"
+    try:
+        return CheckpointRef(location, store, step, read_manifest(location, store, step))
+    except IntegrityError as e:
+        return DamagedStep(step, url, "manifest", f"step {step}: {e}")
+    except ConfigError:
+        # Listed as committed a moment ago, gone now (a prune racing us, a lost object).
+        return DamagedStep(step, url, "manifest-missing", f"step {step}: {url}/{MANIFEST} disappeared after listing")
+
+
+def open_step(url: str, step: int | None = None) -> CheckpointRef | DamagedStep:
+    """Like ``open_checkpoint``, but a damaged manifest comes back as a DamagedStep, not raised."""
+    location, store, wanted, _ = _resolve(url, step)
+    return _try_open(location, store, wanted)
+
+
+def open_every_step(url: str) -> list[CheckpointRef | DamagedStep]:
+    """Every committed step of a root (or the one step a step URL names), ascending, each opened or
+    reported damaged: one bad manifest must not hide the steps around it. A step that ``latest``
+    names but that has no manifest is reported too: the commit writes the manifest before
+    ``latest``, so that manifest was lost, not never written."""
+    location, store, url_step = open_root(url)
+    if url_step is not None:
+        return [open_step(url)]
+    listing = list_steps(store)
+    if not listing.committed:
+        _resolve(url, None)  # raises the error that says why nothing is committed
+    opened = [_try_open(location, store, s) for s in listing.committed]
+    latest = read_latest(store)
+    if latest is not None and latest not in listing.committed:
+        where = f"{location.url}/{step_dir(latest)}"
+        state = "its directory holds no manifest" if latest in listing.uncommitted else "its directory is gone"
+        opened.append(
+            DamagedStep(
+                latest,
+                where,
+                "manifest-missing",
+                f"step {latest}: {location.url}/latest names it but {state}: a committed step was lost "
+                "after its commit; the newest loadable step is an older one",
+            )
+        )
+    return sorted(opened, key=lambda o: o.step)
+
+
+def open_newest_readable(url: str, step: int | None = None) -> tuple[CheckpointRef | DamagedStep, list[DamagedStep]]:
+    """The step asked for (damaged or not); for a root without ``step``, the newest committed step
+    whose manifest reads, and the newer ones skipped because theirs does not."""
+    location, store, wanted, listing = _resolve(url, step)
+    if step is not None or split_step_url(url)[1] is not None:
+        return _try_open(location, store, wanted), []
+    skipped: list[DamagedStep] = []
+    for s in reversed(listing.committed):
+        opened = _try_open(location, store, s)
+        if isinstance(opened, CheckpointRef):
+            return opened, skipped
+        skipped.append(opened)
+    return skipped[0], skipped[1:]
 
 
 def select(names: list[str], patterns: list[str] | None) -> list[str]:

@@ -22,6 +22,9 @@ def _step_of(key: str) -> int:
 
 def prune(url: str, keep_last: int, *, dry_run: bool = False) -> dict:
     """Delete (or with ``dry_run`` only list) what retention allows; returns what and what was kept."""
+    if not isinstance(keep_last, int) or keep_last < 1:
+        # Checked here, not left to KeepLast: its message names the API (keep_last=None), not the flag.
+        raise ConfigError(f"--keep-last must be at least 1 (keep_last={keep_last} would delete every step)")
     location, store, url_step = open_root(url)
     if url_step is not None:
         raise ConfigError(f"prune takes a checkpoint root, not the step directory {url}")

@@ -26,6 +26,9 @@ from resilient.storage.offline.sink import Layout, output_shard_shape
 from resilient.storage.offline.sources import ResilientSource, TensorInfo
 
 _SHARD = re.compile(r"^_?S\((\d+)")
+KNOWN_DIM_NAMES = ("dp_shard", "tp")
+"""The trainer's mesh dims (``resilient.trainer.parallelize.MESH_DIM_NAMES``; storage may not import
+the trainer, a test holds the two equal)."""
 ChunkRule = tuple[str, tuple[int, ...], tuple[int, ...] | None]  # glob, shard shape, inner shape
 
 
@@ -64,19 +67,68 @@ def _torch_chunks(lo: int, n: int, parts: int) -> list[tuple[int, int]]:
     return [(lo + s, min(size, n - s)) for s in range(0, n, size)]
 
 
+def _dim_for(info: TensorInfo, name: str) -> tuple[int | None, str]:
+    """The tensor dim the mesh dim ``name`` splits, or None and why it does not apply."""
+    if not info.shape:
+        return None, "0-d: a scalar is never split"
+    if name in info.mesh_dim_names:
+        placement = info.placements[info.mesh_dim_names.index(name)]
+        match = _SHARD.match(placement)
+        if match is None:
+            return None, f"placed {placement} (not sharded) over {name} when saved"
+        dim = int(match.group(1))
+        if dim >= len(info.shape):
+            return None, f"its placement {placement} names a dim a {len(info.shape)}-d tensor lacks"
+        return dim, ""
+    if info.mesh_dim_names:
+        return None, f"saved on a mesh without {name} ({', '.join(info.mesh_dim_names)})"
+    if name == "dp_shard":
+        return 0, ""  # a plain tensor: FSDP2 shards dim 0
+    return None, "saved without a device mesh: only dp_shard splits such a tensor (dim 0, as FSDP2)"
+
+
 def _split_dims(info: TensorInfo, mesh: dict[str, int]) -> dict[int, list[int]]:
     """Tensor dim -> split counts, innermost first (TP before FSDP, as FSDP2 + TP apply them)."""
     splits: dict[int, list[int]] = {}
     for name, size in reversed(list(mesh.items())):
-        dim = None
-        if name in info.mesh_dim_names:
-            match = _SHARD.match(info.placements[info.mesh_dim_names.index(name)])
-            dim = int(match.group(1)) if match else None
-        elif name == "dp_shard" and not info.mesh_dim_names and info.shape:
-            dim = 0  # a plain tensor: FSDP2 shards dim 0
-        if dim is not None and size > 1 and dim < len(info.shape):
+        dim, _ = _dim_for(info, name)
+        if dim is not None and size > 1:
             splits.setdefault(dim, []).append(size)
     return splits
+
+
+def check_mesh_names(mesh: dict[str, int], infos: list[TensorInfo]) -> None:
+    """Reject a dim name that neither the trainer's mesh nor this checkpoint's mesh has: a typo
+    (``tp_size=4``) would otherwise split nothing and say nothing."""
+    saved = [n for n in dict.fromkeys(n for i in infos for n in i.mesh_dim_names) if n not in KNOWN_DIM_NAMES]
+    known = [*KNOWN_DIM_NAMES, *saved]
+    for name in mesh:
+        if name not in known:
+            also = f", and {', '.join(saved)} from this checkpoint's mesh" if saved else ""
+            raise ConfigError(
+                f"--mesh dimension {name!r} is unknown; known: {', '.join(KNOWN_DIM_NAMES)} "
+                f"(the trainer's mesh){also}; e.g. --mesh dp_shard=8,tp=4"
+            )
+
+
+def not_applied(mesh: dict[str, int], infos: list[TensorInfo]) -> list[dict]:
+    """For each mesh dim (of size > 1) and reason, the tensors it does not split (scalars, never
+    split by anything, are left out: they would fill every group)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, size in mesh.items():
+        for info in infos:
+            dim, why = _dim_for(info, name)
+            if size > 1 and dim is None and info.shape:
+                groups.setdefault((name, why), []).append(info.fqn)
+    return [{"dim": name, "size": mesh[name], "reason": why, "tensors": fqns} for (name, why), fqns in groups.items()]
+
+
+def source_mesh(infos: list[TensorInfo]) -> dict[str, int] | list[dict[str, int]] | None:
+    """The save-time mesh (a list if tensors were saved on several; None: saved without one)."""
+    meshes = list(dict.fromkeys(tuple(zip(i.mesh_dim_names, i.mesh_shape, strict=True)) for i in infos if i.mesh_shape))
+    if not meshes:
+        return None
+    return dict(meshes[0]) if len(meshes) == 1 else [dict(m) for m in meshes]
 
 
 def mesh_boxes(info: TensorInfo, mesh: dict[str, int]) -> list[Box]:
@@ -141,24 +193,35 @@ def reshard(
     dst: str,
     *,
     layout: Layout,
-    origin: dict,
+    target: dict,
     config: StreamConfig,
     step: int | None = None,
     out_step: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict:
-    """Rewrite one step of ``src`` as a new committed step under ``dst`` with ``layout``."""
+    """Rewrite one step of ``src`` as a new committed step under ``dst`` with ``layout``.
+
+    ``target``: what ``layout`` was made from, ``{"mesh": {name: size}}`` (its names are checked
+    against the checkpoint's) or ``{"chunks": [rules]}``; the manifest's metadata records it as
+    ``resharded_to``, beside ``resharded_from`` (URL, step, attempt, world size and save-time mesh).
+    """
     ref = open_checkpoint(src, step)
     source = ResilientSource(ref)
-    state = source.state()
-    metadata = {
-        **state.metadata,
-        "resharded_from": {"url": ref.url, "step": ref.step, "attempt": ref.manifest.attempt, **origin},
+    state, infos = source.state(), source.tensors()
+    if "mesh" in target:
+        check_mesh_names(target["mesh"], infos)
+    origin = {
+        "url": ref.url,
+        "step": ref.step,
+        "attempt": ref.manifest.attempt,
+        "world_size": state.world_size,
+        "mesh": source_mesh(infos),
     }
-    for info in source.tensors():
+    metadata = {**state.metadata, "resharded_from": origin, "resharded_to": target}
+    for info in infos:
         layout(info)  # a bad --chunks rule fails here, before the output root is created
     sink = resilient_sink(dst, ref.step if out_step is None else out_step, layout)
-    manifest = stream(source, sink, source.tensors(), state, metadata, config, progress)
+    manifest = stream(source, sink, infos, state, metadata, config, progress)
     shards = sum(len(a.regions) for a in manifest.arrays.values())
     return {
         "src": ref.url,
@@ -167,5 +230,7 @@ def reshard(
         "tensors": len(manifest.arrays),
         "bytes": manifest.total_bytes,
         "shards": shards,
-        "resharded_from": metadata["resharded_from"],
+        "resharded_from": origin,
+        "resharded_to": target,
+        "not_applied": not_applied(target.get("mesh", {}), infos),
     }

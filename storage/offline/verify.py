@@ -21,9 +21,10 @@ import crc32c
 import numpy as np
 
 from resilient.dtypes import itemsize
+from resilient.errors import IntegrityError
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
-from resilient.storage.offline.catalog import CheckpointRef, select
+from resilient.storage.offline.catalog import CheckpointRef, DamagedStep, select
 from resilient.storage.offline.sources import ResilientSource
 from resilient.storage.offline.streaming import Pipeline, c_order_blocks
 
@@ -32,7 +33,9 @@ from resilient.storage.offline.streaming import Pipeline, c_order_blocks
 class Problem:
     step: int
     fqn: str | None
-    kind: str  # "coverage" | "missing-object" | "unreadable" | "checksum" | "attempt-missing"
+    # "manifest" | "manifest-missing" | "coverage" | "missing-object" | "unreadable" | "checksum" |
+    # "attempt-missing"
+    kind: str
     chunk: str | None  # the shard object key (relative to the attempt), when one is to blame
     message: str
 
@@ -58,6 +61,7 @@ class StepReport:
             "step": self.step,
             "url": self.url,
             "ok": self.ok,
+            "status": "ok" if self.ok else "damaged",
             "tensors": self.tensors,
             "bytes_read": self.bytes_read,
             "seconds": round(self.seconds, 3),
@@ -219,3 +223,27 @@ def verify_step(
     report = verifier.run(select(sorted(ref.manifest.arrays), patterns))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def damaged_report(damaged: DamagedStep) -> StepReport:
+    """The report of a step whose manifest cannot be read: nothing else of it can be checked."""
+    report = StepReport(damaged.step, damaged.url)
+    report.problems.append(Problem(damaged.step, None, damaged.kind, None, damaged.message))
+    return report
+
+
+def verify_steps(opened: list[CheckpointRef | DamagedStep], **options) -> list[StepReport]:
+    """``verify_step`` for each opened step, a report for each damaged one: every step is checked
+    whatever the others hold (``options`` as for ``verify_step``)."""
+    reports = []
+    for item in opened:
+        if isinstance(item, DamagedStep):
+            reports.append(damaged_report(item))
+            continue
+        try:
+            reports.append(verify_step(item, **options))
+        except IntegrityError as e:  # damage the step's own checks did not anticipate
+            report = StepReport(item.step, item.url)
+            report.problems.append(Problem(item.step, None, "unreadable", None, " ".join(str(e).split())))
+            reports.append(report)
+    return reports

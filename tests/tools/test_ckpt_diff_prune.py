@@ -100,7 +100,10 @@ def test_prune_dry_run_and_real(tmp_path, cli):
     stale = cli.json("prune", root, "--keep-last", "1")
     assert stale["deleted"] == [] and stale["spared"] == ["step-000000003"] and ckpt.steps() == [3, 5]
     rc, _, err = cli("prune", root, "--keep-last", "0")
-    assert rc == 2 and "keep_last" in err
+    assert (
+        rc == 2
+        and err == "resilient-ckpt: error: --keep-last must be at least 1 (keep_last=0 would delete every step)\n"
+    )
 
 
 def test_reshard_to_mesh_and_explicit_chunks(tmp_path, saved, cli):
@@ -153,3 +156,57 @@ def test_a_damaged_old_manifest_never_fails_later_commits_nor_prune(tmp_path, cl
     rc, out, _ = cli("prune", root, "--keep-last", "2")
     assert rc == 0 and "damaged step 1" not in out  # step 1 is now past keep_last: deleted whole
     assert ckpt.steps() == [2, 3]
+
+
+def _saved_on_mesh(root: str, placements: dict[str, list[str]]) -> None:
+    """Rewrite step 5's manifest as if the tensors had been saved as DTensors on a 2x2
+    (dp_shard, tp) mesh with these placements (the regions, and so the data, stay as written)."""
+    path = os.path.join(root, "step-000000005", "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    for fqn, placement in placements.items():
+        entry = manifest["arrays"][fqn]
+        entry.update(placements=placement, mesh_shape=[2, 2], mesh_dim_names=["dp_shard", "tp"])
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_reshard_knows_the_trainers_mesh_dims():
+    """storage may not import the trainer: the offline reshard keeps its own copy of the names."""
+    from resilient.storage.offline.reshard import KNOWN_DIM_NAMES
+    from resilient.trainer.parallelize import MESH_DIM_NAMES
+
+    assert KNOWN_DIM_NAMES == MESH_DIM_NAMES
+
+
+def test_reshard_mesh_names_checked_not_applied_named_meshes_recorded(tmp_path, saved, cli):
+    """Issue 13 item 13: an unknown --mesh name was accepted and split nothing; a dim that splits
+    no tensor said nothing; metadata recorded the target mesh as resharded_from.mesh."""
+    root, _ = saved
+    _saved_on_mesh(root, {"model.embed.weight": ["S(0)", "R"], "model.proj.weight": ["S(0)", "S(1)"]})
+    rc, out, err = cli("reshard", root, str(tmp_path / "typo"), "--mesh", "dp_shard=4,tp_size=2")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("resilient-ckpt: error: --mesh dimension 'tp_size' is unknown; known: dp_shard, tp")
+    assert not os.path.exists(tmp_path / "typo")
+
+    result = cli.json("reshard", root, str(tmp_path / "out"), "--mesh", "dp_shard=4,tp=2")
+    assert result["resharded_from"]["mesh"] == {"dp_shard": 2, "tp": 2}
+    assert result["resharded_from"]["world_size"] == 1 and result["resharded_to"] == {"mesh": {"dp_shard": 4, "tp": 2}}
+    metadata = cli.json("inspect", str(tmp_path / "out"))["metadata"]
+    assert metadata["resharded_from"]["mesh"] == {"dp_shard": 2, "tp": 2}
+    assert metadata["resharded_to"] == {"mesh": {"dp_shard": 4, "tp": 2}}
+    groups = {(g["dim"], g["reason"]): g["tensors"] for g in result["not_applied"]}
+    assert groups == {
+        ("tp", "placed R (not sharded) over tp when saved"): ["model.embed.weight"],
+        ("tp", "saved without a device mesh: only dp_shard splits such a tensor (dim 0, as FSDP2)"): [
+            "model.proj.bias",
+            "optim.ids",
+        ],
+    }
+    rc, out, _ = cli("reshard", root, str(tmp_path / "text"), "--mesh", "dp_shard=4,tp=2")
+    lines = out.splitlines()
+    assert rc == 0 and lines[1] == "  from step 5 saved on dp_shard=2 x tp=2 (1 rank(s)) to dp_shard=4 x tp=2"
+    assert (
+        lines[2]
+        == "  note: tp=2 does not apply to 1 tensor(s), placed R (not sharded) over tp when saved: model.embed.weight"
+    )

@@ -75,3 +75,80 @@ def test_wrong_bytes_under_a_valid_checksum_are_found(tmp_path, saved, cli):
     copy = _damaged_copy(tmp_path, root, "swapped", lambda path: shutil.copyfile(_shard_object(other, W), path))
     (problem,) = cli.json("verify", copy, expect=1)["steps"][0]["problems"]
     assert problem["fqn"] == W and problem["kind"] == "checksum" and "manifest records" in problem["message"]
+
+
+def _six_steps_five_damaged(root: str) -> None:
+    """Step 1 intact; 2 a truncated manifest; 3 a flipped chunk byte; 4 a missing chunk object; 5 a
+    manifest that is JSON but no manifest; 6 (which `latest` names) its manifest deleted."""
+    import torch
+
+    from resilient import Checkpointer
+
+    ckpt = Checkpointer(root)
+    for step in range(1, 7):
+        ckpt.save(step, {"w": torch.arange(64.0).reshape(8, 8) * step, "n": step}).wait()
+    manifest = os.path.join(root, "step-00000000{}", "manifest.json").format
+    with open(manifest(2), "r+") as f:
+        f.truncate(20)
+    chunk = os.path.join(root, "step-00000000{}", "attempt-*", "w", "c", "0", "0").format
+    _flip(glob.glob(chunk(3))[0])
+    os.remove(glob.glob(chunk(4))[0])
+    Path(manifest(5)).write_text('{"format": "resilient", "format_version": 1}')
+    os.remove(manifest(6))
+
+
+@pytest.mark.timeout(60)
+def test_verify_all_reports_each_damaged_step_and_goes_on(tmp_path, cli):
+    """Issue 13 item 11: the first damaged manifest ended `verify --all` (one line, no report of
+    the other steps, no JSON)."""
+    root = str(tmp_path / "run")
+    _six_steps_five_damaged(root)
+    report = cli.json("verify", root, "--all", expect=1)
+    assert not report["ok"]
+    status = {s["step"]: s["status"] for s in report["steps"]}
+    assert status == {1: "ok", 2: "damaged", 3: "damaged", 4: "damaged", 5: "damaged", 6: "damaged"}
+    kinds = {s["step"]: [p["kind"] for p in s["problems"]] for s in report["steps"]}
+    assert kinds == {
+        1: [],
+        2: ["manifest"],
+        3: ["checksum"],
+        4: ["missing-object"],
+        5: ["manifest"],
+        6: ["manifest-missing"],
+    }
+    problems = {s["step"]: s["problems"] for s in report["steps"]}
+    assert "not valid JSON" in problems[2][0]["message"] and "step-000000002" in problems[2][0]["message"]
+    assert "not a complete manifest" in problems[5][0]["message"]
+    assert "latest names it" in problems[6][0]["message"]
+    assert problems[3][0]["fqn"] == "w" and problems[3][0]["chunk"] == "w/c/0/0"
+    rc, out, err = cli("verify", root, "--all")
+    lines = out.splitlines()
+    assert rc == 1 and err == ""
+    assert lines[0].startswith(f"step 1 {root}/step-000000001: OK")
+    assert lines[-1] == "6 step(s) checked, 5 damaged: [2, 3, 4, 5, 6]"
+
+
+@pytest.mark.timeout(60)
+def test_inspect_names_a_damaged_step_and_shows_the_newest_that_reads(tmp_path, cli):
+    """Issue 13 item 11: `inspect ROOT` stopped at a damaged newest manifest."""
+    import torch
+
+    from resilient import Checkpointer
+
+    root = str(tmp_path / "run")
+    ckpt = Checkpointer(root)
+    for step in (1, 2):
+        ckpt.save(step, {"w": torch.ones(4) * step}).wait()
+    with open(os.path.join(root, "step-000000002", "manifest.json"), "r+") as f:
+        f.truncate(20)
+    summary = cli.json("inspect", root, expect=1)
+    assert summary["step"] == 1 and summary["status"] == "ok"
+    assert [(d["step"], d["kind"]) for d in summary["damaged"]] == [(2, "manifest")]
+    rc, out, _ = cli("inspect", root)
+    assert rc == 1 and out.splitlines()[0].startswith("! step 2 skipped, damaged: step 2: manifest ")
+    assert out.splitlines()[1] == f"{root}/step-000000001"
+    damaged = cli.json("inspect", root, "--step", "2", expect=1)
+    assert (damaged["step"], damaged["status"], damaged["kind"]) == (2, "damaged", "manifest")
+    rc, out, err = cli("inspect", root, "--step", "2")
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"resilient-ckpt: step 2: manifest {root}/step-000000002/manifest.json is not valid JSON")

@@ -9,7 +9,10 @@ the pipeline's cursor (only ``OmniPipeline.commit_step`` does).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from multiprocessing import resource_sharer
+from types import TracebackType
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -47,6 +50,30 @@ class _StepCursors(Sampler):
 def _as_is(item: tuple[RowKey, Batch]) -> tuple[RowKey, Batch]:
     # The dataset already returns a whole batch; module-level so worker processes can pickle it.
     return item
+
+
+def _quiet_orphaned_handoffs(worker_id: int) -> None:
+    """``worker_init_fn``: a batch handed to a rank that is already dead is not the worker's error.
+
+    A batch's tensors reach the rank as file descriptors passed by the worker's
+    ``multiprocessing.resource_sharer`` thread (torch's default ``file_descriptor`` sharing), and
+    that thread reports a failed hand-off through ``sys.excepthook``. So a rank SIGKILLed in the
+    middle of taking a batch (a lost node, a chaos kill) left a raw ``ConnectionResetError``
+    traceback from its orphaned worker on the terminal. Only that thread's connection errors are
+    dropped: the other end is gone, and a live rank sees its own failed hand-off (its DataLoader
+    raises). Every other report still goes to the hook that was installed."""
+    report = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and tb is not None and tb.tb_frame.f_code is _SERVE_CODE:
+            return
+        report(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
+# The fd-passing thread's loop: its frame is the outermost of the tracebacks it reports.
+_SERVE_CODE = resource_sharer._ResourceSharer._serve.__code__
 
 
 class PrefetchLoader:
@@ -91,6 +118,7 @@ class PrefetchLoader:
             num_workers=workers,
             prefetch_factor=cfg.prefetch_factor if workers else None,
             timeout=cfg.worker_timeout_s if workers else 0,
+            worker_init_fn=_quiet_orphaned_handoffs if workers else None,
         )
         self._iterator = iter(loader)
 
