@@ -25,16 +25,9 @@ import traceback
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.tools import ckpt_output as out
+from resilient.tools.cli import OneLineParser
 
 PROG = "resilient-ckpt"
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit 2 (argparse would print the whole usage first)."""
-
-    def error(self, message: str) -> None:
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-        raise SystemExit(2)
 
 
 def _size(text: str) -> int:
@@ -234,7 +227,7 @@ def _common(p: argparse.ArgumentParser, *, tensors: bool = False, memory: bool =
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="Look inside, verify, compare, convert, reshard and prune resilient "
         "checkpoints, on local paths or s3:// URLs.",
