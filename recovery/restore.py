@@ -6,9 +6,24 @@ Top to bottom, the first tier that has the state wins:
                    did the transfer; the policy records it and reads nothing);
 2. ``own``         the RAM tier's newest step every rank of the group can get, if it is not older
 3. ``buddy``       than the newest committed persistent step: each rank's own snapshot, else its
-                   buddy node's copy (``resilient.recovery.ram.restore``);
-4. ``persistent``  the newest committed checkpoint, on any mesh;
+                   buddy node's copy (``resilient.recovery.ram.restore``); only snapshots of this
+                   run's current timeline (``resilient.recovery.ram.timeline``);
+4. ``persistent``  the newest committed checkpoint that loads, on any mesh;
 5. ``fresh``       nothing to restore: step 0.
+
+``checkpoint.load_step`` asks for one committed step: RAM snapshots of later steps are not used,
+and it must load (a damaged chosen step is an error, not a silent other step).
+
+Damaged steps: when the newest committed step does not load on some rank (an ``IntegrityError``:
+checksum mismatch, a damaged manifest, a missing chunk), every rank learns it through one
+collective and the group falls back to the next older committed step, recording
+``restore_fallback`` in ``events.jsonl``; an older step's strict load writes every tensor and value
+of the state again, so what the failed attempt wrote is overwritten. Any other error (storage
+unreachable, a state that does not match) is raised on every rank: an older step would not help.
+
+Timelines: every restore that does not come from RAM (persistent, fresh, ``checkpoint.resume``
+off) starts a new timeline of the run, so RAM snapshots of the history it left are never restored
+again; a RAM restore or a peer heal continues the current one.
 
 The group decides together before any rank loads, and falls back together (the model is Orbax's
 emergency checkpoint manager: decide globally, try the fast tier, fall back through one collective):
@@ -21,7 +36,8 @@ fresh start; a missing bucket or an unreachable endpoint is an error (starting a
 silently drop a run's progress), raised on every rank, unless the RAM tier restores the run.
 
 Every rank writes one ``restore`` event to ``<run.dir>/events.jsonl`` (group, rank, step, source,
-bytes, seconds, storage_reads, excluded), except when ``checkpoint.resume`` is off.
+bytes, seconds, storage_reads, excluded, run_id, incarnation, timeline), except when
+``checkpoint.resume`` is off.
 """
 
 from __future__ import annotations
@@ -33,8 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient import dist as rdist
-from resilient.errors import ResilientError, StorageError
+from resilient.errors import ConfigError, IntegrityError, ResilientError, RestoreError, StorageError
+from resilient.recovery.ram import timeline as timelines
 from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 
@@ -71,6 +89,8 @@ class RestoreResult:
     """Objects this rank read from persistent storage (0 for a RAM or peer restore)."""
     excluded: list[dict[str, Any]] = field(default_factory=list)
     """RAM snapshots the decision skipped: ``{"step", "source", "reason"}`` each."""
+    timeline: Timeline | None = None
+    """The run and timeline training goes on in (what new RAM snapshots are tagged with)."""
 
     @property
     def loaded(self) -> bool:
@@ -89,6 +109,7 @@ def restore(
     resume: bool = True,
     say: Callable[[str], None] | None = None,
     layout: str = "",
+    load_step: int | None = None,
 ) -> RestoreResult:
     """Collective over the group: decide where this group's state comes from and load it.
 
@@ -96,14 +117,20 @@ def restore(
     can initialize the optimizer's state); ``apply(state)`` puts a loaded state in place (its time
     counts in ``seconds``); ``peer``: the heal of the first quorum, if there was one; ``resume``:
     ``checkpoint.resume`` (off: a fresh start, no event); ``say``: where the one-line outcome goes
-    ("resumed from step N of ... on <layout> in X s").
+    ("resumed from step N of ... on <layout> in X s"); ``load_step``: ``checkpoint.load_step``, a
+    committed step to resume from instead of the newest (ConfigError on every rank if it is not one).
     """
     if peer is not None:
         result = RestoreResult(peer.step, "peer", peer.bytes, peer.seconds)
+        result.timeline = _shared_timeline(timelines.joined, checkpointer, run_dir, ram)
     elif not resume:
-        return RestoreResult(0, "fresh")
+        # A fresh start leaves whatever RAM holds behind for good, as a persistent restore does.
+        fresh = RestoreResult(0, "fresh")
+        fresh.timeline = _shared_timeline(timelines.start, checkpointer, run_dir, ram)
+        return fresh
     else:
-        result = _from_tiers(target(), apply, checkpointer, ram)
+        result = _from_tiers(target(), apply, checkpointer, ram, run_dir, load_step)
+    assert result.timeline is not None
     write_event(
         run_dir,
         "restore",
@@ -115,6 +142,9 @@ def restore(
         seconds=round(result.seconds, 6),
         storage_reads=result.storage_reads,
         excluded=result.excluded,
+        run_id=result.timeline.run_id,
+        incarnation=result.timeline.incarnation,
+        timeline=result.timeline.timeline,
     )
     if say is not None and result.source != "peer":
         say(describe(result, checkpointer.url, layout))
@@ -122,23 +152,38 @@ def restore(
 
 
 def _from_tiers(
-    state: dict[str, Any], apply: Callable[[dict[str, Any]], None], checkpointer: Checkpointer, ram: RamTier | None
+    state: dict[str, Any],
+    apply: Callable[[dict[str, Any]], None],
+    checkpointer: Checkpointer,
+    ram: RamTier | None,
+    run_dir: str,
+    load_step: int | None,
 ) -> RestoreResult:
     """Own RAM, buddy RAM, persistent, fresh: the RAM tier's step wins when it is not older."""
     start = time.perf_counter()
-    persistent, listing_error = _newest_persistent(checkpointer, ram_may_restore=ram is not None)
+    steps, listing_error = _committed_or_error(checkpointer, ram_may_restore=ram is not None)
+    if load_step is not None:
+        _check_load_step(load_step, steps, listing_error, checkpointer.url)
+    persistent = load_step if load_step is not None else (steps[-1] if steps else None)
     reads_before = checkpointer.storage_reads
     result = RestoreResult(0, "fresh")
     if ram is not None:
-        fast = ram.restore(state, persistent)
+        # Which snapshots may restore: rank 0 reads the run's identity and timeline for everyone.
+        ram.timeline = result.timeline = _shared_timeline(timelines.current, checkpointer, run_dir, None)
+        fast = ram.restore(state, persistent, newest=load_step)
         result.excluded = fast.excluded
         if fast.step is not None and fast.source is not None:
             result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is not None:
-        result.step, result.source = checkpointer.load(state, step=persistent), "persistent"
+        candidates = [load_step] if load_step is not None else steps[::-1]
+        result.step, result.source = _load_persistent(state, checkpointer, candidates, run_dir), "persistent"
         result.bytes = checkpointer.restore_stats[-1].bytes_read
+    if result.source not in ("own", "buddy"):
+        # Not from RAM: the run goes on from an older point (or from nothing), so every snapshot
+        # taken so far belongs to a history it left. A new timeline, recorded before training.
+        result.timeline = _shared_timeline(timelines.start, checkpointer, run_dir, ram)
     if result.loaded:
         apply(state)
     result.seconds = time.perf_counter() - start
@@ -146,17 +191,66 @@ def _from_tiers(
     return result
 
 
-def _newest_persistent(checkpointer: Checkpointer, *, ram_may_restore: bool) -> tuple[int | None, StorageError | None]:
-    """The newest committed step (None: none yet), or the listing error when RAM may still restore."""
+def _shared_timeline(
+    fn: Callable[[Any, str, int], Timeline], checkpointer: Checkpointer, run_dir: str, ram: RamTier | None
+) -> Timeline:
+    """``fn`` (a ``timelines`` function) on rank 0, its timeline on every rank (or the same error);
+    set as ``ram``'s timeline when given."""
+    raw = rdist.agree(lambda: fn(checkpointer.store, run_dir, group_id()).to_json(), src=0, what="run timeline")
+    timeline = Timeline.from_json(raw)
+    assert timeline is not None
+    if ram is not None:
+        ram.timeline = timeline
+    return timeline
+
+
+def _check_load_step(load_step: int, steps: list[int], listing_error: StorageError | None, url: str) -> None:
+    """Same outcome on every rank: ``steps`` and ``listing_error`` are the agreed listing."""
+    if listing_error is not None:
+        raise listing_error  # the chosen step can only come from storage
+    if load_step not in steps:
+        shown = ", ".join(map(str, steps[-20:])) or "none"
+        raise ConfigError(
+            f"checkpoint.load_step={load_step} is not a committed step under {url}; committed steps: {shown} "
+            f"(pick one of them, or unset checkpoint.load_step to resume from the newest)"
+        )
+
+
+def _load_persistent(state: dict[str, Any], checkpointer: Checkpointer, candidates: list[int], run_dir: str) -> int:
+    """Load the first of ``candidates`` (newest first) that loads on every rank; returns its step.
+
+    One collective per attempt: a rank whose part of a step is damaged fails alone, and ``agree``
+    gives every rank that rank's error, so all of them move on to the same older step together."""
+    damaged: list[str] = []
+    for i, step in enumerate(candidates):
+        try:
+            rdist.agree(lambda s=step: checkpointer.load(state, step=s), what=f"loading step {step}")
+            return step
+        except IntegrityError as e:
+            if len(candidates) == 1:
+                raise  # checkpoint.load_step asked for this step: no other step in its place
+            older = candidates[i + 1] if i + 1 < len(candidates) else None
+            log.warning("[rank %d] step %d does not load, trying step %s: %s", rdist.get_rank(), step, older, e)
+            if rdist.get_rank() == 0:
+                write_event(run_dir, "restore_fallback", group=group_id(), step=step, next=older, reason=str(e))
+            damaged.append(f"step {step}: {e}")
+    raise RestoreError(
+        f"none of the {len(candidates)} committed steps under {checkpointer.url} loads; newest first: "
+        f"{'; '.join(damaged)}. Check them with `resilient-ckpt verify --all {checkpointer.url}`, or set "
+        f"checkpoint.resume=false to start afresh"
+    )
+
+
+def _committed_or_error(checkpointer: Checkpointer, *, ram_may_restore: bool) -> tuple[list[int], StorageError | None]:
+    """The committed steps, or [] and the listing error when RAM may still restore."""
     try:
-        steps = committed_steps(checkpointer)
+        return committed_steps(checkpointer), None
     except StorageError as e:
         if not ram_may_restore:
             raise
         # Storage unreachable: snapshots in RAM may still restore the run (newest known step).
         log.warning("[rank %d] %s; trying the RAM tier alone", rdist.get_rank(), e)
-        return None, e
-    return (steps[-1] if steps else None), None
+        return [], e
 
 
 def committed_steps(checkpointer: Checkpointer) -> list[int]:
