@@ -45,6 +45,7 @@ def test_a_new_run_never_resumes_an_old_runs_snapshots_nor_loses_its_own_to_them
     try:
         with Checkpointer(str(run / "ckpt")) as old:
             start_run(run, old, ram)
+            save(old, 30)
             snapshot(ram, 38, 40)
         old_id = _run_id(run / "ckpt")
         if how == "run dir deleted":
@@ -114,6 +115,7 @@ def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
             start_run(run, ckpt, ram)
             save(ckpt, 2)
             snapshot(ram, 4)
+            (run / "group0").mkdir(parents=True, exist_ok=True)
             (run / "group0" / "timeline.json").write_text("{not json")
             result, _, _ = restore_with(run, ckpt, ram)
         assert (result.source, result.step) == ("persistent", 2)
