@@ -177,9 +177,10 @@ def _from_tiers(
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is not None:
-        candidates = [load_step] if load_step is not None else steps[::-1]
-        result.step, result.source = _load_persistent(state, checkpointer, candidates, run_dir), "persistent"
-        result.bytes = checkpointer.restore_stats[-1].bytes_read
+        if load_step is not None:  # the step asked for, or an error: never another step in its place
+            _load_committed(result, state, checkpointer, load_step)
+        else:
+            _from_persistent(result, state, checkpointer, steps[::-1], run_dir, ram)
     if result.source not in ("own", "buddy"):
         # Not from RAM: the run goes on from an older point (or from nothing), so every snapshot
         # taken so far belongs to a history it left. A new timeline, recorded before training.
@@ -216,29 +217,51 @@ def _check_load_step(load_step: int, steps: list[int], listing_error: StorageErr
         )
 
 
-def _load_persistent(state: dict[str, Any], checkpointer: Checkpointer, candidates: list[int], run_dir: str) -> int:
-    """Load the first of ``candidates`` (newest first) that loads on every rank; returns its step.
+def _from_persistent(
+    result: RestoreResult,
+    state: dict[str, Any],
+    checkpointer: Checkpointer,
+    candidates: list[int],
+    run_dir: str,
+    ram: RamTier | None,
+) -> None:
+    """Load the first of ``candidates`` (committed steps, newest first) that loads on every rank.
 
-    One collective per attempt: a rank whose part of a step is damaged fails alone, and ``agree``
-    gives every rank that rank's error, so all of them move on to the same older step together."""
+    A damaged step (IntegrityError: checksum mismatch, damaged manifest, missing chunk) on any
+    rank moves every rank on together: ``agree`` gives each rank the first failing rank's error.
+    Past a damaged step, a RAM snapshot of the current timeline older than it but newer than the
+    next committed step is the newest state left, so the RAM decision is taken again with its
+    lower bound moved down. Any other error is raised on every rank."""
     damaged: list[str] = []
     for i, step in enumerate(candidates):
+        older = candidates[i + 1] if i + 1 < len(candidates) else None
         try:
-            rdist.agree(lambda s=step: checkpointer.load(state, step=s), what=f"loading step {step}")
-            return step
+            _load_committed(result, state, checkpointer, step)
+            return
         except IntegrityError as e:
-            if len(candidates) == 1:
-                raise  # checkpoint.load_step asked for this step: no other step in its place
-            older = candidates[i + 1] if i + 1 < len(candidates) else None
-            log.warning("[rank %d] step %d does not load, trying step %s: %s", rdist.get_rank(), step, older, e)
+            log.warning("[rank %d] step %d does not load, trying older steps: %s", rdist.get_rank(), step, e)
             if rdist.get_rank() == 0:
-                write_event(run_dir, "restore_fallback", group=group_id(), step=step, next=older, reason=str(e))
+                write_event(run_dir, "restore_fallback", group=group_id(), step=step, reason=str(e))
             damaged.append(f"step {step}: {e}")
+        if ram is not None:
+            fast = ram.restore(state, older)  # a RAM apply writes every tensor and value, as a strict load
+            result.excluded += [e for e in fast.excluded if e not in result.excluded]
+            if fast.step is not None and fast.source is not None:
+                result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
+                return
     raise RestoreError(
         f"none of the {len(candidates)} committed steps under {checkpointer.url} loads; newest first: "
         f"{'; '.join(damaged)}. Check them with `resilient-ckpt verify --all {checkpointer.url}`, or set "
         f"checkpoint.resume=false to start afresh"
     )
+
+
+def _load_committed(result: RestoreResult, state: dict[str, Any], checkpointer: Checkpointer, step: int) -> None:
+    """Load committed ``step`` on every rank, or raise the same error on every rank (one collective
+    after the load: a rank whose part of the step is damaged fails alone)."""
+    rdist.agree(lambda: checkpointer.load(state, step=step), what=f"loading step {step}")
+    result.step, result.source = step, "persistent"
+    result.bytes = checkpointer.restore_stats[-1].bytes_read
 
 
 def _committed_or_error(checkpointer: Checkpointer, *, ram_may_restore: bool) -> tuple[list[int], StorageError | None]:

@@ -57,10 +57,25 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_step_that_loads(tmp_path
     assert caller.applied is not None and _values(caller.applied) == (2.0, 2.5, {"step": 2, "tokens_seen": 20})
     assert said[0].startswith(f"resumed from step 2 of {ckpt.url}")
     fallbacks = events(run, "restore_fallback")
-    assert [(e["group"], e["step"], e["next"]) for e in fallbacks] == [(0, 6, 4), (0, 4, 2)]
+    assert [(e["group"], e["step"]) for e in fallbacks] == [(0, 6), (0, 4)]
     assert "manifest" in fallbacks[0]["reason"] and "not valid JSON" in fallbacks[0]["reason"]
     assert "checksum mismatch in tensor 'model.z' at step 4" in fallbacks[1]["reason"]
     assert [(e["source"], e["step"]) for e in events(run)] == [("persistent", 2)]
+
+
+def test_past_a_damaged_step_a_newer_ram_snapshot_of_the_timeline_wins(tmp_path, ckpt):
+    run, ram = tmp_path / "run", tier(tmp_path / "store")
+    try:
+        start_run(run, ckpt, ram)
+        save(ckpt, 2, 6)
+        snapshot(ram, 4)  # older than step 6, newer than step 2
+        _flip_chunk(tmp_path / "ckpt", 6, "model.w")
+        result, caller, _ = restore_with(run, ckpt, ram)
+    finally:
+        ram.close()
+    assert (result.source, result.step, result.excluded) == ("own", 4, [])
+    assert caller.applied is not None and _values(caller.applied) == (1004.0, 1004.5, {"step": 4, "tokens_seen": 40})
+    assert [e["step"] for e in events(run, "restore_fallback")] == [6]
 
 
 def test_no_step_that_loads_is_one_error_naming_each(tmp_path, ckpt):
