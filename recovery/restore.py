@@ -11,8 +11,11 @@ Top to bottom, the first tier that has the state wins:
 4. ``persistent``  the newest committed checkpoint that loads, on any mesh;
 5. ``fresh``       nothing to restore: step 0.
 
-``checkpoint.load_step`` asks for one committed step: RAM snapshots of later steps are not used,
-and it must load (a damaged chosen step is an error, not a silent other step).
+``checkpoint.load_step`` sends the run back to one committed step: RAM snapshots of later steps
+are not used, and it must load (a damaged chosen step is an error, not a silent other step). No
+committed step may come after it (training on would save that step number again, and a committed
+step is never overwritten). It applies once: the timeline it begins records it, and a restart
+with the same recipe goes on in that timeline instead of rewinding again.
 
 Damaged steps: when the newest committed step does not load on some rank (an ``IntegrityError``:
 checksum mismatch, a damaged manifest, a missing chunk), every rank learns it through one
@@ -42,6 +45,7 @@ bytes, seconds, storage_reads, excluded, run_id, incarnation, timeline), except 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -162,29 +166,30 @@ def _from_tiers(
     """Own RAM, buddy RAM, persistent, fresh: the RAM tier's step wins when it is not older."""
     start = time.perf_counter()
     steps, listing_error = _committed_or_error(checkpointer, ram_may_restore=ram is not None)
-    if load_step is not None:
-        _check_load_step(load_step, steps, listing_error, checkpointer.url)
-    persistent = load_step if load_step is not None else (steps[-1] if steps else None)
+    # Rank 0 reads the run's identity and timeline for everyone: which RAM snapshots may restore,
+    # and whether checkpoint.load_step was applied already.
+    current = _shared_timeline(timelines.current, checkpointer, run_dir, ram)
+    rewind = _rewind_to(load_step, current, steps, listing_error, checkpointer.url)
+    persistent = rewind if rewind is not None else (steps[-1] if steps else None)
     reads_before = checkpointer.storage_reads
-    result = RestoreResult(0, "fresh")
+    result = RestoreResult(0, "fresh", timeline=current)
     if ram is not None:
-        # Which snapshots may restore: rank 0 reads the run's identity and timeline for everyone.
-        ram.timeline = result.timeline = _shared_timeline(timelines.current, checkpointer, run_dir, None)
-        fast = ram.restore(state, persistent, newest=load_step)
+        fast = ram.restore(state, persistent, newest=rewind)
         result.excluded = fast.excluded
         if fast.step is not None and fast.source is not None:
             result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is not None:
-        if load_step is not None:  # the step asked for, or an error: never another step in its place
-            _load_committed(result, state, checkpointer, load_step)
+        if rewind is not None:  # the step asked for, or an error: never another step in its place
+            _load_committed(result, state, checkpointer, rewind)
         else:
             _from_persistent(result, state, checkpointer, steps[::-1], run_dir, ram)
-    if result.source not in ("own", "buddy"):
-        # Not from RAM: the run goes on from an older point (or from nothing), so every snapshot
-        # taken so far belongs to a history it left. A new timeline, recorded before training.
-        result.timeline = _shared_timeline(timelines.start, checkpointer, run_dir, ram)
+    if result.source not in ("own", "buddy") or rewind is not None:
+        # Not from RAM, or back to a chosen step: every snapshot taken so far belongs to a history
+        # the run left. A new timeline, recorded before training goes on.
+        begin = functools.partial(timelines.start, load_step=load_step)
+        result.timeline = _shared_timeline(begin, checkpointer, run_dir, ram)
     if result.loaded:
         apply(state)
     result.seconds = time.perf_counter() - start
@@ -205,8 +210,15 @@ def _shared_timeline(
     return timeline
 
 
-def _check_load_step(load_step: int, steps: list[int], listing_error: StorageError | None, url: str) -> None:
-    """Same outcome on every rank: ``steps`` and ``listing_error`` are the agreed listing."""
+def _rewind_to(
+    load_step: int | None, current: Timeline, steps: list[int], listing_error: StorageError | None, url: str
+) -> int | None:
+    """The committed step ``checkpoint.load_step`` sends the run back to now, or None: unset, or
+    applied already (the current timeline began with it: a restart of the rewound run, with the
+    same recipe, goes on instead of rewinding again). Same outcome on every rank: the arguments
+    are agreed."""
+    if load_step is None or current.load_step == load_step:
+        return None
     if listing_error is not None:
         raise listing_error  # the chosen step can only come from storage
     if load_step not in steps:
@@ -215,6 +227,16 @@ def _check_load_step(load_step: int, steps: list[int], listing_error: StorageErr
             f"checkpoint.load_step={load_step} is not a committed step under {url}; committed steps: {shown} "
             f"(pick one of them, or unset checkpoint.load_step to resume from the newest)"
         )
+    later = [step for step in steps if step > load_step]
+    if later:
+        # Training on would save these step numbers again, and a committed step is never
+        # overwritten: fail now, not at that save. Deleting them is the user's call.
+        raise ConfigError(
+            f"checkpoint.load_step={load_step}: committed step(s) {', '.join(map(str, later))} under {url} come "
+            f"after it and would be saved again; delete them first (each step's manifest.json, then its "
+            f"directory), or unset checkpoint.load_step"
+        )
+    return load_step
 
 
 def _from_persistent(

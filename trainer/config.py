@@ -143,9 +143,10 @@ class CheckpointConfig:
     memory_keep: int = 2
     """RAM snapshots each rank keeps in its node store (and its buddy keeps of it); >= 1."""
     load_step: int | None = None
-    """Resume from this committed step instead of the newest (unset: the newest that loads); RAM
-    snapshots of later steps are not used, and later RAM snapshots never come back (a new timeline).
-    Must name a committed step under ``url``: the restore lists them otherwise."""
+    """Resume from this committed step instead of the newest (unset: the newest that loads). RAM
+    snapshots of later steps are not used and never come back (a new timeline). Must name a
+    committed step under ``url`` with none after it (those would be saved again); applies once: a
+    restart with the same value goes on from where the rewound run got to."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):

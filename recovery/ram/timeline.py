@@ -55,6 +55,9 @@ class Timeline:
     """``"<incarnation>-<random>"``; "" for "none is current" (matches no snapshot)."""
     root: str = ""
     """The checkpoint root URL whose ``run.json`` names ``run_id``."""
+    load_step: int | None = None
+    """The ``checkpoint.load_step`` in force when this timeline began: a restart with the same
+    value goes on in this history instead of rewinding to that step again."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,12 +67,12 @@ class Timeline:
         """The timeline ``raw`` describes; None for anything else (a damaged record is no record)."""
         if not isinstance(raw, dict):
             return None
-        fields = {k: raw.get(k) for k in ("run_id", "incarnation", "timeline", "root")}
+        fields = {k: raw.get(k) for k in ("run_id", "incarnation", "timeline", "root", "load_step")}
         if not all(isinstance(fields[k], str) for k in ("run_id", "timeline", "root")):
             return None
-        if not isinstance(fields["incarnation"], int) or isinstance(fields["incarnation"], bool):
+        if not all(_is_int(fields[k]) for k in ("incarnation", "load_step") if fields[k] is not None):
             return None
-        return cls(**fields)
+        return cls(**fields) if fields["incarnation"] is not None else None
 
     def why_not(self, run_id: str, timeline: str) -> str | None:
         """Why a snapshot tagged ``(run_id, timeline)`` may not restore now (None: it may)."""
@@ -80,6 +83,10 @@ class Timeline:
         if timeline != self.timeline:
             return f"timeline {timeline!r} was abandoned by a restore not from RAM (now {self.timeline!r})"
         return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 UNTRACKED = Timeline(run_id="", incarnation=0, timeline="untracked")
@@ -132,12 +139,13 @@ def current(store: ObjectStore, run_dir: str, group: int) -> Timeline:
     return Timeline(run_id=run_id, incarnation=0, timeline="", root=url)
 
 
-def start(store: ObjectStore, run_dir: str, group: int) -> Timeline:
+def start(store: ObjectStore, run_dir: str, group: int, load_step: int | None = None) -> Timeline:
     """Rank 0's side: begin a new timeline of the root's run, recorded before it is returned."""
     run_id = root_run_id(store)
     previous = read_record(run_dir, group)
     incarnation = previous.incarnation + 1 if previous is not None and previous.run_id == run_id else 0
-    timeline = Timeline(run_id, incarnation, f"{incarnation}-{secrets.token_hex(4)}", store.location.url)
+    token = f"{incarnation}-{secrets.token_hex(4)}"
+    timeline = Timeline(run_id, incarnation, token, store.location.url, load_step)
     write_json(record_path(run_dir, group), timeline.to_json())
     return timeline
 

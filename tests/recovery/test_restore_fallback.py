@@ -90,33 +90,42 @@ def test_no_step_that_loads_is_one_error_naming_each(tmp_path, ckpt):
     assert [x["step"] for x in events(tmp_path / "run", "restore_fallback")] == [4, 2]
 
 
-def test_load_step_resumes_a_chosen_step_and_later_ram_snapshots_never_come_back(tmp_path, ckpt):
+def test_load_step_goes_back_once_and_later_ram_snapshots_never_come_back(tmp_path, ckpt):
     run, ram = tmp_path / "run", tier(tmp_path / "store")
     try:
         start_run(run, ckpt, ram)
         save(ckpt, 2, 4)
-        snapshot(ram, 5, 6)
-        result, caller, _ = restore_with(run, ckpt, ram, load_step=2)
-        assert (result.source, result.step) == ("persistent", 2)
-        assert caller.applied is not None and _values(caller.applied)[0] == 2.0
+        snapshot(ram, 5, 6)  # without load_step, RAM step 6 would win
+        result, caller, _ = restore_with(run, ckpt, ram, load_step=4)
+        assert (result.source, result.step) == ("persistent", 4)
+        assert caller.applied is not None and _values(caller.applied)[0] == 4.0
         assert [(e["step"], e["reason"]) for e in result.excluded] == [
-            (step, "newer than the step asked for (checkpoint.load_step=2)") for step in (5, 6)
+            (step, "newer than the step asked for (checkpoint.load_step=4)") for step in (5, 6)
         ]
-        # Unset again: the newest checkpoint, not the snapshots of the history the user left.
-        again, _, _ = restore_with(run, ckpt, ram)
+        assert result.timeline is not None and result.timeline.load_step == 4
+        # A restart with the same recipe: load_step was applied, the run goes on; 5 and 6 stay gone.
+        again, _, _ = restore_with(run, ckpt, ram, load_step=4)
         assert (again.source, again.step) == ("persistent", 4)
+        assert [e["step"] for e in again.excluded] == [5, 6]
+        assert all("was abandoned by a restore not from RAM" in e["reason"] for e in again.excluded)
+        snapshot(ram, 5)  # the rewound run's own step 5
+        third, caller, _ = restore_with(run, ckpt, ram, load_step=4)
+        assert (third.source, third.step, third.timeline) == ("own", 5, again.timeline)
+        assert caller.applied is not None and _values(caller.applied)[0] == 1005.0
     finally:
         ram.close()
 
 
-def test_load_step_must_be_committed_and_must_load(tmp_path, ckpt):
+def test_load_step_must_be_committed_the_last_and_loadable(tmp_path, ckpt):
     save(ckpt, 2, 4)
     not_committed = r"checkpoint.load_step=3 is not a committed step under .*; committed steps: 2, 4 "
     with pytest.raises(ConfigError, match=not_committed):
         restore_with(tmp_path / "run", ckpt, load_step=3)
-    _flip_chunk(tmp_path / "ckpt", 2, "model.w")
-    with pytest.raises(IntegrityError, match="checksum mismatch in tensor 'model.w' at step 2"):
-        restore_with(tmp_path / "run", ckpt, load_step=2)  # the step asked for, or an error: never another
+    with pytest.raises(ConfigError, match=r"checkpoint.load_step=2: committed step\(s\) 4 under .* would be saved"):
+        restore_with(tmp_path / "run", ckpt, load_step=2)
+    _flip_chunk(tmp_path / "ckpt", 4, "model.w")
+    with pytest.raises(IntegrityError, match="checksum mismatch in tensor 'model.w' at step 4"):
+        restore_with(tmp_path / "run", ckpt, load_step=4)  # the step asked for, or an error: never another
     with pytest.raises(ConfigError, match=r"checkpoint.load_step=-1 is out of range"):
         CheckpointConfig(load_step=-1)
     with pytest.raises(ConfigError, match=r"checkpoint.load_step=2 needs checkpoint.resume=true"):
