@@ -81,7 +81,7 @@ class Timeline:
         if not self.timeline:
             return f"no current timeline of run {self.run_id!r} is recorded in the run directory"
         if timeline != self.timeline:
-            return f"timeline {timeline!r} was abandoned by a restore not from RAM (now {self.timeline!r})"
+            return f"timeline {timeline!r} was abandoned: a restore not from RAM or a load_step began {self.timeline!r}"
         return None
 
 

@@ -107,7 +107,7 @@ def test_load_step_goes_back_once_and_later_ram_snapshots_never_come_back(tmp_pa
         again, _, _ = restore_with(run, ckpt, ram, load_step=4)
         assert (again.source, again.step) == ("persistent", 4)
         assert [e["step"] for e in again.excluded] == [5, 6]
-        assert all("was abandoned by a restore not from RAM" in e["reason"] for e in again.excluded)
+        assert all("was abandoned: a restore not from RAM or a load_step began" in e["reason"] for e in again.excluded)
         snapshot(ram, 5)  # the rewound run's own step 5
         third, caller, _ = restore_with(run, ckpt, ram, load_step=4)
         assert (third.source, third.step, third.timeline) == ("own", 5, again.timeline)

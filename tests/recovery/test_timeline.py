@@ -87,7 +87,8 @@ def test_a_restore_not_from_ram_abandons_every_older_snapshot_for_good(tmp_path)
         assert (result.source, result.step) == ("persistent", 2)  # before: own RAM step 6
         assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 2.0
         assert first is not None and second is not None and second["incarnation"] == first["incarnation"] + 1
-        why = f"timeline {first['timeline']!r} was abandoned by a restore not from RAM (now {second['timeline']!r})"
+        began = "a restore not from RAM or a load_step began"
+        why = f"timeline {first['timeline']!r} was abandoned: {began} {second['timeline']!r}"
         assert _reasons(result.excluded) == {4: why, 6: why}
         third = result.timeline
         assert third is not None and third.incarnation == 2 and _record(run) == third.to_json()
