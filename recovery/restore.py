@@ -6,9 +6,27 @@ Top to bottom, the first tier that has the state wins:
                    did the transfer; the policy records it and reads nothing);
 2. ``own``         the RAM tier's newest step every rank of the group can get, if it is not older
 3. ``buddy``       than the newest committed persistent step: each rank's own snapshot, else its
-                   buddy node's copy (``resilient.recovery.ram.restore``);
-4. ``persistent``  the newest committed checkpoint, on any mesh;
+                   buddy node's copy (``resilient.recovery.ram.restore``); only snapshots of this
+                   run's current timeline (``resilient.recovery.ram.timeline``);
+4. ``persistent``  the newest committed checkpoint that loads, on any mesh;
 5. ``fresh``       nothing to restore: step 0.
+
+``checkpoint.load_step`` sends the run back to one committed step: RAM snapshots of later steps
+are not used, and it must load (a damaged chosen step is an error, not a silent other step). No
+committed step may come after it (training on would save that step number again, and a committed
+step is never overwritten). It applies once: the timeline it begins records it, and a restart
+with the same recipe goes on in that timeline instead of rewinding again.
+
+Damaged steps: when the newest committed step does not load on some rank (an ``IntegrityError``:
+checksum mismatch, a damaged manifest, a missing chunk), every rank learns it through one
+collective and the group falls back to the next older committed step, recording
+``restore_fallback`` in ``events.jsonl``; an older step's strict load writes every tensor and value
+of the state again, so what the failed attempt wrote is overwritten. Any other error (storage
+unreachable, a state that does not match) is raised on every rank: an older step would not help.
+
+Timelines: every restore that does not come from RAM (persistent, fresh, ``checkpoint.resume``
+off) starts a new timeline of the run, so RAM snapshots of the history it left are never restored
+again; a RAM restore or a peer heal continues the current one.
 
 The group decides together before any rank loads, and falls back together (the model is Orbax's
 emergency checkpoint manager: decide globally, try the fast tier, fall back through one collective):
@@ -21,11 +39,13 @@ fresh start; a missing bucket or an unreachable endpoint is an error (starting a
 silently drop a run's progress), raised on every rank, unless the RAM tier restores the run.
 
 Every rank writes one ``restore`` event to ``<run.dir>/events.jsonl`` (group, rank, step, source,
-bytes, seconds, storage_reads, excluded), except when ``checkpoint.resume`` is off.
+bytes, seconds, storage_reads, excluded, run_id, incarnation, timeline), except when
+``checkpoint.resume`` is off.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -33,8 +53,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient import dist as rdist
-from resilient.errors import ResilientError, StorageError
+from resilient.errors import ConfigError, IntegrityError, ResilientError, RestoreError, StorageError
+from resilient.recovery.ram import timeline as timelines
 from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 
@@ -71,6 +93,8 @@ class RestoreResult:
     """Objects this rank read from persistent storage (0 for a RAM or peer restore)."""
     excluded: list[dict[str, Any]] = field(default_factory=list)
     """RAM snapshots the decision skipped: ``{"step", "source", "reason"}`` each."""
+    timeline: Timeline | None = None
+    """The run and timeline training goes on in (what new RAM snapshots are tagged with)."""
 
     @property
     def loaded(self) -> bool:
@@ -89,6 +113,7 @@ def restore(
     resume: bool = True,
     say: Callable[[str], None] | None = None,
     layout: str = "",
+    load_step: int | None = None,
 ) -> RestoreResult:
     """Collective over the group: decide where this group's state comes from and load it.
 
@@ -96,14 +121,20 @@ def restore(
     can initialize the optimizer's state); ``apply(state)`` puts a loaded state in place (its time
     counts in ``seconds``); ``peer``: the heal of the first quorum, if there was one; ``resume``:
     ``checkpoint.resume`` (off: a fresh start, no event); ``say``: where the one-line outcome goes
-    ("resumed from step N of ... on <layout> in X s").
+    ("resumed from step N of ... on <layout> in X s"); ``load_step``: ``checkpoint.load_step``, a
+    committed step to resume from instead of the newest (ConfigError on every rank if it is not one).
     """
     if peer is not None:
         result = RestoreResult(peer.step, "peer", peer.bytes, peer.seconds)
+        result.timeline = _shared_timeline(timelines.joined, checkpointer, run_dir, ram)
     elif not resume:
-        return RestoreResult(0, "fresh")
+        # A fresh start leaves whatever RAM holds behind for good, as a persistent restore does.
+        fresh = RestoreResult(0, "fresh")
+        fresh.timeline = _shared_timeline(timelines.start, checkpointer, run_dir, ram)
+        return fresh
     else:
-        result = _from_tiers(target(), apply, checkpointer, ram)
+        result = _from_tiers(target(), apply, checkpointer, ram, run_dir, load_step)
+    assert result.timeline is not None
     write_event(
         run_dir,
         "restore",
@@ -115,6 +146,9 @@ def restore(
         seconds=round(result.seconds, 6),
         storage_reads=result.storage_reads,
         excluded=result.excluded,
+        run_id=result.timeline.run_id,
+        incarnation=result.timeline.incarnation,
+        timeline=result.timeline.timeline,
     )
     if say is not None and result.source != "peer":
         say(describe(result, checkpointer.url, layout))
@@ -122,23 +156,40 @@ def restore(
 
 
 def _from_tiers(
-    state: dict[str, Any], apply: Callable[[dict[str, Any]], None], checkpointer: Checkpointer, ram: RamTier | None
+    state: dict[str, Any],
+    apply: Callable[[dict[str, Any]], None],
+    checkpointer: Checkpointer,
+    ram: RamTier | None,
+    run_dir: str,
+    load_step: int | None,
 ) -> RestoreResult:
     """Own RAM, buddy RAM, persistent, fresh: the RAM tier's step wins when it is not older."""
     start = time.perf_counter()
-    persistent, listing_error = _newest_persistent(checkpointer, ram_may_restore=ram is not None)
+    steps, listing_error = _committed_or_error(checkpointer, ram_may_restore=ram is not None)
+    # Rank 0 reads the run's identity and timeline for everyone: which RAM snapshots may restore,
+    # and whether checkpoint.load_step was applied already.
+    current = _shared_timeline(timelines.current, checkpointer, run_dir, ram)
+    rewind = _rewind_to(load_step, current, steps, listing_error, checkpointer.url)
+    persistent = rewind if rewind is not None else (steps[-1] if steps else None)
     reads_before = checkpointer.storage_reads
-    result = RestoreResult(0, "fresh")
+    result = RestoreResult(0, "fresh", timeline=current)
     if ram is not None:
-        fast = ram.restore(state, persistent)
+        fast = ram.restore(state, persistent, newest=rewind)
         result.excluded = fast.excluded
         if fast.step is not None and fast.source is not None:
             result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is not None:
-        result.step, result.source = checkpointer.load(state, step=persistent), "persistent"
-        result.bytes = checkpointer.restore_stats[-1].bytes_read
+        if rewind is not None:  # the step asked for, or an error: never another step in its place
+            _load_committed(result, state, checkpointer, rewind)
+        else:
+            _from_persistent(result, state, checkpointer, steps[::-1], run_dir, ram)
+    if result.source not in ("own", "buddy") or rewind is not None:
+        # Not from RAM, or back to a chosen step: every snapshot taken so far belongs to a history
+        # the run left. A new timeline, recorded before training goes on.
+        begin = functools.partial(timelines.start, load_step=load_step)
+        result.timeline = _shared_timeline(begin, checkpointer, run_dir, ram)
     if result.loaded:
         apply(state)
     result.seconds = time.perf_counter() - start
@@ -146,17 +197,105 @@ def _from_tiers(
     return result
 
 
-def _newest_persistent(checkpointer: Checkpointer, *, ram_may_restore: bool) -> tuple[int | None, StorageError | None]:
-    """The newest committed step (None: none yet), or the listing error when RAM may still restore."""
+def _shared_timeline(
+    fn: Callable[[Any, str, int], Timeline], checkpointer: Checkpointer, run_dir: str, ram: RamTier | None
+) -> Timeline:
+    """``fn`` (a ``timelines`` function) on rank 0, its timeline on every rank (or the same error);
+    set as ``ram``'s timeline when given."""
+    raw = rdist.agree(lambda: fn(checkpointer.store, run_dir, group_id()).to_json(), src=0, what="run timeline")
+    timeline = Timeline.from_json(raw)
+    assert timeline is not None
+    if ram is not None:
+        ram.timeline = timeline
+    return timeline
+
+
+def _rewind_to(
+    load_step: int | None, current: Timeline, steps: list[int], listing_error: StorageError | None, url: str
+) -> int | None:
+    """The committed step ``checkpoint.load_step`` sends the run back to now, or None: unset, or
+    applied already (the current timeline began with it: a restart of the rewound run, with the
+    same recipe, goes on instead of rewinding again). Same outcome on every rank: the arguments
+    are agreed."""
+    if load_step is None or current.load_step == load_step:
+        return None
+    if listing_error is not None:
+        raise listing_error  # the chosen step can only come from storage
+    if load_step not in steps:
+        shown = ", ".join(map(str, steps[-20:])) or "none"
+        raise ConfigError(
+            f"checkpoint.load_step={load_step} is not a committed step under {url}; committed steps: {shown} "
+            f"(pick one of them, or unset checkpoint.load_step to resume from the newest)"
+        )
+    later = [step for step in steps if step > load_step]
+    if later:
+        # Training on would save these step numbers again, and a committed step is never
+        # overwritten: fail now, not at that save. Deleting them is the user's call.
+        raise ConfigError(
+            f"checkpoint.load_step={load_step}: committed step(s) {', '.join(map(str, later))} under {url} come "
+            f"after it and would be saved again; delete them first (each step's manifest.json, then its "
+            f"directory), or unset checkpoint.load_step"
+        )
+    return load_step
+
+
+def _from_persistent(
+    result: RestoreResult,
+    state: dict[str, Any],
+    checkpointer: Checkpointer,
+    candidates: list[int],
+    run_dir: str,
+    ram: RamTier | None,
+) -> None:
+    """Load the first of ``candidates`` (committed steps, newest first) that loads on every rank.
+
+    A damaged step (IntegrityError: checksum mismatch, damaged manifest, missing chunk) on any
+    rank moves every rank on together: ``agree`` gives each rank the first failing rank's error.
+    Past a damaged step, a RAM snapshot of the current timeline older than it but newer than the
+    next committed step is the newest state left, so the RAM decision is taken again with its
+    lower bound moved down. Any other error is raised on every rank."""
+    damaged: list[str] = []
+    for i, step in enumerate(candidates):
+        older = candidates[i + 1] if i + 1 < len(candidates) else None
+        try:
+            _load_committed(result, state, checkpointer, step)
+            return
+        except IntegrityError as e:
+            log.warning("[rank %d] step %d does not load, trying older steps: %s", rdist.get_rank(), step, e)
+            if rdist.get_rank() == 0:
+                write_event(run_dir, "restore_fallback", group=group_id(), step=step, reason=str(e))
+            damaged.append(f"step {step}: {e}")
+        if ram is not None:
+            fast = ram.restore(state, older)  # a RAM apply writes every tensor and value, as a strict load
+            result.excluded += [e for e in fast.excluded if e not in result.excluded]
+            if fast.step is not None and fast.source is not None:
+                result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
+                return
+    raise RestoreError(
+        f"none of the {len(candidates)} committed steps under {checkpointer.url} loads; newest first: "
+        f"{'; '.join(damaged)}. Check them with `resilient-ckpt verify --all {checkpointer.url}`, or set "
+        f"checkpoint.resume=false to start afresh"
+    )
+
+
+def _load_committed(result: RestoreResult, state: dict[str, Any], checkpointer: Checkpointer, step: int) -> None:
+    """Load committed ``step`` on every rank, or raise the same error on every rank (one collective
+    after the load: a rank whose part of the step is damaged fails alone)."""
+    rdist.agree(lambda: checkpointer.load(state, step=step), what=f"loading step {step}")
+    result.step, result.source = step, "persistent"
+    result.bytes = checkpointer.restore_stats[-1].bytes_read
+
+
+def _committed_or_error(checkpointer: Checkpointer, *, ram_may_restore: bool) -> tuple[list[int], StorageError | None]:
+    """The committed steps, or [] and the listing error when RAM may still restore."""
     try:
-        steps = committed_steps(checkpointer)
+        return committed_steps(checkpointer), None
     except StorageError as e:
         if not ram_may_restore:
             raise
         # Storage unreachable: snapshots in RAM may still restore the run (newest known step).
         log.warning("[rank %d] %s; trying the RAM tier alone", rdist.get_rank(), e)
-        return None, e
-    return (steps[-1] if steps else None), None
+        return [], e
 
 
 def committed_steps(checkpointer: Checkpointer) -> list[int]:

@@ -8,6 +8,7 @@ and the tools all ask here.
       events.jsonl            typed events of the whole job (every group's rank 0 appends)
       pids/group<G>-rank<R>   pid files; pids/lighthouse
       group<G>/metrics.jsonl  samples.jsonl  saves.jsonl  ram.jsonl  config.json  final.json
+      group<G>/timeline.json  the RAM tier's current timeline (recovery/ram/timeline.py)
       ckpt/                   default checkpoint.url
 
 JSON-lines files are appended one record per ``write`` on an ``O_APPEND`` descriptor: records from
@@ -42,8 +43,11 @@ CONFIG_FILE = "config.json"
 HOOK_EVENTS_FILE = "hook_events.jsonl"
 """``<run.dir>/chaos/hook_events.jsonl``: what the chaos step hook did (holds, corruptions)."""
 FINAL_DIGEST = "final.json"
-JOB_KEY_FILE = "job.key"  # the replica groups' shared heal key (recovery/job_secret.py), mode 0600
 """``group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
+JOB_KEY_FILE = "job.key"  # the replica groups' shared heal key (recovery/job_secret.py), mode 0600
+TIMELINE_FILE = "timeline.json"
+"""``group<G>/timeline.json``: run id, incarnation and timeline of the group's RAM snapshots
+(``resilient.recovery.ram.timeline``)."""
 
 GROUP_ENV = "RESILIENT_GROUP"
 """Replica-group id of this torchrun job (0 while a run has one group)."""
@@ -127,6 +131,37 @@ def write_pid(run_dir: str, group: int, rank: int) -> None:
 
 def read_pid(run_dir: str, group: int, rank: int) -> int | None:
     return read_pid_file(pid_path(run_dir, group, rank))
+
+
+# --- small JSON records ----------------------------------------------------------------------------
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    """Replace ``path`` with ``record`` durably and atomically (temp + fsync + rename + fsync of the
+    directory): a crash leaves the old record or the new one, never a torn one."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when it is missing, unreadable or not an object."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 # --- JSON lines -----------------------------------------------------------------------------------

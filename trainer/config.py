@@ -143,6 +143,11 @@ class CheckpointConfig:
     """RAM tier: snapshot into the node-local store every this many steps (0: off); see [recovery]."""
     memory_keep: int = 2
     """RAM snapshots each rank keeps in its node store (and its buddy keeps of it); >= 1."""
+    load_step: int | None = None
+    """Resume from this committed step instead of the newest (unset: the newest that loads). RAM
+    snapshots of later steps are not used and never come back (a new timeline). Must name a
+    committed step under ``url`` with none after it (those would be saved again); applies once: a
+    restart with the same value goes on from where the rewound run got to."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -155,6 +160,13 @@ class CheckpointConfig:
         check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
         check_int("checkpoint.memory_every", self.memory_every, 0)
         check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
+        if self.load_step is not None:
+            check_int("checkpoint.load_step", self.load_step, 0)
+            if not self.resume:
+                raise ConfigError(
+                    f"checkpoint.load_step={self.load_step} needs checkpoint.resume=true (resume off starts "
+                    f"at step 0): unset one of them"
+                )
 
 
 # Model fields that the data fixes: the model must accept every token the pipeline produces.

@@ -5,8 +5,9 @@ it can supply (its own, and the copies it keeps for its buddies), every rank com
 choice — the newest step every rank can get from RAM, if it is at least the newest persistent
 step — then each rank fetches and verifies its part (own store, else its buddy's copy). If any rank
 cannot, that step is excluded for all and the decision is taken again; the caller falls back to
-storage when no RAM step is left. Only snapshots taken on the same topology (world size, ranks per
-node, mesh, tensor layout) are candidates.
+storage when no RAM step is left. Only snapshots of the current run and timeline (the tier's
+``timeline``, see ``ram.timeline``) taken on the same topology (world size, ranks per node, mesh,
+tensor layout) are candidates; the others are listed in ``excluded`` with the reason.
 
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
@@ -50,11 +51,14 @@ class RamRestore:
     excluded: list[dict[str, Any]] = field(default_factory=list)
 
 
-def restore_from_ram(tier: RamTier, state: dict[str, Any], persistent_step: int | None) -> RamRestore:
+def restore_from_ram(
+    tier: RamTier, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None
+) -> RamRestore:
     """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it is
-    not older than ``persistent_step``. Returns what was decided (source None: not from RAM)."""
+    not older than ``persistent_step`` nor newer than ``newest`` (``checkpoint.load_step``).
+    Returns what was decided (source None: not from RAM)."""
     start = time.perf_counter()
-    decision = _Decision(tier, flatten_state(state))
+    decision = _Decision(tier, flatten_state(state), newest)
     reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
     ruled_out: set[int] = set()
     while True:
@@ -88,8 +92,8 @@ def choose_step(pairing: Pairing, reports: list[Report], ruled_out: set[int]) ->
 class _Decision:
     """This rank's side of one decision: what it offers, what it fetched, what it excluded and why."""
 
-    def __init__(self, tier: RamTier, leaves: dict[str, Leaf]) -> None:
-        self.tier, self.leaves = tier, leaves
+    def __init__(self, tier: RamTier, leaves: dict[str, Leaf], newest: int | None = None) -> None:
+        self.tier, self.leaves, self.newest = tier, leaves, newest
         self.excluded: list[dict[str, Any]] = []
         self.fetched: tuple[str, SnapshotIndex, torch.Tensor] | None = None
 
@@ -118,11 +122,33 @@ class _Decision:
                 own.append(step)
             else:
                 self._exclude(step, "own", reason)
-        kept = {str(r): sorted(tier.buddy_store(r).indexes()) for r in tier.pairing.kept_by(tier.rank)}
+        kept = {str(r): self._kept(r) for r in tier.pairing.kept_by(tier.rank)}
         return {"own": own, "kept": kept}
+
+    def _kept(self, rank: int) -> list[int]:
+        """The steps of ``rank``'s copies this rank may offer (their layout is checked by ``rank``)."""
+        offered = []
+        for step, index in sorted(self.tier.buddy_store(rank).indexes().items()):
+            reason = self.ineligible(index)
+            if reason is None:
+                offered.append(step)
+            else:
+                self._exclude(step, "buddy", f"copy kept for rank {rank}: {reason}")
+        return offered
+
+    def ineligible(self, index: SnapshotIndex) -> str | None:
+        """Why ``index`` may not restore now whatever its contents: another run or timeline, or a
+        step after the one asked for (None: it may)."""
+        reason = self.tier.timeline.why_not(index.run_id, index.timeline)
+        if reason is None and self.newest is not None and index.step > self.newest:
+            reason = f"newer than the step asked for (checkpoint.load_step={self.newest})"
+        return reason
 
     def incompatible(self, index: SnapshotIndex) -> str | None:
         """Why ``index`` cannot go into this training state (None: it can)."""
+        reason = self.ineligible(index)
+        if reason is not None:
+            return reason
         if index.topology != self.tier.topology:
             return f"taken on another topology {index.topology} (now {self.tier.topology})"
         layout = {e.fqn: (e.dtype, e.shape) for e in index.tensors}

@@ -7,9 +7,11 @@ Paths (the contract tools and ``resilient-chaos`` rely on)::
         own/rank<R>/slot<K>.bin              the bytes, in a reused slot file
         buddy/rank<R>/...                    copies this node keeps for rank R of its buddy node
 
-``store_dir`` (``recovery.store_dir``) defaults to ``/dev/shm/resilient/<run-id>``, run-id a hash of
-the absolute run.dir, so a restarted worker of the same run finds it and two runs on one machine
-never share it.
+``store_dir`` (``recovery.store_dir``) defaults to ``/dev/shm/resilient/<key>``, key a hash of the
+absolute run.dir, so a restarted worker of the same run finds it and two runs on one machine never
+share it. The path is only a place: which snapshots may restore is decided by the run identity and
+timeline every index carries (``ram.timeline``), so a new run in an old place never resumes the old
+run's snapshots, and retention drops those first.
 
 One ``RankStore`` directory per rank (``own/rank<R>`` for this node's ranks, ``buddy/rank<R>`` for
 the copies kept for a buddy node). A snapshot is two files:
@@ -53,7 +55,7 @@ from resilient.state import Leaf
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_ROOT = "/dev/shm/resilient"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: run_id and timeline (an index of version 1 is skipped as unreadable)
 ALIGN = 64
 STORE_MARKER = "store.json"
 _INDEX_RE = re.compile(r"^step-(\d{9})\.json$")
@@ -80,6 +82,9 @@ class SnapshotIndex:
     values: dict[str, Any]
     slot: str = ""
     nbytes: int = 0
+    run_id: str = ""
+    timeline: str = ""
+    """The run and timeline the snapshot was taken on (``ram.timeline``): it restores only into them."""
     created: float = field(default_factory=time.time)
     version: int = INDEX_VERSION
 
@@ -242,20 +247,28 @@ class RankStore:
         return name, self._slot(name, nbytes).data
 
     def publish(self, index: SnapshotIndex) -> None:
-        """Make ``index`` visible (atomic rename), then drop snapshots beyond ``keep``."""
+        """Make ``index`` visible (atomic rename), then drop other runs' and timelines' snapshots and
+        this timeline's beyond ``keep``."""
         path = os.path.join(self.directory, f"step-{index.step:09d}.json")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(index.to_json(), f)
         os.replace(tmp, path)
-        self._evict(self.keep)
+        self._evict(self.keep, (index.run_id, index.timeline))
 
     def remove(self, step: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.directory, f"step-{step:09d}.json"))
 
-    def _evict(self, keep: int) -> None:
-        steps = sorted(self.indexes())
+    def _evict(self, keep: int, current: tuple[str, str]) -> None:
+        # A snapshot of another run or an abandoned timeline can never restore again (a timeline is
+        # abandoned for good once a newer one publishes): it goes first, whatever its step. Ranking
+        # by step alone let an old run's step 40 evict a new run's step 2 on every publish.
+        indexes = self.indexes()
+        foreign = [s for s, i in indexes.items() if (i.run_id, i.timeline) != current]
+        for step in foreign:
+            self.remove(step)
+        steps = sorted(set(indexes) - set(foreign))
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
@@ -338,16 +351,17 @@ def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> lis
 # --- where the stores are -------------------------------------------------------------------------
 
 
-def run_id(run_dir: str) -> str:
-    """Stable across restarts of one run, different for two runs on one machine."""
+def run_dir_key(run_dir: str) -> str:
+    """Stable across restarts of one run dir, different for two run dirs on one machine (a place,
+    not an identity: see ``ram.timeline``)."""
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
 
 
 def store_root(config: RecoveryConfig, run_dir: str) -> str:
-    """``<store_dir>``: the configured one, else ``/dev/shm/resilient/<run-id>``."""
+    """``<store_dir>``: the configured one, else ``/dev/shm/resilient/<run-dir-key>``."""
     if config.store_dir:
         return os.path.abspath(config.store_dir)
-    return os.path.join(DEFAULT_STORE_ROOT, run_id(run_dir))
+    return os.path.join(DEFAULT_STORE_ROOT, run_dir_key(run_dir))
 
 
 def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int) -> str:

@@ -9,7 +9,9 @@ arrives is not sent (recorded as "superseded").
 
 ``restore(state, persistent_step)`` is the collective RAM restore decision of
 ``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
-tiers. The buddy side (what this rank serves to and keeps for others) is ``ram.buddy``.
+tiers, and sets ``timeline`` (``ram.timeline``): the run and timeline snapshots are tagged with,
+and the only ones the decision may restore. The buddy side (what this rank serves to and keeps
+for others) is ``ram.buddy``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from resilient.recovery.ram.store import (
     store_root,
     tensor_view,
 )
+from resilient.recovery.ram.timeline import UNTRACKED, Timeline
 from resilient.state import flatten_state
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,9 @@ class RamTier:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.timeline: Timeline = UNTRACKED
+        """Set by the restore policy before the decision (what may restore) and after it (what new
+        snapshots are tagged with)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -234,6 +240,8 @@ class RamTier:
             values=json_values(leaves),
             slot=slot,
             nbytes=nbytes,
+            run_id=self.timeline.run_id,
+            timeline=self.timeline.timeline,
         )
         return _Job(index, data, time.perf_counter() - start)
 
@@ -330,8 +338,8 @@ class RamTier:
 
     # -- restore -----------------------------------------------------------------------------
 
-    def restore(self, state: dict[str, Any], persistent_step: int | None) -> RamRestore:
-        """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it
-        is not older than ``persistent_step``. Returns what was decided (source None: not from RAM);
-        see ``resilient.recovery.ram.restore``."""
-        return restore_from_ram(self, state, persistent_step)
+    def restore(self, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None) -> RamRestore:
+        """Collective: restore ``state`` in place from the newest step every rank has in RAM of the
+        current ``timeline``, if it is not older than ``persistent_step`` (nor newer than ``newest``).
+        Returns what was decided (source None: not from RAM); see ``resilient.recovery.ram.restore``."""
+        return restore_from_ram(self, state, persistent_step, newest=newest)

@@ -18,70 +18,12 @@ from resilient.dist import barrier
 from resilient.errors import StorageError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.store import node_store_dir
-from resilient.recovery.ram.tier import RamTier
-from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
-from resilient.runfiles import read_events
+from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps
 from resilient.storage.checkpointer import Checkpointer
 from tests.dist import run_world
-from tests.recovery.ram import workers as ram_workers
+from tests.recovery.policy import LAYOUT, events, restore_with, save, snapshot, start_run, tier
 
 pytestmark = pytest.mark.timeout(180)
-
-LAYOUT = "dp_shard=1 x tp=1"
-
-
-def _state(step: int, value: float | None = None) -> dict[str, Any]:
-    v = float(step if value is None else value)
-    return {"model": {"w": torch.full((8, 4), v)}, "train": {"step": step, "tokens_seen": 10 * step}}
-
-
-class _Trainer:
-    """The caller's side: builds the state to load into, and applies what was loaded."""
-
-    def __init__(self) -> None:
-        self.built = 0
-        self.applied: dict[str, Any] | None = None
-
-    def target(self) -> dict[str, Any]:
-        self.built += 1
-        return _state(0, value=-1.0)
-
-    def apply(self, state: dict[str, Any]) -> None:
-        self.applied = state
-
-
-def _restore(run_dir: Path, ckpt: Checkpointer, ram: RamTier | None = None, **kwargs: Any):
-    trainer, said = _Trainer(), []
-    result = restore(
-        trainer.target,
-        trainer.apply,
-        checkpointer=ckpt,
-        ram=ram,
-        run_dir=str(run_dir),
-        say=said.append,
-        layout=LAYOUT,
-        **kwargs,
-    )
-    return result, trainer, said
-
-
-def _save(ckpt: Checkpointer, *steps: int) -> None:
-    for step in steps:
-        ckpt.save(step, _state(step)).wait()
-
-
-def _tier(store_dir: Path, *, rank: int = 0, world: int = 1) -> RamTier:
-    return ram_workers.tier(rank, world, str(store_dir))
-
-
-def _snapshot(ram: RamTier, *steps: int) -> None:
-    for step in steps:
-        assert ram.snapshot(step, _state(step, value=1000.0 + step))
-        ram.wait(30)
-
-
-def _restore_events(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in e.items() if k != "t"} for e in read_events(str(run_dir)) if e["event"] == "restore"]
 
 
 @pytest.fixture
@@ -92,20 +34,22 @@ def ckpt(tmp_path: Path):
 
 @pytest.fixture
 def ram(tmp_path: Path):
-    tier = _tier(tmp_path / "store")
-    yield tier
-    tier.close()
+    ram_tier = tier(tmp_path / "store")
+    yield ram_tier
+    ram_tier.close()
 
 
 # -- one process ---------------------------------------------------------------------------------
 
 
 def test_nothing_anywhere_is_a_fresh_start_with_one_event(tmp_path, ckpt):
-    result, trainer, said = _restore(tmp_path / "run", ckpt)
-    assert result == RestoreResult(step=0, source="fresh", seconds=result.seconds)
+    result, trainer, said = restore_with(tmp_path / "run", ckpt)
+    timeline = result.timeline
+    assert timeline is not None and timeline.incarnation == 0 and timeline.root == ckpt.url
+    assert result == RestoreResult(step=0, source="fresh", seconds=result.seconds, timeline=timeline)
     assert trainer.built == 1 and trainer.applied is None
     assert said == [f"no checkpoint under {ckpt.url}: starting at step 0"]
-    assert _restore_events(tmp_path / "run") == [
+    assert events(tmp_path / "run") == [
         {
             "event": "restore",
             "group": 0,
@@ -116,50 +60,56 @@ def test_nothing_anywhere_is_a_fresh_start_with_one_event(tmp_path, ckpt):
             "seconds": round(result.seconds, 6),
             "storage_reads": 0,
             "excluded": [],
+            "run_id": timeline.run_id,
+            "incarnation": 0,
+            "timeline": timeline.timeline,
         }
     ]
 
 
 def test_the_newest_committed_checkpoint_when_there_is_no_ram_tier(tmp_path, ckpt):
-    _save(ckpt, 2, 4)
-    result, trainer, said = _restore(tmp_path / "run", ckpt)
+    save(ckpt, 2, 4)
+    result, trainer, said = restore_with(tmp_path / "run", ckpt)
     assert (result.source, result.step) == ("persistent", 4)
     assert result.storage_reads > 0 and result.bytes > 0 and result.excluded == []
     assert trainer.applied is not None and torch.equal(trainer.applied["model"]["w"], torch.full((8, 4), 4.0))
     assert trainer.applied["train"] == {"step": 4, "tokens_seen": 40}
     assert said[0].startswith(f"resumed from step 4 of {ckpt.url} on {LAYOUT} in ") and said[0].endswith(" s")
-    (event,) = _restore_events(tmp_path / "run")
+    (event,) = events(tmp_path / "run")
     assert (event["source"], event["step"], event["storage_reads"]) == ("persistent", 4, result.storage_reads)
 
 
 def test_own_ram_wins_when_not_older_than_the_checkpoint_and_reads_no_storage(tmp_path, ckpt, ram):
-    _save(ckpt, 4)
-    _snapshot(ram, 2, 4)  # step 4 is in RAM and in storage: RAM is the faster tier
-    result, trainer, said = _restore(tmp_path / "run", ckpt, ram)
+    start_run(tmp_path / "run", ckpt, ram)
+    save(ckpt, 4)
+    snapshot(ram, 2, 4)  # step 4 is in RAM and in storage: RAM is the faster tier
+    result, trainer, said = restore_with(tmp_path / "run", ckpt, ram)
     assert (result.source, result.step, result.storage_reads) == ("own", 4, 0)
     assert result.bytes > 0 and result.excluded == []
     assert trainer.applied is not None and float(trainer.applied["model"]["w"][0, 0]) == 1004.0
     assert said[0].startswith(f"resumed from step 4 of this node's RAM on {LAYOUT} in ")
-    assert _restore_events(tmp_path / "run")[0]["source"] == "own"
+    assert events(tmp_path / "run")[0]["source"] == "own"
 
 
 def test_a_newer_checkpoint_beats_older_ram_snapshots(tmp_path, ckpt, ram):
-    _snapshot(ram, 2, 4)
-    _save(ckpt, 6)
-    result, trainer, _ = _restore(tmp_path / "run", ckpt, ram)
+    start_run(tmp_path / "run", ckpt, ram)
+    snapshot(ram, 2, 4)
+    save(ckpt, 6)
+    result, trainer, _ = restore_with(tmp_path / "run", ckpt, ram)
     assert (result.source, result.step) == ("persistent", 6) and result.storage_reads > 0
     assert trainer.applied is not None and float(trainer.applied["model"]["w"][0, 0]) == 6.0
 
 
 def test_a_corrupt_snapshot_without_a_buddy_is_excluded_and_storage_restores(tmp_path, ckpt, ram):
-    _save(ckpt, 2)
-    _snapshot(ram, 4)
+    start_run(tmp_path / "run", ckpt, ram)
+    save(ckpt, 2)
+    snapshot(ram, 4)
     index = ram.own.indexes()[4]
     ram.own.data(index)[index.tensors[0].offset] ^= 1
-    result, _, _ = _restore(tmp_path / "run", ckpt, ram)
+    result, _, _ = restore_with(tmp_path / "run", ckpt, ram)
     assert (result.source, result.step) == ("persistent", 2)
     assert result.excluded == [{"step": 4, "source": "own", "reason": "crc32c mismatch in tensor 'model.w'"}]
-    assert _restore_events(tmp_path / "run")[0]["excluded"] == result.excluded
+    assert events(tmp_path / "run")[0]["excluded"] == result.excluded
 
 
 def test_a_listing_error_still_lets_ram_restore_and_is_raised_without_it(tmp_path, ram):
@@ -167,36 +117,43 @@ def test_a_listing_error_still_lets_ram_restore_and_is_raised_without_it(tmp_pat
     root.write_text("")  # the checkpoint root is a file: listing fails
     broken = Checkpointer(str(root))
     with pytest.raises(StorageError, match="cannot list checkpoints to resume from: .* is not a directory"):
-        _restore(tmp_path / "run", broken)  # no RAM tier: raised
+        restore_with(tmp_path / "run", broken)  # no RAM tier: raised
     with pytest.raises(StorageError, match="is not a directory"):
-        _restore(tmp_path / "run", broken, ram)  # RAM tier with nothing in it: the listing error
-    _snapshot(ram, 3)
-    result, _, _ = _restore(tmp_path / "run", broken, ram)
+        restore_with(tmp_path / "run", broken, ram)  # RAM tier with nothing in it: the listing error
+    start_run(tmp_path / "run", Checkpointer(str(tmp_path / "ckpt")), ram)
+    snapshot(ram, 3)
+    with pytest.raises(StorageError, match="is not a directory"):
+        restore_with(tmp_path / "run", broken, ram)  # the record names another root: not trusted for this one
+    record = tmp_path / "run" / "group0" / "timeline.json"
+    record.write_text(record.read_text().replace(str(tmp_path / "ckpt"), str(root)))
+    result, _, _ = restore_with(tmp_path / "run", broken, ram)
     assert (result.source, result.step, result.storage_reads) == ("own", 3, 0)
-    assert [e["source"] for e in _restore_events(tmp_path / "run")] == ["own"]  # failures wrote no event
+    assert [e["source"] for e in events(tmp_path / "run")] == ["own"]  # failures wrote no event
 
 
 def test_a_missing_bucket_is_an_error_and_an_empty_memory_store_a_fresh_start(tmp_path, s3_endpoint):
     with pytest.raises(StorageError, match="no-such-bucket"):
-        _restore(tmp_path / "run", Checkpointer("s3://no-such-bucket/run"))
-    result, _, _ = _restore(tmp_path / "run", Checkpointer("memory://restore-policy-empty"))
+        restore_with(tmp_path / "run", Checkpointer("s3://no-such-bucket/run"))
+    result, _, _ = restore_with(tmp_path / "run", Checkpointer("memory://restore-policy-empty"))
     assert (result.source, result.step) == ("fresh", 0)
 
 
 def test_resume_off_is_fresh_without_building_state_or_writing_an_event(tmp_path, ckpt):
-    _save(ckpt, 2)
-    result, trainer, said = _restore(tmp_path / "run", ckpt, resume=False)
+    save(ckpt, 2)
+    result, trainer, said = restore_with(tmp_path / "run", ckpt, resume=False)
     assert (result.source, result.step) == ("fresh", 0)
     assert trainer.built == 0 and said == [] and not (tmp_path / "run" / "events.jsonl").exists()
 
 
 def test_a_peer_heal_comes_first_and_is_recorded_without_touching_storage(tmp_path, ckpt, ram):
-    _save(ckpt, 6)
-    _snapshot(ram, 8)
-    result, trainer, said = _restore(tmp_path / "run", ckpt, ram, peer=PeerHeal(step=7, bytes=1234, seconds=0.5))
-    assert result == RestoreResult(step=7, source="peer", bytes=1234, seconds=0.5)
+    save(ckpt, 6)
+    snapshot(ram, 8)
+    result, trainer, said = restore_with(tmp_path / "run", ckpt, ram, peer=PeerHeal(step=7, bytes=1234, seconds=0.5))
+    timeline = result.timeline
+    assert timeline is not None and ram.timeline == timeline  # no record yet: the heal starts one
+    assert result == RestoreResult(step=7, source="peer", bytes=1234, seconds=0.5, timeline=timeline)
     assert trainer.built == 0 and trainer.applied is None and said == [] and ckpt.storage_reads == 0
-    assert _restore_events(tmp_path / "run") == [
+    assert events(tmp_path / "run") == [
         {
             "event": "restore",
             "group": 0,
@@ -207,6 +164,9 @@ def test_a_peer_heal_comes_first_and_is_recorded_without_touching_storage(tmp_pa
             "seconds": 0.5,
             "storage_reads": 0,
             "excluded": [],
+            "run_id": timeline.run_id,
+            "incarnation": 0,
+            "timeline": timeline.timeline,
         }
     ]
 
@@ -214,10 +174,12 @@ def test_a_peer_heal_comes_first_and_is_recorded_without_touching_storage(tmp_pa
 # -- two gloo ranks ------------------------------------------------------------------------------
 
 
-def _snapshot_rank(rank: int, world: int, store_dir: str, steps: list[int]) -> None:
-    ram = _tier(Path(store_dir), rank=rank, world=world)
+def _snapshot_rank(rank: int, world: int, store_dir: str, steps: list[int], ckpt_url: str, run_dir: str) -> None:
+    ram = tier(Path(store_dir), rank=rank, world=world)
     try:
-        _snapshot(ram, *steps)
+        with Checkpointer(ckpt_url) as ckpt:
+            start_run(Path(run_dir), ckpt, ram)
+        snapshot(ram, *steps)
         # As Trainer.finish does: every copy has reached its buddy before any rank closes its
         # channel (a rank closing first breaks the pipe of a peer still sending to it).
         ram.wait(60.0)
@@ -227,10 +189,10 @@ def _snapshot_rank(rank: int, world: int, store_dir: str, steps: list[int]) -> N
 
 
 def _restore_rank(rank: int, world: int, store_dir: str, ckpt_url: str, run_dir: str) -> dict[str, Any]:
-    ram = _tier(Path(store_dir), rank=rank, world=world)
+    ram = tier(Path(store_dir), rank=rank, world=world)
     try:
         with Checkpointer(ckpt_url) as ckpt:
-            result, trainer, _ = _restore(Path(run_dir), ckpt, ram)
+            result, trainer, _ = restore_with(Path(run_dir), ckpt, ram)
             steps = committed_steps(ckpt)
     except StorageError as e:
         return {"error": str(e)}
@@ -244,14 +206,14 @@ def _restore_rank(rank: int, world: int, store_dir: str, ckpt_url: str, run_dir:
 def test_a_lost_node_restores_from_its_buddy_and_ranks_fail_together(tmp_path):
     store, run_dir = tmp_path / "store", tmp_path / "run"
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
-        _save(ckpt, 2)
-    run_world(_snapshot_rank, 2, str(store), [4], timeout_s=90)
+        save(ckpt, 2)
+    run_world(_snapshot_rank, 2, str(store), [4], str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)
     config = RecoveryConfig(store_dir=str(store), ranks_per_node=1)
     shutil.rmtree(node_store_dir(config, str(store / "run"), 0, 1))  # node 1 is replaced
     restored = run_world(_restore_rank, 2, str(store), str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)
     assert [(r["source"], r["step"], r["reads"]) for r in restored] == [("own", 4, 0), ("buddy", 4, 0)]
     assert [r["w"] for r in restored] == [1004.0, 1004.0] and [r["steps"] for r in restored] == [[2], [2]]
-    assert sorted((e["rank"], e["source"]) for e in _restore_events(run_dir)) == [(0, "own"), (1, "buddy")]
+    assert sorted((e["rank"], e["source"]) for e in events(run_dir)) == [(0, "own"), (1, "buddy")]
     # Now rank 0's own snapshot is gone too (its copy went with node 1): no RAM step is common, and
     # the checkpoint root cannot be listed. Every rank raises rank 0's listing error.
     shutil.rmtree(os.path.join(node_store_dir(config, str(store / "run"), 0, 0), "own"))

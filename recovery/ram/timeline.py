@@ -1,0 +1,160 @@
+"""Which RAM snapshots belong to the state being restored: the run's identity and its timeline.
+
+A snapshot in a node store is only as good as the history it came from. Two things make one wrong
+for a restart although its step number looks right (issue 13):
+
+- another run: the run directory was deleted or ``checkpoint.url`` points elsewhere, and the node
+  store (its path a hash of run.dir, or a configured ``recovery.store_dir``) still holds the old
+  run's snapshots;
+- an abandoned timeline: a restore that does not come from RAM (the persistent tier, a chosen
+  ``checkpoint.load_step``, a fresh start) rewinds the run, and snapshots taken before it belong to
+  a history the run no longer has.
+
+So every snapshot carries ``(run_id, timeline)``, and only snapshots of the current pair are
+eligible:
+
+``run_id``     random, minted once per checkpoint root as ``<root>/run.json`` (created if absent
+               through the storage objects API: atomic on every backend, the first creator wins).
+               The checkpoints and the RAM snapshots of one run share it; a new root is a new run.
+``timeline``   ``"<incarnation>-<random>"``, a new one after every restore that does not come
+               from RAM; ``incarnation`` counts them within a run (0: its first).
+
+The current timeline is recorded in ``<run.dir>/group<G>/timeline.json`` (path from ``runfiles``),
+one per replica group, written by the group's rank 0 before the group trains on it. Why there and
+not in the checkpoint root: the RAM tier must restore while storage is unreachable (its reason to
+exist), and each replica group has its own stores and rewinds on its own (a per-group object in
+the root would be one more storage write on every restart). Losing the file is safe: with no
+record of this run nothing in RAM is eligible, and the next timeline's random part is new, so a
+deleted run dir can never bring an abandoned timeline back (a bare counter restarting at 0 could).
+The record names its checkpoint root: with storage unreachable it is trusted for that root only.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from resilient.errors import IntegrityError, StorageError
+from resilient.runfiles import TIMELINE_FILE, group_file, read_json, write_json
+from resilient.storage.objects import ObjectStore
+
+RUN_OBJECT = "run.json"
+"""``<checkpoint root>/run.json``: ``{"run_id", "created"}``, written once, never rewritten."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The history RAM snapshots are tagged with and must match to be restored."""
+
+    run_id: str
+    incarnation: int
+    timeline: str
+    """``"<incarnation>-<random>"``; "" for "none is current" (matches no snapshot)."""
+    root: str = ""
+    """The checkpoint root URL whose ``run.json`` names ``run_id``."""
+    load_step: int | None = None
+    """The ``checkpoint.load_step`` in force when this timeline began: a restart with the same
+    value goes on in this history instead of rewinding to that step again."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Timeline | None:
+        """The timeline ``raw`` describes; None for anything else (a damaged record is no record)."""
+        if not isinstance(raw, dict):
+            return None
+        fields = {k: raw.get(k) for k in ("run_id", "incarnation", "timeline", "root", "load_step")}
+        if not all(isinstance(fields[k], str) for k in ("run_id", "timeline", "root")):
+            return None
+        if not all(_is_int(fields[k]) for k in ("incarnation", "load_step") if fields[k] is not None):
+            return None
+        return cls(**fields) if fields["incarnation"] is not None else None
+
+    def why_not(self, run_id: str, timeline: str) -> str | None:
+        """Why a snapshot tagged ``(run_id, timeline)`` may not restore now (None: it may)."""
+        if run_id != self.run_id:
+            return f"taken by run {run_id or '(none)'!r}, not by run {self.run_id!r} of the checkpoint root"
+        if not self.timeline:
+            return f"no current timeline of run {self.run_id!r} is recorded in the run directory"
+        if timeline != self.timeline:
+            return f"timeline {timeline!r} was abandoned: a restore not from RAM or a load_step began {self.timeline!r}"
+        return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+UNTRACKED = Timeline(run_id="", incarnation=0, timeline="untracked")
+"""A RAM tier's timeline until a restore policy sets one (a tier used on its own, in tests)."""
+
+
+def record_path(run_dir: str, group: int) -> str:
+    return group_file(run_dir, TIMELINE_FILE, group)
+
+
+def read_record(run_dir: str, group: int) -> Timeline | None:
+    return Timeline.from_json(read_json(record_path(run_dir, group)))
+
+
+def root_run_id(store: ObjectStore) -> str:
+    """The run id of the checkpoint root, minted on first use. Raises StorageError when the root
+    cannot be read or written, IntegrityError when its ``run.json`` is damaged."""
+    data = store.read(RUN_OBJECT)
+    if data is None:
+        record = {"run_id": secrets.token_hex(8), "created": round(time.time(), 3)}
+        store.write_if_absent(RUN_OBJECT, json.dumps(record).encode())
+        data = store.read(RUN_OBJECT)  # ours, or the one a concurrent creator won with
+        if data is None:
+            raise StorageError(f"{store.location.url}/{RUN_OBJECT} vanished right after it was created; retry")
+    try:
+        run_id = json.loads(data)["run_id"]
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"run_id is {run_id!r}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(
+            f"{store.location.url}/{RUN_OBJECT} is damaged ({e}); delete it to give the root a new run id "
+            f"(RAM snapshots of the old one are then not restored)"
+        ) from e
+    return run_id
+
+
+def current(store: ObjectStore, run_dir: str, group: int) -> Timeline:
+    """Rank 0's side: the timeline whose snapshots may restore now (``timeline == ""``: none may)."""
+    record = read_record(run_dir, group)
+    url = store.location.url
+    try:
+        run_id = root_run_id(store)
+    except StorageError:
+        # Storage unreachable: RAM may still restore the run, on the record of this same root.
+        if record is not None and record.root == url:
+            return record
+        return Timeline(run_id="", incarnation=0, timeline="", root=url)
+    if record is not None and record.run_id == run_id:
+        return record
+    return Timeline(run_id=run_id, incarnation=0, timeline="", root=url)
+
+
+def start(store: ObjectStore, run_dir: str, group: int, load_step: int | None = None) -> Timeline:
+    """Rank 0's side: begin a new timeline of the root's run, recorded before it is returned."""
+    run_id = root_run_id(store)
+    previous = read_record(run_dir, group)
+    incarnation = previous.incarnation + 1 if previous is not None and previous.run_id == run_id else 0
+    token = f"{incarnation}-{secrets.token_hex(4)}"
+    timeline = Timeline(run_id, incarnation, token, store.location.url, load_step)
+    write_json(record_path(run_dir, group), timeline.to_json())
+    return timeline
+
+
+def joined(store: ObjectStore, run_dir: str, group: int) -> Timeline:
+    """Rank 0's side after a heal from a live replica group: the recorded timeline goes on (the
+    groups train one trajectory in lockstep, so this group's snapshots, all of steps the live
+    groups also passed, stay true); with no record for this root, a new one."""
+    record = read_record(run_dir, group)
+    if record is not None and record.root == store.location.url:
+        return record
+    return start(store, run_dir, group)

@@ -1,0 +1,131 @@
+"""RAM snapshots restore only into the run and timeline they were taken on (issue 13, item 2).
+
+``recovery/ram/timeline.py`` and its use by the restore policy: a new checkpoint root is a new run,
+and a restore that does not come from RAM abandons every snapshot taken before it, for good. One
+process, a Checkpointer on a temporary directory, a RamTier with a configured store directory
+(the node store outlives run directories, as ``/dev/shm`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from resilient.storage.checkpointer import Checkpointer
+from tests.recovery.policy import events, restore_with, save, snapshot, start_run, tier
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _reasons(excluded: list[dict]) -> dict[int, str]:
+    return {e["step"]: e["reason"] for e in excluded}
+
+
+def _run_id(root: Path) -> str | None:
+    """The run id in ``<root>/run.json`` (None: none yet)."""
+    path = root / "run.json"
+    return json.loads(path.read_text())["run_id"] if path.exists() else None
+
+
+def _record(run_dir: Path) -> dict | None:
+    """The group's timeline record, ``<run.dir>/group0/timeline.json`` (None: none, or damaged)."""
+    try:
+        return json.loads((run_dir / "group0" / "timeline.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("how", ["run dir deleted", "checkpoint.url elsewhere"])
+def test_a_new_run_never_resumes_an_old_runs_snapshots_nor_loses_its_own_to_them(tmp_path, how):
+    run = tmp_path / "run"
+    ram = tier(tmp_path / "store")  # keep=2
+    try:
+        with Checkpointer(str(run / "ckpt")) as old:
+            start_run(run, old, ram)
+            save(old, 30)
+            snapshot(ram, 38, 40)
+        old_id = _run_id(run / "ckpt")
+        if how == "run dir deleted":
+            shutil.rmtree(run)  # checkpoints, events and timeline record with it
+        new_root = run / "ckpt" if how == "run dir deleted" else tmp_path / "elsewhere"
+        with Checkpointer(str(new_root)) as ckpt:
+            result, caller, said = restore_with(run, ckpt, ram)
+            # Before: "resumed from step 40 of this node's RAM", the old run's weights.
+            assert (result.source, result.step, caller.applied) == ("fresh", 0, None)
+            new_id = _run_id(new_root)
+            assert new_id is not None and old_id is not None and new_id != old_id
+            assert said == [f"no checkpoint under {ckpt.url}: starting at step 0"]
+            why = f"taken by run {old_id!r}, not by run {new_id!r} of the checkpoint root"
+            assert _reasons(result.excluded) == {38: why, 40: why}
+            assert [e["excluded"] for e in events(run)][-1] == result.excluded
+            # The new run's first snapshot survives retention (before: evicted at once by 38 and 40).
+            snapshot(ram, 2)
+            assert sorted(ram.own.indexes()) == [2]
+            again, caller, _ = restore_with(run, ckpt, ram)
+            assert (again.source, again.step, again.excluded) == ("own", 2, [])
+            assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 1002.0
+            assert again.timeline == result.timeline  # a RAM restore goes on in the same timeline
+    finally:
+        ram.close()
+
+
+def test_a_restore_not_from_ram_abandons_every_older_snapshot_for_good(tmp_path):
+    run, ckpt = tmp_path / "run", Checkpointer(str(tmp_path / "ckpt"))
+    ram = tier(tmp_path / "store")
+    try:
+        start_run(run, ckpt, ram)
+        first = _record(run)
+        save(ckpt, 2)
+        snapshot(ram, 4, 6)
+        # checkpoint.resume off: the run starts again at step 0; steps 4 and 6 are another history.
+        start_run(run, ckpt, ram)
+        second = _record(run)
+        result, caller, _ = restore_with(run, ckpt, ram)
+        assert (result.source, result.step) == ("persistent", 2)  # before: own RAM step 6
+        assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 2.0
+        assert first is not None and second is not None and second["incarnation"] == first["incarnation"] + 1
+        began = "a restore not from RAM or a load_step began"
+        why = f"timeline {first['timeline']!r} was abandoned: {began} {second['timeline']!r}"
+        assert _reasons(result.excluded) == {4: why, 6: why}
+        third = result.timeline
+        assert third is not None and third.incarnation == 2 and _record(run) == third.to_json()
+        snapshot(ram, 3)  # the new timeline's snapshot evicts the abandoned ones, though they are newer
+        assert sorted(ram.own.indexes()) == [3]
+    finally:
+        ram.close()
+        ckpt.close()
+    # A restarted worker (a new tier, same node store) finds the timeline in the run directory.
+    restarted = tier(tmp_path / "store")
+    try:
+        with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+            again, _, _ = restore_with(run, ckpt, restarted)
+        assert (again.source, again.step, again.timeline) == ("own", 3, third)
+        assert [(e["source"], e["incarnation"]) for e in events(run)] == [("persistent", 2), ("own", 2)]
+    finally:
+        restarted.close()
+
+
+def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
+    run = tmp_path / "run"
+    ram = tier(tmp_path / "store")
+    try:
+        with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+            start_run(run, ckpt, ram)
+            save(ckpt, 2)
+            snapshot(ram, 4)
+            (run / "group0").mkdir(parents=True, exist_ok=True)
+            (run / "group0" / "timeline.json").write_text("{not json")
+            result, _, _ = restore_with(run, ckpt, ram)
+        assert (result.source, result.step) == ("persistent", 2)
+        run_id = _run_id(tmp_path / "ckpt")
+        assert _reasons(result.excluded) == {
+            4: f"no current timeline of run {run_id!r} is recorded in the run directory"
+        }
+        record = _record(run)
+        assert record is not None and record["run_id"] == run_id and record["incarnation"] == 0
+        assert record["timeline"].startswith("0-") and result.timeline.to_json() == record
+    finally:
+        ram.close()
