@@ -95,6 +95,9 @@ class RestoreResult:
     """RAM snapshots the decision skipped: ``{"step", "source", "reason"}`` each."""
     timeline: Timeline | None = None
     """The run and timeline training goes on in (what new RAM snapshots are tagged with)."""
+    group_sources: list[str] = field(default_factory=list)
+    """After a RAM restore: every rank's source ("own" or "buddy"), by rank; the line a run prints
+    names the mix, not rank 0's source alone."""
 
     @property
     def loaded(self) -> bool:
@@ -178,6 +181,7 @@ def _from_tiers(
         result.excluded = fast.excluded
         if fast.step is not None and fast.source is not None:
             result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
+            result.group_sources = fast.sources
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is not None:
@@ -270,6 +274,7 @@ def _from_persistent(
             result.excluded += [e for e in fast.excluded if e not in result.excluded]
             if fast.step is not None and fast.source is not None:
                 result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
+                result.group_sources = fast.sources
                 return
     raise RestoreError(
         f"none of the {len(candidates)} committed steps under {checkpointer.url} loads; newest first: "
@@ -327,4 +332,7 @@ def describe(result: RestoreResult, url: str, layout: str) -> str:
     if not result.loaded:
         return f"no checkpoint under {url}: starting at step 0"
     where = _RAM_WHERE.get(result.source, url)
+    if len(set(result.group_sources)) > 1:  # some ranks lost their own snapshot: name who took what
+        ranks = {s: [r for r, x in enumerate(result.group_sources) if x == s] for s in ("own", "buddy")}
+        where = f"RAM (own snapshot on ranks {ranks['own']}, the buddy node's copy on ranks {ranks['buddy']})"
     return f"resumed from step {result.step} of {where} on {layout} in {result.seconds:.2f} s"

@@ -49,6 +49,9 @@ class RamRestore:
     bytes: int = 0
     seconds: float = 0.0
     excluded: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    """Every rank's source of the restored step ("own" or "buddy"), indexed by rank: a rank whose own
+    snapshot is gone or damaged fetched its buddy's copy, so a group's ranks may differ."""
 
 
 def restore_from_ram(
@@ -70,7 +73,8 @@ def restore_from_ram(
             rdist.agree(functools.partial(decision.apply, step), what=f"RAM restore of step {step}")
             assert decision.fetched is not None
             source, index, _ = decision.fetched
-            return RamRestore(step, source, index.nbytes, time.perf_counter() - start, decision.excluded)
+            seconds = time.perf_counter() - start
+            return RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(verdicts))
         failed = [r for r, ok in enumerate(verdicts) if not ok]
         log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", tier.rank, step, failed)
         ruled_out.add(step)
@@ -162,14 +166,15 @@ class _Decision:
 
     # -- fetch -------------------------------------------------------------------------------
 
-    def fetch(self, step: int, reports: list[Report]) -> bool:
-        """This rank's vote on ``step``: True once its snapshot is fetched and verified."""
+    def fetch(self, step: int, reports: list[Report]) -> str | None:
+        """This rank's vote on ``step``: where its verified snapshot came from ("own" or "buddy"),
+        or None when it has none."""
         self.fetched = None
         try:
             self.fetched = self._fetch(step, reports)
         except Exception as e:
             self._exclude(step, "own", f"{type(e).__name__}: {e}")
-        return self.fetched is not None
+        return None if self.fetched is None else self.fetched[0]
 
     def _fetch(self, step: int, reports: list[Report]) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
         rank = self.tier.rank

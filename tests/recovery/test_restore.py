@@ -18,7 +18,7 @@ from resilient.dist import barrier
 from resilient.errors import StorageError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.store import node_store_dir
-from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps
+from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, describe
 from resilient.storage.checkpointer import Checkpointer
 from tests.dist import run_world
 from tests.recovery.policy import LAYOUT, events, restore_with, save, snapshot, start_run, tier
@@ -220,3 +220,15 @@ def test_a_lost_node_restores_from_its_buddy_and_ranks_fail_together(tmp_path):
     (tmp_path / "gone").write_text("")
     failed = run_world(_restore_rank, 2, str(store), str(tmp_path / "gone"), str(run_dir), timeout_s=90)
     assert failed[0] == failed[1] and failed[0]["error"].startswith("[rank 0] cannot list checkpoints to resume")
+
+
+def test_the_restore_line_names_each_ranks_ram_source_when_they_differ():
+    # Rank 0 prints the group's line: "this node's RAM" would be wrong for a rank that lost its node.
+    mixed = RestoreResult(10, "own", seconds=0.5, group_sources=["own", "buddy", "own"])
+    line = describe(mixed, "file:///ckpt", "dp_shard=3 x tp=1")
+    assert line == (
+        "resumed from step 10 of RAM (own snapshot on ranks [0, 2], the buddy node's copy on ranks [1]) "
+        "on dp_shard=3 x tp=1 in 0.50 s"
+    )
+    same = RestoreResult(10, "own", seconds=0.5, group_sources=["own", "own"])
+    assert describe(same, "file:///ckpt", "dp_shard=2 x tp=1").startswith("resumed from step 10 of this node's RAM")

@@ -32,6 +32,7 @@ def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog)
     shutil.rmtree(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1))  # node 1 is replaced
     restored = run_world(workers.restore, 3, store_dir, None, timeout_s=90)
     assert [r["source"] for r in restored] == ["own", "buddy", "own"]
+    assert all(r["sources"] == ["own", "buddy", "own"] for r in restored)  # every rank knows the mix
     for rank, r in enumerate(restored):
         assert r["step"] == 4 and r["w"] == rank * 1000 + 4 and r["b_equal"] and r["optim_step"] == 4.0
         assert r["train"] == {"step": 4, "rank": rank}

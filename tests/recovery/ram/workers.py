@@ -85,6 +85,7 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
     return {
         "step": outcome.step,
         "source": outcome.source,
+        "sources": outcome.sources,
         "bytes": outcome.bytes,
         "excluded": outcome.excluded,
         "w": w,
