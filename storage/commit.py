@@ -106,6 +106,7 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
     agreed deadline. One listing per poll, and one read per receipt: not a read per missing
     rank per poll (thousands of requests a second at a large world on S3)."""
     attempt_key, world_size, step = job.attempt_key, job.world_size, job.step
+    job.deadline = job.deadline or time.time() + job.commit_timeout_s
     receipts: dict[int, dict] = {}
     delay, cap = 0.002, poll_cap_s(store.location.scheme, world_size, job.poll_cap_s)
     while True:
@@ -284,6 +285,7 @@ def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
     raises CommitError once the coordinator's marker says it never will, or when no decision came
     by the agreed deadline plus ``decision_grace_s``. Polls back off toward ``poll_cap_s``."""
     key, marker = f"{step_dir(job.step)}/{MANIFEST}", failure_key(job.attempt_key, COMMIT_RANK)
+    job.deadline = job.deadline or time.time() + job.commit_timeout_s
     give_up = job.deadline + decision_grace_s(job.commit_timeout_s)
     delay, cap = 0.002, poll_cap_s(store.location.scheme, job.world_size, job.poll_cap_s)
     while True:
@@ -309,7 +311,6 @@ def settle_failure(job: PersistJob, store: ObjectStore, error: BaseException) ->
     whose PUT raised but landed, seen by the coordinator); raises ``error`` otherwise. The
     coordinator's own failure is its decision; another rank marks its failure (so the
     coordinator stops waiting for it) and then waits for the decision like everyone else."""
-    job.deadline = job.deadline or time.time() + job.commit_timeout_s
     write_failure(store, job.attempt_key, job.rank, error)
     if job.rank == 0:
         decide_failed(store, job, error)
