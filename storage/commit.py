@@ -288,19 +288,26 @@ def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
     job.deadline = job.deadline or time.time() + job.commit_timeout_s
     give_up = job.deadline + decision_grace_s(job.commit_timeout_s)
     delay, cap = 0.002, poll_cap_s(store.location.scheme, job.world_size, job.poll_cap_s)
+    unreadable: Exception | None = None
     while True:
-        manifest = _read_json(store, key)
+        try:
+            manifest, decision = _read_json(store, key), None
+            if manifest is None:
+                decision = _read_json(store, marker)
+        except Exception as e:  # noqa: BLE001 - a failed read is no decision (the coordinator's may be "committed"): poll again
+            manifest = decision = None
+            unreadable = e
         if manifest is not None:
             if manifest.get("attempt") != job.attempt:
                 raise CommitError(f"step {job.step} was committed by another attempt; this save was discarded")
             return
-        decision = _read_json(store, marker)
         if decision is not None:
             raise CommitError(f"step {job.step} not committed: the commit failed: {decision.get('error')}")
         if time.time() > give_up:
+            why = f"; the last read failed: {unreadable}" if unreadable is not None else ""
             raise CommitError(
                 f"step {job.step} not committed within {job.commit_timeout_s:.0f} s (rank 0 never wrote "
-                f"{store.location.url}/{key}); the previous step is intact"
+                f"{store.location.url}/{key}){why}; the previous step is intact"
             )
         time.sleep(delay)
         delay = min(delay * 2, cap)
