@@ -116,6 +116,18 @@ def _one_rank_cannot_read(rank: int, root: str) -> dict:
     return result
 
 
+def _different_steps(rank: int, root: str) -> dict:
+    """A caller bug: the ranks pass different step numbers (the old code saved each rank's part
+    under its own step and the coordinator waited for receipts that never came)."""
+    from resilient import Checkpointer, CheckpointerConfig
+
+    ckpt = Checkpointer(root, config=CheckpointerConfig(commit_timeout_s=5.0))  # the old code: fail fast
+    result = {"save": _outcome(lambda: ckpt.save(1 + rank, _state(rank, 1.0)))}
+    result["next"] = _outcome(lambda: ckpt.save(3, _state(rank, 3.0)).wait(timeout=30))
+    ckpt.close()
+    return result
+
+
 def _scenarios(rank: int, world: int, root: str) -> dict:
     return {
         name: fn(rank, os.path.join(root, name))
@@ -124,6 +136,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
             ("receipt", _ambiguous_receipt),
             ("late", _late_coordinator),
             ("load", _one_rank_cannot_read),
+            ("steps", _different_steps),
         ]
     }
 
@@ -154,3 +167,10 @@ def test_commit_timeout_is_measured_from_an_agreed_point_and_raised_together(out
 def test_a_read_failing_on_one_rank_fails_the_load_on_every_rank(outcomes):
     first, second = (r["load"]["load"] for r in outcomes)
     assert first == second == "IntegrityError: [rank 1] injected: chunk w/c/0 crc32c mismatch"
+
+
+def test_different_steps_on_different_ranks_are_refused_on_every_rank(outcomes):
+    first, second = (r["steps"] for r in outcomes)
+    assert first["save"] == second["save"]
+    assert "save() called with different steps on different ranks: [1, 2]" in first["save"]
+    assert first["next"] == second["next"] == "ok"
