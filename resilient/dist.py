@@ -166,6 +166,13 @@ def _settle(outcomes: list[Any], rank: int, local_error: BaseException | None, w
         raise err
 
 
+def raise_first(outcomes: list[Any], rank: int, local_error: BaseException | None, what: str = "") -> None:
+    """Given every rank's ``None`` or ``{"error": to_payload(e), ...}`` (rank order, the same list
+    on every rank), raise the first failing rank's error, the same on every rank, as ``agree``
+    does; for a caller that gathered the outcomes itself (with more than the error in them)."""
+    _settle(outcomes, rank, local_error, what)
+
+
 def agree(fn: Callable[[], T], *, group: Any = None, src: int | None = None, what: str = "") -> Any:
     """Run ``fn`` on rank ``src`` of ``group`` (or on every rank when ``src`` is None) and share
     the outcome: every rank returns ``src``'s result (or the list of every rank's results, in rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 import weakref
@@ -28,11 +29,13 @@ from resilient.manifest import (
 from resilient.metrics import JsonlSink, RestoreStats, SaveStats
 from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
+from resilient.storage.commit import decision_grace_s, settle_failure
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.describe import LayoutCache
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
 from resilient.storage.objects import open_store
+from resilient.storage.outcomes import SaveLedger, SaveOutcomes
 from resilient.storage.persist import PersistJob
 from resilient.storage.reader import ReadTarget, read_into
 from resilient.storage.retention import list_steps
@@ -68,10 +71,11 @@ class Checkpointer:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._context = make_context(self.location)
-        self._ledger = _SaveLedger(rank=self.rank, sink=JsonlSink(config.metrics_path))
+        self._ledger = SaveLedger(rank=self.rank, sink=JsonlSink(config.metrics_path))
         self.save_stats = self._ledger.stats
         self._inflight: list[SaveHandle] = []  # saves whose persist may still be running
-        self._all_handles: list[SaveHandle] = []  # not yet known to be finished (for error latching)
+        self._outcomes = SaveOutcomes()  # saves whose error (if any) is not raised yet
+        self._latched_here: BaseException | None = None  # this rank's part of the last agreement
         self._pool = StagingPool(
             budget_bytes=config.staging_bytes,
             pin_memory=torch.cuda.is_available(),
@@ -101,13 +105,13 @@ class Checkpointer:
     def save(self, step: int, state: dict, *, metadata: dict | None = None) -> SaveHandle:
         """Snapshot ``state`` as ``step`` and persist it in the background. Returns once the state
         is staged (CPU: copied; CUDA: copies enqueued, see ``handle.wait_staged``); ``handle.wait()``
-        returns when the step is committed and raises if the save failed."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        returns when the step is committed and raises if the save failed. Every error is raised on
+        every rank at the same call: here, or (if it happens after the ranks agreed to save) as
+        this save's outcome, at the next ``save``/``wait``."""
         start = time.perf_counter()
         stats = SaveStats(step=step, rank=self.rank)
-        busy = self._make_room(stats)
-        agreement, locals_ = self._prepare_start(step, state, metadata, busy)
+        busy, late = self._make_room(stats)
+        agreement, locals_ = self._prepare_start(step, state, metadata, busy, late)
         early = self._snapshot_early(agreement, locals_, busy)
         try:
             attempt = self._prepare_finish(agreement)
@@ -115,40 +119,70 @@ class Checkpointer:
         except BaseException:  # every rank raises the same here (the plan is computed alike)
             self._discard(early)
             raise
+        # The commit clock starts here, at one instant on every rank (the agreement just returned):
+        # no rank can give up on the step while another still commits it.
+        deadline = time.time() + self.config.commit_timeout_s
         if attempt is None:  # some rank was busy under if_busy="skip": every rank skips together
             self._discard(early)
             stats.outcome = stats.policy = "skipped"
             self._ledger.record(stats)
             return SaveHandle.skipped(stats)
-        snap = early[1] if early is not None and early[0] is layout else None
-        if snap is None:  # no early copy, or a peer's layout changed and with it the plan
-            self._discard(early)
-            snap = self._snapshot(layout, locals_)
-        stats.snapshot_s = time.perf_counter() - start
         job = PersistJob(
             step=step,
             attempt=attempt,
             rank=self.rank,
             world_size=self.world_size,
             plans=plans,
-            regions=snap.regions,
+            regions=[],
             values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
             metadata=metadata or {},
             commit_timeout_s=self.config.commit_timeout_s,
+            deadline=deadline,
+            poll_cap_s=self.config.poll_cap_s,
             keep_last=self.config.keep_last,
             io_threads=self.config.io_threads,
         )
-        handle = SaveHandle(step, staged=snap.staged)
-        handle.stats = stats
+        handle = SaveHandle(step)
+        handle.stats, handle.attempt = stats, attempt
         self._inflight.append(handle)
-        self._all_handles.append(handle)
-        self._writer_for().submit(job, snap.buffer, snap.staged, handle)
+        self._outcomes.track(handle)
+        snap = early[1] if early is not None and early[0] is layout else None
+        try:
+            if snap is None:  # no early copy, or a peer's layout changed and with it the plan
+                self._discard(early)
+                snap = self._snapshot(layout, locals_)
+            stats.snapshot_s = time.perf_counter() - start
+            job.regions, handle._staged = snap.regions, snap.staged
+            self._writer_for().submit(job, snap.buffer, snap.staged, handle)
+        except Exception as e:  # after the agreement: not raised here alone, it is this save's outcome
+            self._fail_in_background(job, handle, snap, e)
         return handle
 
     def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
-        """Load the newest committed step (or ``step``) into ``state`` in place; returns the step."""
+        """Load the newest committed step (or ``step``) into ``state`` in place; returns the step.
+        Collective: every rank returns, or every rank raises the same error (a rank whose read
+        failed alone would leave its peers waiting in their next collective)."""
         start = time.perf_counter()
         chosen, manifest = self._agree_on_manifest(step)
+        got = dist.agree(lambda: self._load_local(state, chosen, manifest, strict), group=self.group)
+        nbytes, reads = got[self.rank]
+        self.storage_reads += reads
+        stats = RestoreStats(
+            step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start, storage_reads=reads
+        )
+        self.restore_stats.append(stats)
+        log.info(
+            "[rank %d] restored step %d from %s (%d bytes)",
+            self.rank,
+            chosen,
+            self.url,
+            nbytes,
+            extra={"event": "restore", "step": chosen, "source": "persistent"},
+        )
+        return chosen
+
+    def _load_local(self, state: dict, chosen: int, manifest: Manifest, strict: bool) -> list[int]:
+        """This rank's part of ``load``: its boxes read into ``state``; [bytes, objects read]."""
         leaves = flatten_state(state)
         match = match_state(manifest, leaves, url=self.url, strict=strict)
         targets = []
@@ -166,37 +200,22 @@ class Checkpointer:
             budget_bytes=self.config.load_budget_bytes,
         )
         match.apply_values(manifest, self.rank)
-        reads = 1 + len(targets)
-        self.storage_reads += reads
-        stats = RestoreStats(
-            step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start, storage_reads=reads
-        )
-        self.restore_stats.append(stats)
-        log.info(
-            "[rank %d] restored step %d from %s (%d bytes)",
-            self.rank,
-            chosen,
-            self.url,
-            nbytes,
-            extra={"event": "restore", "step": chosen, "source": "persistent"},
-        )
-        return chosen
+        return [nbytes, 1 + len(targets)]
 
     def wait(self) -> None:
-        """Block until every save in flight is committed; raise the first error not yet raised."""
-        deadline = time.perf_counter() + self.config.close_timeout_s
-        for handle in list(self._inflight):
-            if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
-                raise CommitError(
-                    f"save of step {handle.step} did not finish within "
-                    f"{self.config.close_timeout_s:.0f} s (close_timeout_s)"
-                )
-        self._raise_latched()
+        """Block until every save in flight is decided; raise the first error not yet raised.
+        Collective, like ``save``: every rank raises the same error here, or none does."""
+        self._outcomes.agree(self.group, self.rank, late=self._drain())
 
     def close(self) -> None:
-        """Flush saves in flight (they commit), stop the writer; raise a background error."""
+        """Flush saves in flight (they commit), stop the writer; raise this rank's background error
+        not yet raised. Not collective (it also runs on failure paths, where peers may be gone):
+        call ``wait()`` on every rank first for the agreed outcome."""
         try:
-            self.wait()
+            late = self._drain()
+            error = late if late is not None else self._outcomes.take()[1]
+            if error is not None:
+                raise error
         finally:
             if self._writer is not None:
                 self._writer.close(self.config.close_timeout_s)
@@ -210,32 +229,63 @@ class Checkpointer:
 
     # -- save stages -------------------------------------------------------------------------
 
-    def _make_room(self, stats: SaveStats) -> bool:
-        """Apply the max_inflight policy locally; returns True if this rank is still busy ("skip")."""
+    def _drain(self) -> CommitError | None:
+        """Wait (up to close_timeout_s) until every save in flight is decided; the timeout as an
+        error to share, not raised here (a rank raising alone would strand its peers)."""
+        deadline = time.perf_counter() + self.config.close_timeout_s
+        for handle in list(self._inflight):
+            if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
+                return CommitError(
+                    f"save of step {handle.step} not decided within {self.config.close_timeout_s:.0f} s "
+                    "(close_timeout_s); storage may hang: check it, or raise checkpoint timeout_s"
+                )
+        self._inflight = []
+        return None
+
+    def _make_room(self, stats: SaveStats) -> tuple[bool, CommitError | None]:
+        """Apply the max_inflight policy locally: whether this rank is still busy ("skip"), and a
+        wait that timed out, as an error for the agreement to raise on every rank."""
         self._inflight = [h for h in self._inflight if not h.done()]
         if len(self._inflight) < self.config.max_inflight:
-            return False
+            return False, None
         if self.config.if_busy == "skip":
-            return True
+            return True, None
         t0 = time.perf_counter()
         oldest = self._inflight.pop(0)
-        if not oldest._done.wait(self.config.commit_timeout_s):
-            raise CommitError(f"save of step {oldest.step} still persisting after {self.config.commit_timeout_s:.0f} s")
+        # Every save is decided by its deadline plus the grace (commit.py): this bounds the wait.
+        timeout = self.config.commit_timeout_s + decision_grace_s(self.config.commit_timeout_s)
+        if not oldest._done.wait(timeout):
+            return False, CommitError(f"save of step {oldest.step} still persisting after {timeout:.0f} s")
         stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"
-        return False
+        return False, None
+
+    def _fail_in_background(self, job: PersistJob, handle: SaveHandle, snap: Snapshot | None, error: Exception) -> None:
+        """A rank that cannot stage or hand over its part after the ranks agreed to save: the
+        coordinator decides the outcome as for a failed write (this rank's marker makes that
+        prompt), on a thread, and the error is raised everywhere at the next save or wait."""
+        buffer = snap.buffer if snap is not None else None
+
+        def settle() -> None:
+            try:
+                settle_failure(job, self.store, error)
+            except BaseException as e:  # latched on the handle, raised at the next collective call
+                self._ledger.on_done(handle, buffer, None, e)
+            else:
+                self._ledger.on_done(handle, buffer, SaveStats(step=job.step, rank=job.rank), None)
+
+        threading.Thread(target=settle, name="resilient-ckpt-settle", daemon=True).start()
 
     def _prepare_start(
-        self, step: int, state: dict, metadata: dict | None, busy: bool
+        self, step: int, state: dict, metadata: dict | None, busy: bool, late: CommitError | None
     ) -> tuple[dist.Agreement, dict[str, LocalTensor]]:
         """Every rank describes its state (``_describe``) in one ``dist.agree``, which carries each
         rank's busy flag and background error too, so every rank decides the same: raise together,
         skip together, or save together (no rank is left waiting in a collective). Started here,
         settled by ``_prepare_finish``, so the snapshot copy can run while it crosses."""
-        latched = self._take_latched()
         locals_: dict[str, LocalTensor] = {}
         agreement = dist.agree_async(
-            lambda: self._describe(step, state, metadata, busy, latched, locals_), group=self.group
+            lambda: self._describe(step, state, metadata, busy, late, locals_), group=self.group
         )
         return agreement, locals_
 
@@ -251,6 +301,12 @@ class Checkpointer:
                 self._peer_tensors[rank] = p["tensors"]
                 self._plan_cache = None
         self._gathered = gathered
+        self._outcomes.settle([p["latched"] for p in gathered], self.rank, self._latched_here)
+        if len({p["step"] for p in gathered}) > 1:
+            raise ConfigError(
+                f"save() called with different steps on different ranks: {[p['step'] for p in gathered]}; "
+                "every rank must save the same step"
+            )
         if any(p["busy"] for p in gathered):
             return None
         return gathered[0]["attempt"]
@@ -295,14 +351,16 @@ class Checkpointer:
         state: dict,
         metadata: dict | None,
         busy: bool,
-        latched: BaseException | None,
+        late: CommitError | None,
         locals_: dict[str, LocalTensor],
     ) -> dict:
         """This rank's part of the save decision (fills ``locals_``); rank 0 also checks storage and
-        the step and draws the attempt id. A latched background error is raised here, so that it
-        reaches every rank, with its class."""
-        if latched is not None:
-            raise latched
+        the step and draws the attempt id. A background error not yet raised travels with it
+        (``SaveOutcomes``), so that every rank raises it, with its class, and marks it raised."""
+        if late is not None:
+            raise late
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
         values, tensors = {}, {}
         for fqn, leaf in flatten_state(state).items():
             if leaf.is_tensor:
@@ -315,12 +373,19 @@ class Checkpointer:
             raise StateError(f"metadata is not JSON-able: {e}") from e
         described_locals, described = self._layouts.describe(tensors)
         locals_.update(described_locals)
+        latched, self._latched_here = self._outcomes.take()  # last: nothing after it raises on ranks > 0
         # Layouts rarely change between saves: send ours only when it did (the all-gather is on
         # the training thread's critical path).
         changed = described != self._sent_tensors
-        payload: dict = {"busy": busy, "values": values, "tensors": described if changed else None}
+        payload: dict = {
+            "busy": busy,
+            "step": step,
+            "latched": latched,
+            "values": values,
+            "tensors": described if changed else None,
+        }
         self._sent_tensors, self._sent_unchanged = described, not changed
-        if self.rank == 0:
+        if self.rank == 0 and latched is None:
             self._precheck(step)
             payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
         return payload
@@ -353,9 +418,16 @@ class Checkpointer:
         return self._stream
 
     def _writer_for(self):
+        if self._writer is not None and not self._writer.alive():
+            # Its saves fail through the agreed path (workers.py); the next one needs a writer.
+            log.warning("[rank %d] the checkpoint writer is gone; starting a new one", self.rank)
+            self._writer.stop_soon()
+            self._writer = None
         if self._writer is None:
             if self.config.writer == "process":
-                self._writer = PersistProcess(self.location, self._ledger.on_done, nice=self.config.writer_nice)
+                self._writer = PersistProcess(
+                    self.location, self.store, self._ledger.on_done, nice=self.config.writer_nice
+                )
             else:
                 self._writer = PersistThread(
                     self.location, self.store, self._context, self._ledger.on_done, nice=self.config.writer_nice
@@ -364,23 +436,6 @@ class Checkpointer:
             # memory it holds) behind: the writer knows only the ledger, never the Checkpointer.
             weakref.finalize(self, self._writer.stop_soon)
         return self._writer
-
-    def _take_latched(self) -> BaseException | None:
-        """The first background error the user has not seen yet (it is raised once, then cleared)."""
-        for handle in self._finished_with_errors():
-            handle.observed = True
-            return handle.error
-        return None
-
-    def _finished_with_errors(self) -> list[SaveHandle]:
-        done = [h for h in self._all_handles if h.done()]
-        self._all_handles = [h for h in self._all_handles if not h.done()]
-        return [h for h in done if h.error is not None and not h.observed]
-
-    def _raise_latched(self) -> None:
-        error = self._take_latched()
-        if error is not None:
-            raise error
 
     # -- load --------------------------------------------------------------------------------
 
@@ -411,47 +466,3 @@ class Checkpointer:
                 f"step {step} is not committed under {self.url}; committed steps: {listing.committed[-10:] or 'none'}"
             )
         return step
-
-
-class _SaveLedger:
-    """Where finished saves are accounted: frees the staging buffer, records stats, latches errors
-    on the handle. Called on a background thread; holds no reference to the Checkpointer."""
-
-    def __init__(self, *, rank: int, sink: JsonlSink) -> None:
-        self.rank = rank
-        self.sink = sink
-        self.stats: list[SaveStats] = []
-        self.pool: StagingPool | None = None
-        self.sink_failed = False
-
-    def record(self, stats: SaveStats) -> None:
-        """Account a save. A metrics file that cannot be written is logged (once), never raised:
-        this runs on the writer thread before the handle completes, and a side effect must not
-        decide a save's fate (it killed the writer and left the committed save's handle hanging)."""
-        self.stats.append(stats)
-        try:
-            self.sink.write(stats.to_json())
-        except Exception as e:  # noqa: BLE001 - any failure of a side effect, see above
-            if not self.sink_failed:
-                log.warning("[rank %d] cannot record save metrics to %s: %s", self.rank, self.sink.path, e)
-            self.sink_failed = True
-
-    def on_done(self, handle: SaveHandle, buffer, stats: SaveStats | None, error: BaseException | None) -> None:
-        self.pool.release(buffer)
-        if error is not None:
-            handle.stats.outcome = "failed"
-            self.record(handle.stats)
-            log.error(
-                "[rank %d] save of step %d failed: %s",
-                self.rank,
-                handle.step,
-                error,
-                extra={"event": "save_failed", "step": handle.step},
-            )
-            handle.fail(error)
-            return
-        blocked = handle.stats  # what save() measured in the foreground
-        stats.snapshot_s, stats.waited_s, stats.policy = blocked.snapshot_s, blocked.waited_s, blocked.policy
-        stats.total_s = stats.snapshot_s + stats.persist_s + stats.commit_s
-        self.record(stats)
-        handle.finish(stats)

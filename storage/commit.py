@@ -7,6 +7,15 @@ deadlock), checks that every shard of every array is covered exactly once, and o
 ``manifest.json`` with an atomic create-if-absent. A kill at any instant before that leaves the
 previous step as it was. The other ranks (``wait_for_commit``) count their save as done once the
 manifest names their attempt, and give up early when a failure marker says it never will.
+
+The outcome of a save is decided once, by the coordinator, and every rank learns that decision
+(issue 13 item 4): the manifest naming the attempt means committed, the coordinator's decision
+marker (``COMMIT_RANK``) means failed, and nothing else does: not another rank's failure marker
+(its receipt may have landed although its PUT raised), not ``latest`` (an advisory pointer, DESIGN
+§5). A rank whose own part failed still waits for that decision. Every rank measures the commit
+timeout from the same agreed deadline (``PersistJob.deadline``): the coordinator never commits
+after it, the others give up only ``decision_grace_s`` later, so no rank can give up on a step
+that another rank then reports committed.
 """
 
 from __future__ import annotations
@@ -64,43 +73,73 @@ def write_failure(store: ObjectStore, attempt_key: str, rank: int, error: BaseEx
         store.write(failure_key(attempt_key, rank), json.dumps({"rank": rank, "error": repr(error)}).encode())
 
 
-def poll_cap_s(store: ObjectStore) -> float:
-    """Longest sleep between polls: a local poll costs a stat, so poll often (the last receipt's
-    wait is pure commit latency); an S3 poll costs requests, so back off further."""
-    return 0.01 if store.location.scheme in ("file", "memory") else 0.2
+def poll_cap_s(scheme: str, world_size: int, configured: float | None = None) -> float:
+    """Longest sleep between polls (``configured`` wins). A local poll costs a stat, so a small
+    world polls often (the last receipt's wait is pure commit latency); an S3 poll costs requests,
+    billed and throttled per prefix, so each rank polls at most ~2 times a second. Both caps grow
+    with the world: every rank but one polls, and their sum is what storage sees."""
+    if configured is not None:
+        return configured
+    if scheme in ("file", "memory"):
+        return min(0.25, 0.01 * max(1.0, world_size / 16))
+    return min(5.0, 0.5 * max(1.0, world_size / 256))
 
 
-def wait_for_receipts(
-    store: ObjectStore, attempt_key: str, world_size: int, *, timeout_s: float, step: int
-) -> list[dict]:
-    """Every rank's receipt, or CommitError naming the ranks that failed or never reported."""
-    deadline = time.monotonic() + timeout_s
+def decision_grace_s(timeout_s: float) -> float:
+    """How long after the agreed deadline a waiting rank still expects the coordinator's decision
+    (the coordinator stops at the deadline, then writes the manifest or its marker)."""
+    return min(60.0, max(5.0, 0.1 * timeout_s))
+
+
+def _read_json(store: ObjectStore, key: str) -> dict | None:
+    data = store.read(key)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:  # a torn marker or receipt still says "there is one"
+        return {}
+
+
+def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
+    """Every rank's receipt, or CommitError naming the ranks that failed or never reported by the
+    agreed deadline. One listing per poll, and one read per receipt: not a read per missing
+    rank per poll (thousands of requests a second at a large world on S3)."""
+    attempt_key, world_size, step = job.attempt_key, job.world_size, job.step
+    job.deadline = job.deadline or time.time() + job.commit_timeout_s
     receipts: dict[int, dict] = {}
-    delay = 0.005
+    delay, cap = 0.002, poll_cap_s(store.location.scheme, world_size, job.poll_cap_s)
     while True:
-        for rank in range(world_size):
-            if rank not in receipts:
-                data = store.read(receipt_key(attempt_key, rank))
-                if data is not None:
-                    receipts[rank] = json.loads(data)
-        if len(receipts) == world_size:
+        for name in store.list_children(f"{attempt_key}/{RECEIPTS}"):
+            rank = _rank_of(name)
+            if rank is None or rank in receipts:
+                continue
+            if got := _read_json(store, f"{attempt_key}/{RECEIPTS}/{name}"):
+                receipts[rank] = got
+        if len(receipts) >= world_size:
             return [receipts[r] for r in range(world_size)]
         failures = store.list_children(f"{attempt_key}/{FAILURES}")
         if failures:
-            errors = [json.loads(store.read(f"{attempt_key}/{FAILURES}/{f}") or b"{}") for f in failures]
+            errors = [_read_json(store, f"{attempt_key}/{FAILURES}/{f}") or {} for f in failures]
             raise CommitError(
                 f"step {step} not committed: rank(s) {[e.get('rank') for e in errors]} failed to "
                 f"write their shards: {[e.get('error') for e in errors]}; the previous step is intact"
             )
-        if time.monotonic() > deadline:
+        if time.time() > job.deadline:
             missing = sorted(set(range(world_size)) - set(receipts))
             raise CommitError(
-                f"step {step} not committed: no receipt from rank(s) {missing} within {timeout_s:.0f} s "
+                f"step {step} not committed: no receipt from rank(s) {missing} within {job.commit_timeout_s:.0f} s "
                 f"(under {store.location.url}/{attempt_key}); they may have died mid-save. The "
                 "previous step is intact; raise checkpoint commit_timeout_s if saves are slow"
             )
         time.sleep(delay)
-        delay = min(delay * 2, poll_cap_s(store))
+        delay = min(delay * 2, cap)
+
+
+def _rank_of(name: str) -> int | None:
+    """The rank a receipt is named after (``rank-00003.json``), None for anything else."""
+    digits = name.removeprefix("rank-").removesuffix(".json")
+    return int(digits) if digits.isdigit() else None
 
 
 def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int) -> None:
@@ -128,14 +167,20 @@ def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int)
 
 
 def commit_manifest(store: ObjectStore, manifest: Manifest) -> None:
-    """The commit point: create ``step-N/manifest.json`` iff absent, then advance ``latest``."""
+    """The commit point: create ``step-N/manifest.json`` iff absent, then advance ``latest``.
+    Once the manifest is durable the step IS committed: a failed ``latest`` write is logged, never
+    raised (it made the coordinator say "failed" while every other rank said "committed"; readers
+    list the manifests, and the next commit moves ``latest`` again)."""
     key = f"{step_dir(manifest.step)}/{MANIFEST}"
     if not store.write_if_absent(key, manifest.dumps()):
         raise CommitError(
             f"step {manifest.step} is already committed at {store.location.url}/{key}; a step is "
             "written once: save under a new step number"
         )
-    update_latest(store, manifest.step)
+    try:
+        update_latest(store, manifest.step)
+    except Exception as e:  # noqa: BLE001 - advisory pointer; the manifest above decided the save
+        log.warning("[rank 0] step %d committed, but moving %s failed: %s", manifest.step, LATEST, e)
 
 
 def update_latest(store: ObjectStore, step: int) -> None:
@@ -154,18 +199,41 @@ def update_latest(store: ObjectStore, step: int) -> None:
 
 def commit_step(job: PersistJob, store: ObjectStore) -> None:
     """Rank 0: commit ``job``'s step once every rank's receipt is in, then apply retention. On
-    failure a marker (``COMMIT_RANK``) tells the waiting ranks to stop waiting."""
+    failure the decision marker (``COMMIT_RANK``) tells the waiting ranks it is "failed"."""
     try:
         _commit(job, store)
     except Exception as e:
-        write_failure(store, job.attempt_key, COMMIT_RANK, e)
+        if names_attempt(store, job):  # the manifest landed although its write raised: committed
+            log.warning("[rank 0] step %d: the manifest write raised (%s) but it landed: committed", job.step, e)
+            return
+        decide_failed(store, job, e)
         raise
 
 
+def names_attempt(store: ObjectStore, job: PersistJob) -> bool:
+    """Whether step ``job.step``'s manifest exists and names this attempt (best effort: False if
+    it cannot be read)."""
+    try:
+        got = _read_json(store, f"{step_dir(job.step)}/{MANIFEST}")
+    except Exception:  # noqa: BLE001 - unreadable counts as "not ours": the save is then failed
+        return False
+    return got is not None and got.get("attempt") == job.attempt
+
+
+def decide_failed(store: ObjectStore, job: PersistJob, error: BaseException) -> None:
+    """The coordinator's decision "not committed", for every rank to read."""
+    write_failure(store, job.attempt_key, COMMIT_RANK, error)
+
+
 def _commit(job: PersistJob, store: ObjectStore) -> None:
-    receipts = wait_for_receipts(store, job.attempt_key, job.world_size, timeout_s=job.commit_timeout_s, step=job.step)
+    receipts = wait_for_receipts(store, job)
     check_coverage(job.plans, receipts, job.step)
     fault_point("commit.before_manifest")
+    if time.time() > job.deadline:
+        raise CommitError(
+            f"step {job.step} not committed: every receipt was in only after the agreed "
+            f"{job.commit_timeout_s:.0f} s (commit_timeout_s), when the other ranks may have given up"
+        )
     crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
     arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}
     manifest = Manifest(
@@ -213,27 +281,54 @@ def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
 
 
 def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
-    """Non-coordinators: the save counts as done once the manifest names this attempt."""
-    key = f"{step_dir(job.step)}/{MANIFEST}"
-    deadline = time.monotonic() + job.commit_timeout_s
-    delay, polls = 0.002, 0
+    """Non-coordinators: the coordinator's decision. Returns once the manifest names this attempt;
+    raises CommitError once the coordinator's marker says it never will, or when no decision came
+    by the agreed deadline plus ``decision_grace_s``. Polls back off toward ``poll_cap_s``."""
+    key, marker = f"{step_dir(job.step)}/{MANIFEST}", failure_key(job.attempt_key, COMMIT_RANK)
+    job.deadline = job.deadline or time.time() + job.commit_timeout_s
+    give_up = job.deadline + decision_grace_s(job.commit_timeout_s)
+    delay, cap = 0.002, poll_cap_s(store.location.scheme, job.world_size, job.poll_cap_s)
+    unreadable: Exception | None = None
     while True:
-        polls += 1
-        data = store.read(key)
-        if data is not None:
-            if json.loads(data).get("attempt") != job.attempt:
+        try:
+            manifest, decision = _read_json(store, key), None
+            if manifest is None:
+                decision = _read_json(store, marker)
+        except Exception as e:  # noqa: BLE001 - a failed read is no decision (the coordinator's may be "committed"): poll again
+            manifest = decision = None
+            unreadable = e
+        if manifest is not None:
+            if manifest.get("attempt") != job.attempt:
                 raise CommitError(f"step {job.step} was committed by another attempt; this save was discarded")
             return
-        # A listing costs more than a read: look for failure markers on every 8th poll only.
-        failures = store.list_children(f"{job.attempt_key}/{FAILURES}") if polls % 8 == 0 else []
-        if failures:
-            first = json.loads(store.read(f"{job.attempt_key}/{FAILURES}/{failures[0]}") or b"{}")
-            who = "the commit" if first.get("rank") == COMMIT_RANK else f"rank {first.get('rank')}"
-            raise CommitError(f"step {job.step} not committed: {who} failed: {first.get('error')}")
-        if time.monotonic() > deadline:
+        if decision is not None:
+            raise CommitError(f"step {job.step} not committed: the commit failed: {decision.get('error')}")
+        if time.time() > give_up:
+            why = f"; the last read failed: {unreadable}" if unreadable is not None else ""
             raise CommitError(
                 f"step {job.step} not committed within {job.commit_timeout_s:.0f} s (rank 0 never wrote "
-                f"{store.location.url}/{key}); the previous step is intact"
+                f"{store.location.url}/{key}){why}; the previous step is intact"
             )
         time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+        delay = min(delay * 2, cap)
+
+
+def settle_failure(job: PersistJob, store: ObjectStore, error: BaseException) -> None:
+    """This rank's part of the save failed. Returns if the step was committed anyway (a receipt
+    whose PUT raised but landed, seen by the coordinator); raises ``error`` otherwise. The
+    coordinator's own failure is its decision; another rank marks its failure (so the
+    coordinator stops waiting for it) and then waits for the decision like everyone else."""
+    write_failure(store, job.attempt_key, job.rank, error)
+    if job.rank == 0:
+        decide_failed(store, job, error)
+        raise error
+    try:
+        wait_for_commit(job, store)
+    except CommitError:
+        raise error from None
+    log.warning(
+        "[rank %d] step %d: this rank's write raised (%s), but the coordinator committed the step",
+        job.rank,
+        job.step,
+        error,
+    )

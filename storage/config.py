@@ -54,6 +54,10 @@ class CheckpointerConfig:
     """Append one JSON line of SaveStats per save to this file."""
     close_timeout_s: float = 600.0
     """How long close() waits for saves in flight to commit."""
+    poll_cap_s: float | None = None
+    """Longest sleep, in s, between the storage polls of a commit (receipts on the coordinator,
+    the decision on every other rank), 0.001 .. 60; polls back off toward it. None: by storage
+    and world size: 10 ms for a local root and a small world, 0.5 s on S3, more at large worlds."""
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -70,6 +74,8 @@ class CheckpointerConfig:
             raise ConfigError(f"writer_nice must be an integer in [0, 19], got {self.writer_nice!r}")
         for name in ("commit_timeout_s", "close_timeout_s"):
             check_number(name, getattr(self, name), 0, open_low=True, unit="s")
+        if self.poll_cap_s is not None:
+            check_number("poll_cap_s", self.poll_cap_s, 0.001, 60.0, unit="s")
         check_int("load_budget_bytes", self.load_budget_bytes, 1 << 20)
         check_int("max_inflight", self.max_inflight, 1, 8)
         check_int("io_threads", self.io_threads, 1, 64)

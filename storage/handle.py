@@ -11,6 +11,7 @@ from resilient.metrics import SaveStats
 class SaveHandle:
     def __init__(self, step: int, staged=None) -> None:
         self.step = step
+        self.attempt: str | None = None  # the save's attempt id, the same on every rank
         self.stats: SaveStats | None = None
         self.error: BaseException | None = None
         self.observed = False  # the error reached the user through wait(): do not raise it twice

@@ -32,7 +32,7 @@ from resilient.storage.arrays import (
     zarr_array_document,
     zarr_group_document,
 )
-from resilient.storage.commit import commit_step, wait_for_commit, write_failure, write_receipt
+from resilient.storage.commit import commit_step, settle_failure, wait_for_commit, write_receipt
 from resilient.storage.localwrite import AttemptFiles, run_parallel
 from resilient.storage.objects import ObjectStore
 from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
@@ -51,6 +51,11 @@ class PersistJob:
     values: list[dict] = field(default_factory=list)  # rank 0: every rank's JSON leaves
     metadata: dict = field(default_factory=dict)
     commit_timeout_s: float = 600.0
+    deadline: float = 0.0
+    """Unix time by which the step must be committed, the same instant on every rank (taken when
+    the save's agreement returned); 0: ``commit_timeout_s`` from when the persist starts."""
+    poll_cap_s: float | None = None
+    """Longest sleep between storage polls (None: by scheme and world size, ``commit.poll_cap_s``)."""
     keep_last: int | None = None
     io_threads: int = 4
 
@@ -73,7 +78,10 @@ class PersistJob:
 
 
 def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store: ObjectStore, context) -> SaveStats:
-    """Persist this rank's part of ``job`` and see the step committed (or raise why not)."""
+    """Persist this rank's part of ``job`` and see the step committed (or raise why not): the
+    outcome is the coordinator's decision, the same on every rank (``commit.settle_failure``)."""
+    if not job.deadline:
+        job.deadline = time.time() + job.commit_timeout_s
     stats = SaveStats(step=job.step, rank=job.rank)
     stats.bytes_total = sum(p.nbytes for p in job.plans.values())
     t0 = time.perf_counter()
@@ -92,8 +100,12 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
         stats.bytes_written = sum(r["nbytes"] for r in written)
         write_receipt(store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})
     except Exception as e:
-        write_failure(store, job.attempt_key, job.rank, e)
-        raise _as_resilient(e, job, location) from e
+        error = _as_resilient(e, job, location)
+        if error is not e:
+            error.__cause__ = e
+        settle_failure(job, store, error)
+        stats.persist_s = time.perf_counter() - t0
+        return stats  # committed anyway: this rank's receipt landed although its write raised
     stats.persist_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     if job.rank == 0:
@@ -168,7 +180,9 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
     ]
     files = AttemptFiles(root, expected_files=len(objects))
     files.make_dirs(key for key, _ in objects)
-    files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
+    if objects:  # a rank with nothing to write (all its tensors written by a peer) makes nothing durable;
+        # it must not fsync step-N/ either: the rank that creates it may not have yet (ENOENT)
+        files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
     receipt = [_receipt_entry(item) for item in items]
     first = next((key for key, what in objects if isinstance(what, tuple)), None)
 

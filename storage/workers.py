@@ -9,16 +9,19 @@ a background thread; errors are never swallowed, the Checkpointer latches them.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from resilient.errors import CommitError, ConfigError, StorageError, from_payload, to_payload
 from resilient.metrics import SaveStats
+from resilient.storage.commit import settle_failure
 from resilient.storage.persist import PersistJob, run_persist
 from resilient.storage.snapshot import StagingBuffer
 from resilient.storage.url import Location
@@ -64,6 +67,9 @@ class PersistThread:
     def submit(self, job: PersistJob, buffer: StagingBuffer, staged, handle) -> None:
         self._queue.put((job, buffer, staged, handle))
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         if self._nice and hasattr(os, "setpriority"):
             # Linux: this thread only (TensorStore's own I/O threads keep their priority).
@@ -104,6 +110,9 @@ def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
         if msg[0] == "buffer":
             buffers[msg[1]] = msg[2]
             continue
+        if msg[0] == "forget":  # the pool dropped that buffer: free its shared memory here too
+            buffers.pop(msg[1], None)
+            continue
         _, job_id, buf_id, job_json = msg
         try:
             stats = run_persist(PersistJob.from_json(json.loads(job_json)), buffers[buf_id], location, store, context)
@@ -114,9 +123,15 @@ def _process_main(url: str, options: dict, jobs, results, nice: int) -> None:
 
 class PersistProcess:
     """A spawned writer process (TensorStore must not cross a fork) reading the staging buffers
-    from shared memory; training's GIL never runs persist code."""
+    from shared memory; training's GIL never runs persist code.
 
-    def __init__(self, location: Location, on_done: OnDone, nice: int = 0) -> None:
+    A writer process that dies (killed, out of memory) fails the saves it held, through the same
+    decision as any failed save (``commit.settle_failure``, with ``store`` from this process), and
+    reports ``alive() == False``: the Checkpointer then starts a fresh one for the next save."""
+
+    _serials = itertools.count(1)
+
+    def __init__(self, location: Location, store, on_done: OnDone, nice: int = 0) -> None:
         import torch.multiprocessing as mp
 
         if location.scheme == "memory":
@@ -131,9 +146,13 @@ class PersistProcess:
             daemon=True,
         )
         self._proc.start()
-        self._on_done = on_done
-        self._pending: dict[int, tuple[Any, StagingBuffer]] = {}
-        self._buffers: dict[int, int] = {}
+        self._store, self._on_done = store, on_done
+        self._pending: dict[int, tuple[Any, StagingBuffer, PersistJob]] = {}
+        # Buffers the process holds, by a serial of our own: id() of a freed tensor is reused by
+        # the next one (the pool grows by replacing a buffer), and the process then read a stale one.
+        self._buffers: dict[int, tuple[weakref.ref, int]] = {}
+        self._dead: str | None = None  # why the process is gone, once it is
+        self._stopping = False
         self._next_id = 0
         self._lock = threading.Lock()
         self._collector = threading.Thread(target=self._collect, name="resilient-ckpt-collector", daemon=True)
@@ -141,18 +160,34 @@ class PersistProcess:
         _live_writers.add(self)
         _writer_threads.add(self._collector)
 
+    def alive(self) -> bool:
+        return self._dead is None and self._proc.is_alive()
+
     def submit(self, job: PersistJob, buffer: StagingBuffer, staged, handle) -> None:
         if staged is not None:
             staged.synchronize()  # the process reads host memory: the device copy must be done
         with self._lock:
             self._next_id += 1
             job_id = self._next_id
-            key = id(buffer.data)
-            if key not in self._buffers:
-                self._buffers[key] = job_id
-                self._jobs.put(("buffer", job_id, buffer.data))
-            self._pending[job_id] = (handle, buffer)
-        self._jobs.put(("job", job_id, self._buffers[key], json.dumps(job.to_json())))
+            self._pending[job_id] = (handle, buffer, job)
+            if self._dead is not None:  # the collector fails it on its next tick
+                return
+            serial = self._buffer_serial(buffer.data)
+        self._jobs.put(("job", job_id, serial, json.dumps(job.to_json())))
+
+    def _buffer_serial(self, data) -> int:
+        """The serial the process knows ``data`` by, sending it first if new (holds the lock)."""
+        entry = self._buffers.get(id(data))
+        if entry is not None and entry[0]() is data:
+            return entry[1]
+        for key, (ref, serial) in list(self._buffers.items()):
+            if ref() is None or key == id(data):
+                del self._buffers[key]
+                self._jobs.put(("forget", serial))
+        serial = next(self._serials)
+        self._buffers[id(data)] = (weakref.ref(data), serial)
+        self._jobs.put(("buffer", serial, data))
+        return serial
 
     def _collect(self) -> None:
         while True:
@@ -160,34 +195,53 @@ class PersistProcess:
                 msg = self._results.get(timeout=0.5)
             except queue.Empty:
                 if not self._proc.is_alive():
-                    code = self._proc.exitcode
-                    self._fail_all(StorageError(f"the checkpoint writer process died (exit code {code})"))
-                    return
+                    self._fail_pending()
+                    if self._stopping:  # nothing more will be handed to it
+                        return
                 continue
             if msg == "stopped":
                 return
             with self._lock:
-                handle, buffer = self._pending.pop(msg[0])
+                handle, buffer, _ = self._pending.pop(msg[0])
             if msg[1] == "ok":
                 d = {k: v for k, v in msg[2].items() if k not in ("event", "throughput_gib_s")}
                 self._on_done(handle, buffer, SaveStats(**d), None)
             else:  # the same class where known, the writer process's traceback as its cause
                 self._on_done(handle, buffer, None, from_payload(msg[2]))
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_pending(self) -> None:
+        """The process is gone: every save it held (or is handed later) fails, as the coordinator
+        decides (this rank's failure marker lets it decide at once instead of at its timeout)."""
         with self._lock:
+            if self._dead is None:
+                self._dead = (
+                    f"the checkpoint writer process (pid {self._proc.pid}) died with exit code "
+                    f"{self._proc.exitcode}; the next save starts a new one"
+                )
             pending, self._pending = self._pending, {}
-        for handle, buffer in pending.values():
-            self._on_done(handle, buffer, None, error)
+        for handle, buffer, job in pending.values():
+            stats = SaveStats(step=job.step, rank=job.rank)
+            error = StorageError(f"saving step {job.step} on rank {job.rank}: {self._dead}")
+            try:
+                settle_failure(job, self._store, error)
+            except BaseException as e:  # latched by the Checkpointer and re-raised on wait()
+                self._on_done(handle, buffer, None, e)
+            else:
+                self._on_done(handle, buffer, stats, None)
 
     def stop_soon(self) -> None:
+        self._stopping = True
         self._jobs.put(("stop",))
 
     def close(self, timeout_s: float) -> None:
+        self._stopping = True
         self._jobs.put(("stop",))
         self._proc.join(timeout_s)
         if self._proc.is_alive():
             self._proc.kill()
             raise CommitError(f"the checkpoint writer process did not stop within {timeout_s:.0f} s")
+        deadline = time.monotonic() + timeout_s
+        while self._pending and self._collector.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)  # a dead writer's saves are still being failed
         self._results.put("stopped")
         self._collector.join(timeout_s)

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
+from resilient.errors import CommitError, ResilientError
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
 from resilient.storage.checkpointer import Checkpointer
@@ -126,9 +127,25 @@ class Trainer:
         self.resume()
         if self.step >= self.config.run.steps:
             self.outputs.message(f"step {self.step} >= run.steps={self.config.run.steps}: nothing to train")
+            self.persist_restored()
         while self.step < self.config.run.steps:
             self._iteration()
         self.finish()
+
+    def persist_restored(self) -> None:
+        """A run restored from RAM at (or past) its last step has nothing left to train, and its
+        final state may exist only in RAM (the final save failed, then the job restarted): save it
+        now (collective; every rank decides alike). Earlier steps need nothing here: the last
+        step's save covers them. A peer group that committed the same step first is no error."""
+        if self.restored_from not in ("own", "buddy") or self.step in self._committed_steps():
+            return
+        self._saved_step = None
+        try:
+            self.save()
+            self.checkpointer.wait()
+        except CommitError:  # raised on every rank alike (agreed in save/wait)
+            if self.step not in self._committed_steps():
+                raise
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -279,12 +296,27 @@ class Trainer:
     def finish(self) -> None:
         """Wait (bounded by checkpoint.timeout_s) until every save in flight is committed, and until
         every rank's last RAM snapshot reached its buddy (no rank closes its channel while a peer
-        still sends to it)."""
+        still sends to it); then make sure the run's last step is committed to ``checkpoint.url``.
+        Every check is one agreement: each rank raises the same error, or none does (a rank
+        raising alone would leave its peers in the next collective until its timeout)."""
         self.checkpointer.wait()
         self._pending_save = None
         if self.ram is not None:
-            self.ram.wait(self.config.recovery.replication_timeout_s)
-            rdist.barrier()
+            ram, timeout = self.ram, self.config.recovery.replication_timeout_s
+            rdist.agree(lambda: ram.wait(timeout), what="RAM replication")  # also the barrier
+        committed = self._final_committed_steps()
+        if self.step not in committed:
+            newest = committed[-1] if committed else "none"
+            raise ResilientError(
+                f"the run ended at step {self.step} but that step is not committed to "
+                f"{self.checkpointer.url} (newest committed: {newest}): the final state would exist "
+                "only in memory; rerun the same command to resume and save it"
+            )
+
+    def _final_committed_steps(self) -> list[int]:
+        """Committed steps, as every rank sees them at the end (replica groups wait for the group
+        that writes the last step)."""
+        return self._committed_steps()
 
     def close(self) -> None:
         """Stop the loader's workers and the checkpoint writer, close the output files. Raises a

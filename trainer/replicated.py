@@ -76,6 +76,8 @@ class ReplicatedTrainer(Trainer):
 
     def run(self) -> None:
         self._joined = self._first_quorum()
+        if self.step >= self.config.run.steps:
+            self.persist_restored()
         while self.step < self.config.run.steps:
             self._iteration()
         self.finish()
@@ -202,6 +204,22 @@ class ReplicatedTrainer(Trainer):
         return self.last_quorum.participating_rank == 0 and self.step not in self._committed_steps()
 
     # -- end of run --------------------------------------------------------------------------
+
+    def _final_committed_steps(self) -> list[int]:
+        """The last step is written by one group (``_saves_this_step``), maybe not this one: wait
+        for its commit, bounded by checkpoint.timeout_s. Rank 0 lists and judges the time for
+        the whole group, so every rank leaves the loop at the same poll."""
+        deadline, delay = time.monotonic() + self.config.checkpoint.timeout_s, 0.05
+        while True:
+            got = rdist.agree(
+                lambda: {"steps": self.checkpointer.steps(), "late": time.monotonic() > deadline},
+                src=0,
+                what="listing committed checkpoints",
+            )
+            if self.step in got["steps"] or got["late"]:
+                return got["steps"]
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     def write_final_digest(self) -> dict[str, Any]:
         """sha256 of the full parameters and optimizer state (collective within the group); rank 0

@@ -78,3 +78,47 @@ def test_retention_never_deletes_newest_or_newer_uncommitted(tmp_path):
     assert plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(None)) == [
         "step-000000002/attempt-orphan"
     ]
+
+
+class _S3LikeStore:
+    """A memory store that says it is S3 and counts reads (each one a billed, throttled GET)."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.data: dict[str, bytes] = {}
+        self.reads = 0
+        self.location = SimpleNamespace(scheme="s3", url="s3://bucket/run")
+
+    def read(self, key: str) -> bytes | None:
+        self.reads += 1
+        return self.data.get(key)
+
+    def list_children(self, key: str) -> list[str]:
+        self.reads += 1
+        return []
+
+
+@pytest.mark.timeout(30)
+def test_non_coordinators_back_off_when_polling_s3_for_the_commit():
+    """Issue 13 item 7: each waiting rank polled the manifest ~50 times a second (S3 throttling at
+    hundreds of ranks); now it backs off toward a cap of ~2 polls a second on S3."""
+    import threading
+    import time
+
+    from resilient.storage import commit
+    from resilient.storage.persist import PersistJob
+
+    store = _S3LikeStore()
+    job = PersistJob(step=1, attempt="attempt-a", rank=1, world_size=2, plans={}, regions=[], commit_timeout_s=20)
+    manifest = Manifest(step=1, attempt="attempt-a", world_size=2, arrays={}, values={})
+    timer = threading.Timer(2.0, lambda: store.data.__setitem__("step-000000001/manifest.json", manifest.dumps()))
+    timer.start()
+    start = time.monotonic()
+    commit.wait_for_commit(job, store)
+    assert 1.9 < time.monotonic() - start < 3.5
+    assert store.reads <= 30, f"{store.reads} requests in ~2 s"  # was ~100
+    # The cap grows with the world on local storage too, and a configured cap wins.
+    assert commit.poll_cap_s("file", 2) == 0.01 and commit.poll_cap_s("file", 1024) > 0.1
+    assert commit.poll_cap_s("s3", 2) >= 0.5 and commit.poll_cap_s("s3", 4096) > commit.poll_cap_s("s3", 2)
+    assert commit.poll_cap_s("s3", 2, configured=0.05) == 0.05
