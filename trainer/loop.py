@@ -109,6 +109,7 @@ class Trainer:
             resume=self.config.checkpoint.resume,
             say=self.outputs.message,
             layout=f"dp_shard={p.dp_shard} x tp={p.tp}",
+            load_step=self.config.checkpoint.load_step,
         )
         self.restored_from = result.source
         if result.loaded:
