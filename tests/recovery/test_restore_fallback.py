@@ -168,4 +168,4 @@ def test_a_step_damaged_on_one_rank_moves_every_rank_to_the_same_older_step(tmp_
     rows = [[200.0, 204.0, 208.0, 212.0], [216.0, 220.0, 224.0, 228.0]]
     assert restored == [{"source": "persistent", "step": 2, "w": rows[rank], "train": {"step": 2}} for rank in range(2)]
     (fallback,) = events(tmp_path / "run", "restore_fallback")
-    assert fallback["step"] == 4 and fallback["reason"].startswith("loading step 4: [rank 1] ")
+    assert fallback["step"] == 4 and fallback["reason"].startswith("[rank 1] checksum mismatch")
