@@ -8,12 +8,17 @@ and a step redone after a restore appears twice, the later line being the one th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from resilient.runfiles import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, append_jsonl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,6 +67,7 @@ class RunOutputs:
         self.log_samples = log_samples
         self.log_every = log_every
         self.steps = steps
+        self._failed: set[str] = set()  # files whose write failed (warned once each)
         if enabled:
             os.makedirs(directory, exist_ok=True)
 
@@ -76,13 +82,14 @@ class RunOutputs:
     def write_config(self, config: dict[str, Any], extra: dict[str, Any]) -> None:
         """config.json: the resolved config of the latest start (and where/how it ran)."""
         if self.enabled:
-            with open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
+            with self._side_effect(CONFIG_FILE), open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
                 json.dump({**config, "launch": extra}, f, indent=2)
 
     def step(self, stats: StepStats) -> None:
         if not self.enabled:
             return
-        append_jsonl(self.metrics_path, stats.to_json())
+        with self._side_effect(METRICS_FILE):
+            append_jsonl(self.metrics_path, stats.to_json())
         if stats.step % self.log_every == 0 or stats.step == self.steps:
             print(
                 f"step {stats.step:>6}/{self.steps} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "
@@ -93,11 +100,23 @@ class RunOutputs:
 
     def samples(self, step: int, sample_ids: list[str]) -> None:
         if self.enabled and self.log_samples:
-            append_jsonl(self.samples_path, {"step": step, "sample_ids": sample_ids})
+            with self._side_effect(SAMPLES_FILE):
+                append_jsonl(self.samples_path, {"step": step, "sample_ids": sample_ids})
 
     def message(self, text: str) -> None:
         if self.enabled:
             print(text, flush=True)
+
+    @contextlib.contextmanager
+    def _side_effect(self, name: str) -> Iterator[None]:
+        """A write that must not stop training: only rank 0 writes these files, so an OSError
+        raised here would leave every other rank waiting in the next collective. Warned once."""
+        try:
+            yield
+        except OSError as e:
+            if name not in self._failed:
+                self._failed.add(name)
+                log.warning("cannot write %s in %s (%s); training goes on without it", name, self.directory, e)
 
     def close(self) -> None:
         """Nothing is held open (every line is one append); kept so owners close what they open."""

@@ -73,3 +73,17 @@ def test_group_dir_and_sample_order(monkeypatch) -> None:
         group_dir("/r")
     assert sort_sample_ids({"1:2", "0:10", "0:9"}) == ["0:9", "0:10", "1:2"]
     assert json.dumps(_stats(1, 1.0).to_json())
+
+
+def test_an_unwritable_output_file_never_stops_training(tmp_path: Path, caplog) -> None:
+    # Only rank 0 writes these: an OSError raised here would leave the other ranks in a collective.
+    (tmp_path / "metrics.jsonl").mkdir()  # opening it for append fails (IsADirectoryError)
+    (tmp_path / "config.json").mkdir()
+    out = RunOutputs(str(tmp_path), enabled=True, log_samples=True, log_every=100, steps=3)
+    out.write_config({"run": {}}, {})
+    for step in (1, 2, 3):
+        out.step(_stats(step, 1.0))
+        out.samples(step, [f"0:{step}"])
+    warned = [r.getMessage() for r in caplog.records if "training goes on without it" in r.getMessage()]
+    assert len(warned) == 2 and "metrics.jsonl" in warned[1] and "config.json" in warned[0], warned
+    assert len(read_jsonl_by_step(str(tmp_path / "samples.jsonl"))) == 3  # the other file is unaffected
