@@ -67,23 +67,22 @@ def committed_attempt(store: ObjectStore, step: int) -> str | None:
 
 
 def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | None = None) -> list[str]:
-    """Keys (relative to the root) that retention would delete, oldest first. A kept step whose
-    manifest is damaged is skipped (which attempt is real cannot be known; its step number goes
-    to ``damaged``): one bad old step must never make retention, and with it every later
-    commit, fail."""
+    """Keys (relative to the root) that retention would delete, oldest first.
+
+    ``keep_last`` counts steps that load: a step whose manifest is damaged is kept but not counted
+    (its step number goes to ``damaged``), so damaged steps never crowd out the good steps a
+    restore falls back to, and one bad old step never makes retention (and with it every later
+    commit) fail. Which attempt of a damaged step is real cannot be known: its attempts stay."""
     listing = list_steps(store)
     if not listing.committed:
         return []
     newest = listing.committed[-1]
     doomed: list[str] = []
-    if policy.n is not None:
-        for step in listing.committed[: -policy.n]:
+    good = 0
+    for step in reversed(listing.committed):  # the newest is always kept
+        if policy.n is not None and good >= policy.n:
             doomed.append(step_dir(step))
-    kept = set(listing.committed[-policy.n :] if policy.n is not None else listing.committed)
-    for step in listing.uncommitted:
-        if step < newest:  # a newer uncommitted step may be a save still in flight
-            doomed.append(step_dir(step))
-    for step in sorted(kept):
+            continue
         try:
             attempt = committed_attempt(store, step)
         except DamagedManifest as e:
@@ -91,10 +90,18 @@ def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | No
             if damaged is not None:
                 damaged.append(step)
             continue
+        good += 1
         for name in store.list_children(step_dir(step)):
             if name.startswith("attempt-") and name != attempt:
                 doomed.append(f"{step_dir(step)}/{name}")
-    return doomed
+    for step in listing.uncommitted:
+        if step < newest:  # a newer uncommitted step may be a save still in flight
+            doomed.append(step_dir(step))
+    return sorted(doomed, key=_step_of_key)
+
+
+def _step_of_key(key: str) -> tuple[int, str]:
+    return int(key.split("/", 1)[0].removeprefix("step-")), key
 
 
 def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:

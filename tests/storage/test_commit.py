@@ -80,6 +80,19 @@ def test_retention_never_deletes_newest_or_newer_uncommitted(tmp_path):
     ]
 
 
+def test_retention_counts_only_steps_that_load_toward_keep_last(tmp_path):
+    # Damaged newest manifests must not crowd out the good steps a restore falls back to.
+    ckpt = Checkpointer(str(tmp_path))
+    for s in (1, 2, 3, 4, 5):
+        ckpt.save(s, {"w": torch.ones(2)}).wait()
+    for s in (4, 5):
+        with open(tmp_path / f"step-00000000{s}" / "manifest.json", "r+") as f:
+            f.truncate(20)
+    damaged: list[int] = []
+    doomed = plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(2), damaged)
+    assert doomed == ["step-000000001"] and sorted(damaged) == [4, 5]
+
+
 class _S3LikeStore:
     """A memory store that says it is S3 and counts reads (each one a billed, throttled GET)."""
 
