@@ -67,7 +67,8 @@ def committed_attempt(store: ObjectStore, step: int) -> str | None:
 
 
 def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | None = None) -> list[str]:
-    """Keys (relative to the root) that retention would delete, oldest first.
+    """Keys (relative to the root) that retention would delete: whole steps oldest first, then
+    the stray attempts of kept steps.
 
     ``keep_last`` counts steps that load: a step whose manifest is damaged is kept but not counted
     (its step number goes to ``damaged``), so damaged steps never crowd out the good steps a
@@ -100,8 +101,8 @@ def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | No
     return sorted(doomed, key=_step_of_key)
 
 
-def _step_of_key(key: str) -> tuple[int, str]:
-    return int(key.split("/", 1)[0].removeprefix("step-")), key
+def _step_of_key(key: str) -> tuple[bool, int, str]:
+    return "/" in key, int(key.split("/", 1)[0].removeprefix("step-")), key
 
 
 def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:
