@@ -305,6 +305,8 @@ class Trainer:
         if self.ram is not None:
             ram, timeout = self.ram, self.config.recovery.replication_timeout_s
             rdist.agree(lambda: ram.wait(timeout), what="RAM replication")  # also the barrier
+        if self.step == 0:
+            return  # nothing trained nor restored (run.steps=0 on a fresh root): the initial state
         committed = self._final_committed_steps()
         if self.step not in committed:
             newest = committed[-1] if committed else "none"

@@ -17,7 +17,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
 STEPS = 1
 
 
-def _trainer(run_dir: str) -> Any:
+def _trainer(run_dir: str, *extra: str) -> Any:
     from resilient.trainer.config import load_config
     from resilient.trainer.train import build_trainer
 
@@ -28,6 +28,7 @@ def _trainer(run_dir: str) -> Any:
         f"run.steps={STEPS}",
         f"checkpoint.persist_every={STEPS * 10}",  # only the last-step save
         "data.num_workers=0",  # rows built in this process: run_world ranks are daemons
+        *extra,
     ]
     return build_trainer(load_config(TINY, overrides), torch.device("cpu"))
 
@@ -68,6 +69,9 @@ def _final_step_runs(rank: int, world: int, root: str) -> dict:
     unsaved.maybe_save = lambda: None
     result["unsaved"] = _run(unsaved)
     result["unsaved_step"] = unsaved.step
+    # run.steps=0 on a fresh root: nothing trained, nothing to persist (step 0 is the initial state).
+    nothing = _trainer(os.path.join(root, "nothing"), "run.steps=0")
+    result["nothing"], result["nothing_steps"] = _run(nothing), _committed(nothing)
     return result
 
 
@@ -78,6 +82,7 @@ def test_a_run_ends_successfully_only_with_its_last_step_committed(tmp_path: Pat
     for r in results:
         assert r["restarted"] == "ok" and r["restarted_steps"] == [STEPS]
         assert r["unsaved_step"] == STEPS
+        assert r["nothing"] == "ok" and r["nothing_steps"] == []
     # Raised on every rank, the same error, at the same call.
     assert results[0]["unsaved"] == results[1]["unsaved"]
     assert results[0]["unsaved"].startswith(
