@@ -124,10 +124,18 @@ def run_parallel(tasks: Iterable[Callable[[], None]], threads: int) -> None:
             task()
         return
     workers = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    except BaseException as e:  # Ctrl-C while waiting: no task may still run (or write) after we raise
+        with lock:
+            errors.append(e)  # stops the drawing
+        for w in workers:
+            if w.ident is not None:
+                w.join()
+        raise
     if errors:
         raise errors[0]
 

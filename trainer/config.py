@@ -340,6 +340,10 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> TrainConfig:
             raise ConfigError(f"config file {path!r} does not exist") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text (TOML must be): {e.reason}") from e
+        except OSError as e:  # a directory, no permission, an I/O error
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from e
     try:
         return config_from_dict(apply_overrides(raw, overrides))
     except ConfigError as e:

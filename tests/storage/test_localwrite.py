@@ -156,3 +156,28 @@ def test_syncfs_is_trusted_only_on_local_file_systems(tmp_path):
     assert localwrite.syncfs_is_trusted(str(tmp_path)) == (local and localwrite._kernel_at_least(5, 8))
     few, many = (AttemptFiles(str(tmp_path), expected_files=n) for n in (1, localwrite.SYNCFS_MIN_FILES))
     assert not few.use_syncfs and many.use_syncfs == localwrite.syncfs_is_trusted(str(tmp_path))
+
+
+@pytest.mark.timeout(30)
+def test_run_parallel_interrupted_while_waiting_leaves_no_task_running():
+    # A load's tasks write into the caller's tensors: none may run after run_parallel has raised.
+    import signal
+    import time
+
+    events: list[tuple[str, float]] = []
+
+    def task(i: int) -> None:
+        if i == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the main thread, waiting in join
+        time.sleep(0.05)
+        events.append(("done", time.monotonic()))
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_parallel(((lambda i=i: task(i)) for i in range(200)), 4)
+        raised_at = time.monotonic()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    time.sleep(0.3)
+    assert len(events) < 200 and all(t <= raised_at for _, t in events)

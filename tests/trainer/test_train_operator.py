@@ -53,6 +53,8 @@ def _error_lines(stderr: str) -> list[str]:
         (None, ["--nproc", "3"], "--nproc 3"),
         (None, ["--set", "parallel.dp_shard=3"], "parallel.dp_shard=3"),
         ("missing", [], "does not exist"),
+        ("directory", [], "cannot read config file"),
+        ("latin1", [], "is not UTF-8 text"),
         (None, ["--set", "checkpoint.url=ftp://host/ckpt"], "checkpoint.url: unsupported checkpoint URL"),
         (None, ["--set", "checkpoint.url=s3://x/ckpt"], "checkpoint.url: S3 URL 's3://x/ckpt' has no valid bucket"),
     ],
@@ -63,6 +65,11 @@ def test_config_mistake_is_one_line_before_any_worker(
     path = TINY
     if recipe == "missing":
         path = str(tmp_path / "missing.toml")
+    elif recipe == "directory":
+        path = str(tmp_path)
+    elif recipe == "latin1":
+        path = str(tmp_path / "recipe.toml")
+        Path(path).write_bytes("[run]\nsteps = 3 # größer\n".encode("latin-1"))
     elif recipe is not None:
         path = str(tmp_path / "recipe.toml")
         Path(path).write_text(recipe)
