@@ -25,9 +25,9 @@ from collections import Counter
 from typing import Any
 
 from resilient.chaos.inject import FaultRecord
+from resilient.chaos.scenario import NO_DOWNTIME_KINDS
 
 _DETECT_EVENTS = {"joining", "lighthouse_exited", "restore"}
-_NO_DOWNTIME_KINDS = {"corrupt_chunk", "corrupt_replica", "s3_errors", "s3_resets", "s3_latency", "s3_ambiguous"}
 
 
 def _commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,7 +91,7 @@ def fault_costs(record: FaultRecord, events: list[dict[str, Any]]) -> dict[str, 
         out["restore_check"] = restore_check(record, events)
     # Not a crash: nothing to detect or recover from (S3 trouble is retried inside the saves; its
     # cost shows as checkpoint stall in metrics.jsonl, not as a stall of the job).
-    if t_f is None or record.spec.kind in _NO_DOWNTIME_KINDS:
+    if t_f is None or record.spec.kind in NO_DOWNTIME_KINDS:
         return out
     commits = _commits(events)
     pre = max((e["step"] for e in commits if e["t"] < t_f), default=0)

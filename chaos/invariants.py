@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.chaos.hooks import digest_path
+from resilient.chaos.scenario import PROCESS_KINDS
 from resilient.runfiles import (
     FINAL_DIGEST,
     SAMPLES_FILE,
@@ -40,12 +41,6 @@ from resilient.runfiles import (
     read_jsonl,
     read_jsonl_by_step,
 )
-
-PROCESS_FAULTS = {
-    *("kill_rank", "kill_node", "kill_group", "stop_rank"),
-    *("kill_during_persist", "kill_during_heal", "kill_lighthouse"),
-}
-"""Fault kinds that kill or stop a process: a restart or a failed save may follow from them."""
 
 
 def result(ok: bool, reason: str) -> dict[str, Any]:
@@ -182,7 +177,7 @@ def final_step_durable(run: RunData, verify: bool = True) -> dict[str, Any]:
 
 
 def storage_faults_absorbed(run: RunData, fault_kinds: list[str]) -> dict[str, Any]:
-    process = sorted(set(fault_kinds) & PROCESS_FAULTS)
+    process = sorted(set(fault_kinds) & PROCESS_KINDS)
     if process:
         return result(True, f"not checked: faults {process} kill or stop processes")
     restarts = sorted(

@@ -64,6 +64,12 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
 }
 """Every fault kind, with the keys it needs and the keys it may take."""
 
+NO_DOWNTIME_KINDS = {"corrupt_chunk", "corrupt_replica", "s3_errors", "s3_resets", "s3_latency", "s3_ambiguous"}
+"""Fault kinds that stop no process: storage trouble and flipped bytes (no detection or recovery
+time of their own; a restart or a failed save after one of them alone is a bug)."""
+PROCESS_KINDS = set(FAULT_KINDS) - NO_DOWNTIME_KINDS
+"""Fault kinds that kill or stop a process: a restart or a failed save may follow from them."""
+
 _TIMING_KEYS = {"kind", "at_step", "at_time_s", "random", "count", "min_step", "max_step"}
 _GROUP_DOWN_KINDS = {"kill_rank", "kill_node", "kill_group", "kill_during_persist", "kill_during_heal"}
 _DEFAULT_SECONDS = {

@@ -78,13 +78,3 @@ def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         np_int = {torch.int16: np.int16, torch.int8: np.int8}[int_dtype]
         return torch.from_numpy(np.require(array, requirements="C").view(np_int)).view(dtype)
     return torch.from_numpy(np.require(array, requirements="C"))
-
-
-def register_zarr_bfloat16() -> None:
-    """Teach zarr-python 3 the ``bfloat16`` data type (``resilient.zarr_bfloat16``); a no-op when
-    zarr-python is absent or laid out differently."""
-    try:
-        from resilient.zarr_bfloat16 import register
-    except ImportError:
-        return
-    register()
