@@ -56,14 +56,12 @@ def _fsync_dir(path: str) -> None:
 
 
 def _same_or_equal(ours: str, path: str, data: bytes) -> bool:
-    """``path`` is the file ``ours`` (same inode) or holds exactly ``data``."""
-    try:
-        if os.path.samefile(ours, path):
-            return True
-        with open(path, "rb") as f:
-            return f.read(len(data) + 1) == data
-    except FileNotFoundError:
-        return False
+    """``path`` is the file ``ours`` (same inode) or holds exactly ``data``. A ``path`` gone again
+    raises (FileNotFoundError, an OSError): "someone else's" would be a guess either way."""
+    if os.path.samefile(ours, path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(len(data) + 1) == data
 
 
 class FileObjectStore:
