@@ -143,7 +143,9 @@ def run(command: list[str], grace_s: float) -> int:
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # OMP_NUM_THREADS: torchrun sets 1 anyway when it is unset, but first prints a 5-line warning
+    # above the one line the operator should read.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     proc = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
