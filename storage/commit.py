@@ -324,7 +324,9 @@ def settle_failure(job: PersistJob, store: ObjectStore, error: BaseException) ->
         # A writer killed after commit_manifest (during retention, before it reported "ok") left
         # a committed step: the other ranks read the manifest, so "failed" here would contradict them.
         if names_attempt(store, job):
-            log.warning("[rank 0] step %d: the writer failed (%s) after the manifest landed: committed", job.step, error)
+            log.warning(
+                "[rank 0] step %d: the writer failed (%s) after the manifest landed: committed", job.step, error
+            )
             return
         decide_failed(store, job, error)
         raise error
