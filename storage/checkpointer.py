@@ -152,7 +152,8 @@ class Checkpointer:
                 self._discard(early)
                 snap = self._snapshot(layout, locals_)
             stats.snapshot_s = time.perf_counter() - start
-            job.regions, handle._staged = snap.regions, snap.staged
+            job.regions = snap.regions
+            handle.set_staged(snap.staged)
             self._writer_for().submit(job, snap.buffer, snap.staged, handle)
         except Exception as e:  # after the agreement: not raised here alone, it is this save's outcome
             self._fail_in_background(job, handle, snap, e)
@@ -213,7 +214,7 @@ class Checkpointer:
         call ``wait()`` on every rank first for the agreed outcome."""
         try:
             late = self._drain()
-            error = late if late is not None else self._outcomes.take()[1]
+            error = late if late is not None else self._outcomes.pop_first_error()[1]
             if error is not None:
                 raise error
         finally:
@@ -234,7 +235,7 @@ class Checkpointer:
         error to share, not raised here (a rank raising alone would strand its peers)."""
         deadline = time.perf_counter() + self.config.close_timeout_s
         for handle in list(self._inflight):
-            if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
+            if not handle.wait_done(max(0.0, deadline - time.perf_counter())):
                 return CommitError(
                     f"save of step {handle.step} not decided within {self.config.close_timeout_s:.0f} s "
                     "(close_timeout_s); storage may hang: check it, or raise checkpoint timeout_s"
@@ -254,7 +255,7 @@ class Checkpointer:
         oldest = self._inflight.pop(0)
         # Every save is decided by its deadline plus the grace (commit.py): this bounds the wait.
         timeout = self.config.commit_timeout_s + decision_grace_s(self.config.commit_timeout_s)
-        if not oldest._done.wait(timeout):
+        if not oldest.wait_done(timeout):
             return False, CommitError(f"save of step {oldest.step} still persisting after {timeout:.0f} s")
         stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"
@@ -373,7 +374,7 @@ class Checkpointer:
             raise StateError(f"metadata is not JSON-able: {e}") from e
         described_locals, described = self._layouts.describe(tensors)
         locals_.update(described_locals)
-        latched, self._latched_here = self._outcomes.take()  # last: nothing after it raises on ranks > 0
+        latched, self._latched_here = self._outcomes.pop_first_error()  # last: nothing after it raises on ranks > 0
         # Layouts rarely change between saves: send ours only when it did (the all-gather is on
         # the training thread's critical path).
         changed = described != self._sent_tensors
