@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 import weakref
@@ -41,7 +40,7 @@ from resilient.storage.reader import ReadTarget, read_into
 from resilient.storage.retention import list_steps
 from resilient.storage.snapshot import Snapshot, SnapshotLayout, StagingPool, snapshot_layout, take_snapshot
 from resilient.storage.url import parse_url
-from resilient.storage.workers import PersistProcess, PersistThread
+from resilient.storage.workers import PersistProcess, PersistThread, start_background
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +274,7 @@ class Checkpointer:
             else:
                 self._ledger.on_done(handle, buffer, SaveStats(step=job.step, rank=job.rank), None)
 
-        threading.Thread(target=settle, name="resilient-ckpt-settle", daemon=True).start()
+        start_background(settle, "resilient-ckpt-settle")  # joined at exit, like the writers
 
     def _prepare_start(
         self, step: int, state: dict, metadata: dict | None, busy: bool, late: CommitError | None
