@@ -43,6 +43,7 @@ from resilient.storage.url import parse_url
 from resilient.storage.workers import PersistProcess, PersistThread, start_background
 
 log = logging.getLogger(__name__)
+_DELIVERY_SLACK_S = 5.0  # from the coordinator's decision to this rank's writer reporting it
 
 
 class Checkpointer:
@@ -141,7 +142,7 @@ class Checkpointer:
             keep_last=self.config.keep_last,
             io_threads=self.config.io_threads,
         )
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, decided_by=deadline + decision_grace_s(self.config.commit_timeout_s))
         handle.stats, handle.attempt = stats, attempt
         self._inflight.append(handle)
         self._outcomes.track(handle)
@@ -230,17 +231,27 @@ class Checkpointer:
     # -- save stages -------------------------------------------------------------------------
 
     def _drain(self) -> CommitError | None:
-        """Wait (up to close_timeout_s) until every save in flight is decided; the timeout as an
-        error to share, not raised here (a rank raising alone would strand its peers)."""
-        deadline = time.perf_counter() + self.config.close_timeout_s
+        """Wait until every save in flight is decided (close_timeout_s, and never less than until
+        its decision is due); the timeout as an error to share, not raised here (a rank raising
+        alone would strand its peers)."""
+        floor = time.time() + self.config.close_timeout_s
         for handle in list(self._inflight):
-            if not handle.wait_done(max(0.0, deadline - time.perf_counter())):
+            if not self._wait_decided(handle, floor):
                 return CommitError(
                     f"save of step {handle.step} not decided within {self.config.close_timeout_s:.0f} s "
-                    "(close_timeout_s); storage may hang: check it, or raise checkpoint timeout_s"
+                    "(close_timeout_s) nor by its decision time; storage may hang: check it, or raise "
+                    "checkpoint timeout_s"
                 )
         self._inflight = []
         return None
+
+    @staticmethod
+    def _wait_decided(handle: SaveHandle, floor: float) -> bool:
+        """Wait for ``handle`` until ``floor`` (unix time) or until its decision is due, whichever
+        is later: giving up before the decision (a save started just before close) would raise
+        "not decided" on this rank for a step its peers see committed."""
+        until = max(floor, handle.decided_by + _DELIVERY_SLACK_S)
+        return handle.wait_done(max(0.0, until - time.time()))
 
     def _make_room(self, stats: SaveStats) -> tuple[bool, CommitError | None]:
         """Apply the max_inflight policy locally: whether this rank is still busy ("skip"), and a
@@ -253,9 +264,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         oldest = self._inflight.pop(0)
         # Every save is decided by its deadline plus the grace (commit.py): this bounds the wait.
-        timeout = self.config.commit_timeout_s + decision_grace_s(self.config.commit_timeout_s)
-        if not oldest.wait_done(timeout):
-            return False, CommitError(f"save of step {oldest.step} still persisting after {timeout:.0f} s")
+        if not self._wait_decided(oldest, 0.0):
+            return False, CommitError(f"save of step {oldest.step} still persisting after its decision was due")
         stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"
         return False, None

@@ -9,8 +9,11 @@ from resilient.metrics import SaveStats
 
 
 class SaveHandle:
-    def __init__(self, step: int, staged=None) -> None:
+    def __init__(self, step: int, staged=None, decided_by: float = 0.0) -> None:
         self.step = step
+        self.decided_by = decided_by
+        """Unix time by which every rank has the coordinator's decision (the agreed deadline plus
+        ``decision_grace_s``); 0: unknown. A wait for the outcome must not give up before it."""
         self.attempt: str | None = None  # the save's attempt id, the same on every rank
         self.stats: SaveStats | None = None
         self.error: BaseException | None = None
