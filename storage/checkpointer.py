@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 import weakref
@@ -41,9 +40,10 @@ from resilient.storage.reader import ReadTarget, read_into
 from resilient.storage.retention import list_steps
 from resilient.storage.snapshot import Snapshot, SnapshotLayout, StagingPool, snapshot_layout, take_snapshot
 from resilient.storage.url import parse_url
-from resilient.storage.workers import PersistProcess, PersistThread
+from resilient.storage.workers import PersistProcess, PersistThread, start_background
 
 log = logging.getLogger(__name__)
+_DELIVERY_SLACK_S = 5.0  # from the coordinator's decision to this rank's writer reporting it
 
 
 class Checkpointer:
@@ -142,7 +142,7 @@ class Checkpointer:
             keep_last=self.config.keep_last,
             io_threads=self.config.io_threads,
         )
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, decided_by=deadline + decision_grace_s(self.config.commit_timeout_s))
         handle.stats, handle.attempt = stats, attempt
         self._inflight.append(handle)
         self._outcomes.track(handle)
@@ -152,7 +152,8 @@ class Checkpointer:
                 self._discard(early)
                 snap = self._snapshot(layout, locals_)
             stats.snapshot_s = time.perf_counter() - start
-            job.regions, handle._staged = snap.regions, snap.staged
+            job.regions = snap.regions
+            handle.set_staged(snap.staged)
             self._writer_for().submit(job, snap.buffer, snap.staged, handle)
         except Exception as e:  # after the agreement: not raised here alone, it is this save's outcome
             self._fail_in_background(job, handle, snap, e)
@@ -213,7 +214,7 @@ class Checkpointer:
         call ``wait()`` on every rank first for the agreed outcome."""
         try:
             late = self._drain()
-            error = late if late is not None else self._outcomes.take()[1]
+            error = late if late is not None else self._outcomes.pop_first_error()[1]
             if error is not None:
                 raise error
         finally:
@@ -230,17 +231,27 @@ class Checkpointer:
     # -- save stages -------------------------------------------------------------------------
 
     def _drain(self) -> CommitError | None:
-        """Wait (up to close_timeout_s) until every save in flight is decided; the timeout as an
-        error to share, not raised here (a rank raising alone would strand its peers)."""
-        deadline = time.perf_counter() + self.config.close_timeout_s
+        """Wait until every save in flight is decided (close_timeout_s, and never less than until
+        its decision is due); the timeout as an error to share, not raised here (a rank raising
+        alone would strand its peers)."""
+        floor = time.time() + self.config.close_timeout_s
         for handle in list(self._inflight):
-            if not handle._done.wait(max(0.0, deadline - time.perf_counter())):
+            if not self._wait_decided(handle, floor):
                 return CommitError(
                     f"save of step {handle.step} not decided within {self.config.close_timeout_s:.0f} s "
-                    "(close_timeout_s); storage may hang: check it, or raise checkpoint timeout_s"
+                    "(close_timeout_s) nor by its decision time; storage may hang: check it, or raise "
+                    "checkpoint timeout_s"
                 )
         self._inflight = []
         return None
+
+    @staticmethod
+    def _wait_decided(handle: SaveHandle, floor: float) -> bool:
+        """Wait for ``handle`` until ``floor`` (unix time) or until its decision is due, whichever
+        is later: giving up before the decision (a save started just before close) would raise
+        "not decided" on this rank for a step its peers see committed."""
+        until = max(floor, handle.decided_by + _DELIVERY_SLACK_S)
+        return handle.wait_done(max(0.0, until - time.time()))
 
     def _make_room(self, stats: SaveStats) -> tuple[bool, CommitError | None]:
         """Apply the max_inflight policy locally: whether this rank is still busy ("skip"), and a
@@ -253,9 +264,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         oldest = self._inflight.pop(0)
         # Every save is decided by its deadline plus the grace (commit.py): this bounds the wait.
-        timeout = self.config.commit_timeout_s + decision_grace_s(self.config.commit_timeout_s)
-        if not oldest._done.wait(timeout):
-            return False, CommitError(f"save of step {oldest.step} still persisting after {timeout:.0f} s")
+        if not self._wait_decided(oldest, 0.0):
+            return False, CommitError(f"save of step {oldest.step} still persisting after its decision was due")
         stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"
         return False, None
@@ -274,7 +284,7 @@ class Checkpointer:
             else:
                 self._ledger.on_done(handle, buffer, SaveStats(step=job.step, rank=job.rank), None)
 
-        threading.Thread(target=settle, name="resilient-ckpt-settle", daemon=True).start()
+        start_background(settle, "resilient-ckpt-settle")  # joined at exit, like the writers
 
     def _prepare_start(
         self, step: int, state: dict, metadata: dict | None, busy: bool, late: CommitError | None
@@ -373,7 +383,7 @@ class Checkpointer:
             raise StateError(f"metadata is not JSON-able: {e}") from e
         described_locals, described = self._layouts.describe(tensors)
         locals_.update(described_locals)
-        latched, self._latched_here = self._outcomes.take()  # last: nothing after it raises on ranks > 0
+        latched, self._latched_here = self._outcomes.pop_first_error()  # last: nothing after it raises on ranks > 0
         # Layouts rarely change between saves: send ours only when it did (the all-gather is on
         # the training thread's critical path).
         changed = described != self._sent_tensors

@@ -315,11 +315,19 @@ def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
 
 def settle_failure(job: PersistJob, store: ObjectStore, error: BaseException) -> None:
     """This rank's part of the save failed. Returns if the step was committed anyway (a receipt
-    whose PUT raised but landed, seen by the coordinator); raises ``error`` otherwise. The
+    whose PUT raised but landed, seen by the coordinator; or, on the coordinator, a manifest
+    that already names the attempt); raises ``error`` otherwise. The
     coordinator's own failure is its decision; another rank marks its failure (so the
     coordinator stops waiting for it) and then waits for the decision like everyone else."""
     write_failure(store, job.attempt_key, job.rank, error)
     if job.rank == 0:
+        # A writer killed after commit_manifest (during retention, before it reported "ok") left
+        # a committed step: the other ranks read the manifest, so "failed" here would contradict them.
+        if names_attempt(store, job):
+            log.warning(
+                "[rank 0] step %d: the writer failed (%s) after the manifest landed: committed", job.step, error
+            )
+            return
         decide_failed(store, job, error)
         raise error
     try:

@@ -53,7 +53,9 @@ class CheckpointerConfig:
     metrics_path: str | None = None
     """Append one JSON line of SaveStats per save to this file."""
     close_timeout_s: float = 600.0
-    """How long close() waits for saves in flight to commit."""
+    """How long close() and wait() wait for saves in flight to be decided, at least: a save is
+    also waited for until its decision is due (commit_timeout_s plus the decision grace,
+    ``commit.decision_grace_s``, after it started), whatever this says."""
     poll_cap_s: float | None = None
     """Longest sleep, in s, between the storage polls of a commit (receipts on the coordinator,
     the decision on every other rank), 0.001 .. 60; polls back off toward it. None: by storage

@@ -31,34 +31,46 @@ class SaveOutcomes:
     def track(self, handle: SaveHandle) -> None:
         self._handles.append(handle)
 
-    def take(self) -> tuple[dict | None, BaseException | None]:
-        """The first finished save whose error nobody has raised yet, as what to share with the
-        other ranks (``{"attempt", "error"}``) and as the error itself; (None, None) if none."""
-        done = [h for h in self._handles if h.done()]
-        self._handles = [h for h in self._handles if not h.done()]
-        for h in done:
-            if h.error is not None and not h.observed and h.attempt not in self._raised:
-                h.observed = True
-                return {"attempt": h.attempt, "error": to_payload(h.error)}, h.error
-        return None, None
+    def pop_first_error(self) -> tuple[dict | None, BaseException | None]:
+        """Consume the first finished save whose error nobody has reported yet: returns it as what
+        to share with the other ranks (``{"attempt", "error"}``) and as the error itself, and marks
+        it reported; (None, None) if none. Other failed saves stay for the next call (dropping
+        them lost every failure but the first among the saves one call found finished)."""
+        found: SaveHandle | None = None
+        kept = []
+        for h in self._handles:
+            settled = h.done() and (h.error is None or h.error_reported or h.attempt in self._raised)
+            if settled:
+                continue
+            if found is None and h.done():
+                found = h
+                h.error_reported = True
+                continue
+            kept.append(h)
+        self._handles = kept
+        if found is None:
+            return None, None
+        return {"attempt": found.attempt, "error": to_payload(found.error)}, found.error
 
     def settle(self, shared: list[Any], rank: int, local: BaseException | None) -> None:
-        """``shared``: what every rank took (rank order). Raises the first one on every rank."""
+        """``shared``: what every rank popped (rank order). Raises the first one on every rank."""
         latched = [s for s in shared if s]
         if not latched:
             return
         self._raised.update(s["attempt"] for s in latched if s.get("attempt"))
         for h in self._handles:
             if h.attempt in self._raised:
-                h.observed = True  # raised already, by this call on every rank
+                h.error_reported = True  # raised already, by this call on every rank
         dist.raise_first(shared, rank, local)
 
     def agree(self, group: Any, rank: int, late: BaseException | None = None) -> None:
-        """One collective: every rank's first unraised error (or ``late``, a wait that timed out)
-        is shared, and every rank raises the first rank's, or returns if there is none."""
-        shared, local = self.take()
+        """One collective: every rank's first unreported error (or ``late``, a wait that timed out)
+        is shared, and every rank raises the first rank's, or returns if there is none. With
+        ``late`` nothing is consumed: the saves' own errors are raised at a later call."""
         if late is not None:
             shared, local = {"attempt": None, "error": to_payload(late)}, late
+        else:
+            shared, local = self.pop_first_error()
         self.settle(dist.all_gather_json(shared, group=group), rank, local)
 
 

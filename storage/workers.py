@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import logging
 import os
 import queue
 import threading
@@ -26,6 +27,7 @@ from resilient.storage.persist import PersistJob, run_persist
 from resilient.storage.snapshot import StagingBuffer
 from resilient.storage.url import Location
 
+log = logging.getLogger(__name__)
 OnDone = Callable[[Any, StagingBuffer, SaveStats | None, BaseException | None], None]
 _STOP = None
 _EXIT_JOIN_TIMEOUT_S = 60.0
@@ -52,12 +54,36 @@ def _drain_writers() -> None:
             thread.join(_EXIT_JOIN_TIMEOUT_S)
 
 
+def start_background(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread that the exit join (``_drain_writers``) waits for, like the writers'."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    _writer_threads.add(thread)
+    thread.start()
+    return thread
+
+
+def _complete(on_done: OnDone, handle, buffer, stats: SaveStats | None, error: BaseException | None) -> None:
+    """``on_done``, which must not kill the loop that calls it: a failing side effect (a buffer
+    release, metrics) is logged and the handle still gets the save's own outcome."""
+    try:
+        on_done(handle, buffer, stats, error)
+    except BaseException as e:  # noqa: BLE001 - the save's outcome is decided; this is bookkeeping
+        log.error("accounting the save of step %s failed: %r", getattr(handle, "step", "?"), e)
+        if handle.done():
+            return
+        if error is not None:
+            handle.fail(error)
+        else:
+            handle.finish(stats)
+
+
 class PersistThread:
     """TensorStore's C++ I/O releases the GIL; the Python work per region here is a few calls."""
 
     def __init__(self, location: Location, store, context, on_done: OnDone, nice: int = 0) -> None:
         self._location, self._store, self._context, self._on_done = location, store, context, on_done
         self._nice = nice
+        self._death: BaseException | None = None  # what ended the thread early, if anything did
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="resilient-ckpt-writer", daemon=True)
         self._thread.start()
@@ -71,23 +97,60 @@ class PersistThread:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._lower_priority()
+            while (item := self._queue.get()) is not _STOP:
+                job, buffer, staged, handle = item
+                stats, error = None, None
+                try:
+                    if staged is not None:
+                        staged.synchronize()
+                    stats = run_persist(job, buffer.data, self._location, self._store, self._context)
+                except BaseException as e:  # latched by the Checkpointer and re-raised on wait()
+                    error = e
+                _complete(self._on_done, handle, buffer, stats, error)
+        except BaseException as e:  # noqa: BLE001 - stored: the saves still queued fail with it (stop_soon)
+            self._death = e
+            log.error("the checkpoint writer thread died: %r", e)
+
+    def _lower_priority(self) -> None:
         if self._nice and hasattr(os, "setpriority"):
-            # Linux: this thread only (TensorStore's own I/O threads keep their priority).
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-        while (item := self._queue.get()) is not _STOP:
-            job, buffer, staged, handle = item
-            stats, error = None, None
-            try:
-                if staged is not None:
-                    staged.synchronize()
-                stats = run_persist(job, buffer.data, self._location, self._store, self._context)
-            except BaseException as e:  # latched by the Checkpointer and re-raised on wait()
-                error = e
-            self._on_done(handle, buffer, stats, error)
+            try:  # Linux: this thread only (TensorStore's own I/O threads keep their priority).
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except OSError as e:  # a container may forbid it: persist at training's priority
+                log.warning("cannot lower the checkpoint writer's priority: %s", e)
 
     def stop_soon(self) -> None:
-        """Finish what is queued, then exit (used when the owner is garbage-collected)."""
-        self._queue.put(_STOP)
+        """Finish what is queued, then exit (used when the owner is garbage-collected). A thread
+        that died leaves its queued saves to fail here, through the same decision as a dead
+        writer process's (on a thread: a non-coordinator waits for the decision)."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+        else:
+            start_background(self._fail_queued, "resilient-ckpt-settle")
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP:
+                continue
+            job, buffer, staged, handle = item
+            error = StorageError(
+                f"saving step {job.step} on rank {job.rank}: the checkpoint writer thread died "
+                f"({self._death!r}); the next save starts a new one"
+            )
+            stats: SaveStats | None = None
+            try:
+                if staged is not None:
+                    staged.synchronize()  # the copy must not land in a buffer handed to the next save
+                settle_failure(job, self._store, error)
+                stats, error = SaveStats(step=job.step, rank=job.rank), None
+            except BaseException as e:  # latched by the Checkpointer and re-raised on wait()
+                error = e
+            _complete(self._on_done, handle, buffer, stats, error)
 
     def close(self, timeout_s: float) -> None:
         self._queue.put(_STOP)
@@ -205,9 +268,9 @@ class PersistProcess:
                 handle, buffer, _ = self._pending.pop(msg[0])
             if msg[1] == "ok":
                 d = {k: v for k, v in msg[2].items() if k not in ("event", "throughput_gib_s")}
-                self._on_done(handle, buffer, SaveStats(**d), None)
+                _complete(self._on_done, handle, buffer, SaveStats(**d), None)
             else:  # the same class where known, the writer process's traceback as its cause
-                self._on_done(handle, buffer, None, from_payload(msg[2]))
+                _complete(self._on_done, handle, buffer, None, from_payload(msg[2]))
 
     def _fail_pending(self) -> None:
         """The process is gone: every save it held (or is handed later) fails, as the coordinator
@@ -225,9 +288,9 @@ class PersistProcess:
             try:
                 settle_failure(job, self._store, error)
             except BaseException as e:  # latched by the Checkpointer and re-raised on wait()
-                self._on_done(handle, buffer, None, e)
+                _complete(self._on_done, handle, buffer, None, e)
             else:
-                self._on_done(handle, buffer, stats, None)
+                _complete(self._on_done, handle, buffer, stats, None)
 
     def stop_soon(self) -> None:
         self._stopping = True

@@ -233,3 +233,16 @@ def test_an_unwritable_metrics_file_never_decides_a_save(tmp_path):
             stats = ckpt.save(step, {"w": torch.full((4,), float(step))}).wait(timeout=20)
             assert stats.step == step and stats.outcome == "committed"
         assert ckpt.steps() == [1, 2] and [s.step for s in ckpt.save_stats] == [1, 2]
+
+
+@pytest.mark.timeout(20)
+def test_wait_does_not_give_up_on_a_save_before_its_decision_is_due(tmp_path, monkeypatch):
+    # close_timeout_s shorter than the save takes: the save is still decided in time (within its
+    # commit_timeout_s), so wait() must not raise "not decided" for a step that commits.
+    config = CheckpointerConfig(commit_timeout_s=3.0, close_timeout_s=0.2)
+    ckpt = Checkpointer(str(tmp_path), config=config)
+    monkeypatch.setenv("RESILIENT_FAULTS", "persist.regions_written=pause:0.8")
+    ckpt.save(1, {"w": torch.ones(4)})
+    ckpt.wait()
+    assert ckpt.steps() == [1]
+    ckpt.close()

@@ -135,3 +135,23 @@ def test_non_coordinators_back_off_when_polling_s3_for_the_commit():
     assert commit.poll_cap_s("file", 2) == 0.01 and commit.poll_cap_s("file", 1024) > 0.1
     assert commit.poll_cap_s("s3", 2) >= 0.5 and commit.poll_cap_s("s3", 4096) > commit.poll_cap_s("s3", 2)
     assert commit.poll_cap_s("s3", 2, configured=0.05) == 0.05
+
+
+@pytest.mark.timeout(10)
+def test_coordinator_failing_after_its_manifest_landed_settles_as_committed():
+    # The writer process killed during retention, after commit_manifest: its _fail_pending
+    # reaches settle_failure on rank 0, which must agree with the ranks that read the manifest.
+    from resilient.storage.commit import COMMIT_RANK, failure_key, settle_failure
+    from resilient.storage.objects import open_store
+    from resilient.storage.persist import PersistJob
+
+    store = open_store(parse_url("memory://settle-committed"))
+    job = PersistJob(step=7, attempt="attempt-x", rank=0, world_size=2, plans={}, regions=[], commit_timeout_s=1.0)
+    commit_manifest(store, Manifest(step=7, attempt="attempt-x", world_size=2, arrays={}, values={}))
+    settle_failure(job, store, StorageError("writer process died"))  # returns: committed
+    assert store.read(failure_key(job.attempt_key, COMMIT_RANK)) is None  # no "failed" decision
+
+    other = PersistJob(step=7, attempt="attempt-y", rank=0, world_size=2, plans={}, regions=[], commit_timeout_s=1.0)
+    with pytest.raises(StorageError, match="writer process died"):  # another attempt's manifest: still failed
+        settle_failure(other, store, StorageError("writer process died"))
+    assert store.read(failure_key(other.attempt_key, COMMIT_RANK)) is not None

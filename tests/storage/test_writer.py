@@ -132,3 +132,89 @@ def test_the_next_save_after_a_writer_died_gets_a_new_writer(tmp_path, monkeypat
     assert len(_FakeProcessWriter.made) == 2
     ckpt.close()
     assert ckpt.steps() == [2]
+
+
+def _thread_writer(name: str, on_done):
+    from resilient.storage.arrays import make_context
+    from resilient.storage.objects import open_store
+    from resilient.storage.url import parse_url
+    from resilient.storage.workers import PersistThread
+
+    location = parse_url(f"memory://{name}")
+    store = open_store(location)
+    store.check_root(create=True)
+    return PersistThread(location, store, make_context(location), on_done), store
+
+
+@pytest.mark.timeout(20)
+def test_a_failing_on_done_does_not_kill_the_writer_thread():
+    from resilient.storage.handle import SaveHandle
+
+    calls = []
+
+    def on_done(handle, buffer, stats, error):
+        calls.append(handle.step)
+        if len(calls) == 1:
+            raise RuntimeError("releasing the staging buffer failed")
+        handle.finish(stats)
+
+    writer, _ = _thread_writer("on-done-raises", on_done)
+    first, second = SaveHandle(1), SaveHandle(2)
+    writer.submit(_job(1), StagingBuffer(torch.zeros(8, dtype=torch.uint8)), None, first)
+    writer.submit(_job(2), StagingBuffer(torch.zeros(8, dtype=torch.uint8)), None, second)
+    assert second.wait_done(5), "the save queued behind a failing on_done never completed"
+    assert calls == [1, 2] and writer.alive()
+    # The handle carries its save's own outcome (this empty job fails in persist), not the bookkeeping error.
+    assert first.done() and isinstance(first.error, StorageError)
+    writer.close(5)
+
+
+@pytest.mark.timeout(20)
+def test_a_dead_writer_threads_queued_saves_fail_through_the_decision(monkeypatch):
+    from resilient.storage.commit import COMMIT_RANK, failure_key
+    from resilient.storage.handle import SaveHandle
+    from resilient.storage.workers import PersistThread
+
+    monkeypatch.setattr(PersistThread, "_run", lambda self: None)  # the thread is gone at once
+    writer, store = _thread_writer("dead-thread", lambda h, b, s, e: h.fail(e) if e else h.finish(s))
+    writer._thread.join(5)
+    handle = SaveHandle(3)
+    writer.submit(_job(3), StagingBuffer(torch.zeros(8, dtype=torch.uint8)), None, handle)
+    assert not writer.alive()
+    writer.stop_soon()  # what the Checkpointer calls when it replaces the dead writer
+    assert handle.wait_done(5), "the dead thread's queued save was orphaned"
+    assert isinstance(handle.error, StorageError) and "writer thread died" in str(handle.error)
+    assert store.read(failure_key(_job(3).attempt_key, COMMIT_RANK)) is not None  # decided: peers stop waiting
+
+
+class _WriterThatCannotTakeJobs:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def submit(self, job, buffer, staged, handle) -> None:
+        raise RuntimeError("cannot hand the save over")
+
+    def stop_soon(self) -> None:
+        pass
+
+    def close(self, timeout_s: float) -> None:
+        pass
+
+
+@pytest.mark.timeout(20)
+def test_the_settle_thread_is_joined_at_exit_like_the_writers(monkeypatch):
+    from resilient.storage import workers
+
+    release = threading.Event()
+    monkeypatch.setattr(checkpointer_module, "PersistThread", _WriterThatCannotTakeJobs)
+    monkeypatch.setattr(checkpointer_module, "settle_failure", lambda job, store, error: release.wait(5))
+    ckpt = Checkpointer("memory://settle-joined")
+    handle = ckpt.save(1, {"w": torch.ones(4)})
+    try:
+        assert "resilient-ckpt-settle" in [t.name for t in list(workers._writer_threads)]
+    finally:
+        release.set()
+    assert handle.wait_done(5)
