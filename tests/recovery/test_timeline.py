@@ -185,3 +185,27 @@ def test_a_heal_needs_no_storage(tmp_path, caplog):
         finally:
             ram.close()
     assert [(e["source"], e["timeline"]) for e in events(run)][:2] == [("peer", ""), ("peer", "")]
+
+
+@pytest.mark.timeout(30)
+def test_a_ram_restore_to_a_step_drops_the_newer_steps_it_ruled_out(tmp_path):
+    # The RAM restore goes on in its timeline: step 50, ruled out (damaged), must not stay in it
+    # for a later restart to pick (held by the decision's apply: every rank drops its snapshots,
+    # own and kept for buddies, after the restored step).
+    run, ckpt = tmp_path / "run", Checkpointer(str(tmp_path / "ckpt"))
+    ram = tier(tmp_path / "store")
+    try:
+        start_run(run, ckpt, ram)
+        save(ckpt, 40)
+        snapshot(ram, 48, 50)
+        index = ram.own.indexes()[50]
+        ram.own.data(index)[index.tensors[0].offset] ^= 0x40
+        result, _, _ = restore_with(run, ckpt, ram)
+        assert (result.source, result.step) == ("own", 48)
+        assert _reasons(result.excluded) == {50: "crc32c mismatch in tensor 'model.w'"}
+        assert sorted(ram.own.indexes()) == [48]
+        again, _, _ = restore_with(run, ckpt, ram)
+        assert (again.source, again.step, again.timeline) == ("own", 48, result.timeline)
+    finally:
+        ram.close()
+        ckpt.close()
