@@ -26,7 +26,8 @@ unreachable, a state that does not match) is raised on every rank: an older step
 
 Timelines: every restore that does not come from RAM (persistent, fresh, ``checkpoint.resume``
 off) starts a new timeline of the run, so RAM snapshots of the history it left are never restored
-again; a RAM restore or a peer heal continues the current one.
+again; so does a peer heal (the live group may have rewound since this group's snapshots were
+taken). A RAM restore to step S continues the current one, without its snapshots after S.
 
 The group decides together before any rank loads, and falls back together (the model is Orbax's
 emergency checkpoint manager: decide globally, try the fast tier, fall back through one collective):
@@ -129,7 +130,10 @@ def restore(
     """
     if peer is not None:
         result = RestoreResult(peer.step, "peer", peer.bytes, peer.seconds)
-        result.timeline = _shared_timeline(timelines.joined, checkpointer, run_dir, ram)
+        # A heal is a restore not from RAM: a new timeline (``timelines.healed``), without storage
+        # when the RAM tier is off (nothing is tagged with it then).
+        heal = functools.partial(timelines.healed, load_step=load_step, storage=ram is not None)
+        result.timeline = _shared_timeline(heal, checkpointer, run_dir, ram)
     elif not resume:
         # A fresh start leaves whatever RAM holds behind for good, as a persistent restore does.
         fresh = RestoreResult(0, "fresh")
@@ -271,7 +275,7 @@ def _from_persistent(
             damaged.append(f"step {step}: {e}")
         if ram is not None:
             fast = ram.restore(state, older)  # a RAM apply writes every tensor and value, as a strict load
-            result.excluded += [e for e in fast.excluded if e not in result.excluded]
+            result.excluded += [x for x in fast.excluded if x not in result.excluded]
             if fast.step is not None and fast.source is not None:
                 result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
                 result.group_sources = fast.sources

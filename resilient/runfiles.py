@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from resilient.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
 PIDS_DIR = "pids"
@@ -233,19 +236,27 @@ class JsonlTail:
 
 class EventLog:
     """``<run.dir>/events.jsonl``: typed events (start, restore, quorum, heal, save, done, ...).
-    Every record carries ``t`` and ``event``; a disabled log (not the group's rank 0) writes nothing."""
+    Every record carries ``t`` and ``event``; a disabled log (not the group's rank 0) writes nothing.
+    Events are advisory side effects: a log that cannot be opened or written is warned about once
+    and writes nothing (see ``write_event``)."""
 
     def __init__(self, run_dir: str, *, enabled: bool) -> None:
         self.path = events_path(run_dir)
         self._fd: int | None = None
         if enabled:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:
+                _event_write_failed(self.path, e)
 
     def write(self, event: str, **fields: Any) -> None:
         if self._fd is None:
             return
-        os.write(self._fd, (json.dumps({"t": round(time.time(), 4), "event": event, **fields}) + "\n").encode())
+        try:
+            os.write(self._fd, (json.dumps({"t": round(time.time(), 4), "event": event, **fields}) + "\n").encode())
+        except OSError as e:
+            _event_write_failed(self.path, e)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -254,8 +265,25 @@ class EventLog:
 
 
 def write_event(run_dir: str, event: str, **fields: Any) -> None:
-    """Append one event without keeping a descriptor open (rare events: restore, done)."""
-    append_jsonl(events_path(run_dir), {"t": round(time.time(), 4), "event": event, **fields})
+    """Append one event without keeping a descriptor open (rare events: restore, done).
+
+    Never raises OSError: an event records a decision, it never makes one. Often only rank 0
+    writes (``restore_fallback``), so an ENOSPC or EROFS raised here would take rank 0 out of the
+    restore while its peers wait for it in the next collective. Warned once per path."""
+    path = events_path(run_dir)
+    try:
+        append_jsonl(path, {"t": round(time.time(), 4), "event": event, **fields})
+    except OSError as e:
+        _event_write_failed(path, e)
+
+
+_failed_event_paths: set[str] = set()
+
+
+def _event_write_failed(path: str, error: OSError) -> None:
+    if path not in _failed_event_paths:
+        _failed_event_paths.add(path)
+        log.warning("cannot write events to %s (%s); the run goes on without them", path, error)
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
 from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.timeline import incarnation_of
 from resilient.state import Leaf
 
 log = logging.getLogger(__name__)
@@ -187,8 +189,10 @@ class _Slot:
 class RankStore:
     """The snapshots of one rank in one directory, newest ``keep`` visible."""
 
-    def __init__(self, directory: str, keep: int) -> None:
+    def __init__(self, directory: str, keep: int, current: Callable[[], tuple[str, str]] | None = None) -> None:
         self.directory, self.keep = directory, keep
+        self.current = current
+        """The ``(run_id, timeline)`` the run's record names now (the tier's ``timeline``); None: unknown."""
         self._slots: dict[str, _Slot] = {}
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -247,8 +251,8 @@ class RankStore:
         return name, self._slot(name, nbytes).data
 
     def publish(self, index: SnapshotIndex) -> None:
-        """Make ``index`` visible (atomic rename), then drop other runs' and timelines' snapshots and
-        this timeline's beyond ``keep``."""
+        """Make ``index`` visible (atomic rename), then drop the snapshots known abandoned and
+        ``index``'s timeline's beyond ``keep``."""
         path = os.path.join(self.directory, f"step-{index.step:09d}.json")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
@@ -260,15 +264,20 @@ class RankStore:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.directory, f"step-{step:09d}.json"))
 
-    def _evict(self, keep: int, current: tuple[str, str]) -> None:
-        # A snapshot of another run or an abandoned timeline can never restore again (a timeline is
-        # abandoned for good once a newer one publishes): it goes first, whatever its step. Ranking
-        # by step alone let an old run's step 40 evict a new run's step 2 on every publish.
+    def _evict(self, keep: int, published: tuple[str, str]) -> None:
+        # A snapshot known abandoned can never restore again: it goes first, whatever its step
+        # (ranking by step alone let an old run's step 40 evict a new run's step 2 on every publish).
+        # Known abandoned: another run's, or one of an older incarnation than the current timeline,
+        # or, when what was published is of the timeline the run's record names now, any other
+        # (records only move forward). Never a newer timeline's: a late publish tagged with an older
+        # one (a snapshot or copy in flight across a restore) must not wipe the current snapshots.
+        current = self.current() if self.current is not None else published
+        recorded = self.current is not None and published == current
         indexes = self.indexes()
-        foreign = [s for s, i in indexes.items() if (i.run_id, i.timeline) != current]
-        for step in foreign:
+        abandoned = [s for s, i in indexes.items() if _abandoned((i.run_id, i.timeline), current, recorded=recorded)]
+        for step in abandoned:
             self.remove(step)
-        steps = sorted(set(indexes) - set(foreign))
+        steps = sorted(s for s, i in indexes.items() if (i.run_id, i.timeline) == published and s not in abandoned)
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
@@ -298,6 +307,17 @@ class RankStore:
         if slot is None or slot.nbytes != nbytes:
             slot = self._slots[name] = _Slot(os.path.join(self.directory, name), nbytes)
         return slot
+
+
+def _abandoned(tags: tuple[str, str], current: tuple[str, str], *, recorded: bool) -> bool:
+    """Whether a snapshot tagged ``tags`` is known never to restore again (see ``RankStore._evict``;
+    ``recorded``: ``current`` is the timeline the run's record names now)."""
+    if tags == current:
+        return False
+    if tags[0] != current[0] or recorded:
+        return True
+    mine, theirs = incarnation_of(current[1]), incarnation_of(tags[1])
+    return mine is not None and theirs is not None and theirs < mine
 
 
 def check_private_dir(path: str) -> None:

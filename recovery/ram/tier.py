@@ -83,7 +83,7 @@ class RamTier:
         self.node = self.pairing.node_of(rank)
         self.root = store_root(config, run_dir)
         self.node_dir = node_store_dir(config, run_dir, group, self.node)
-        self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), keep)
+        self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), keep, self._current)
         self.topology = {
             "world_size": world_size,
             "ranks_per_node": self.pairing.ranks_per_node,
@@ -179,8 +179,12 @@ class RamTier:
             store = self._buddy_stores.get(rank)
             if store is None:
                 directory = os.path.join(self.node_dir, "buddy", f"rank{rank}")
-                store = self._buddy_stores[rank] = RankStore(directory, self.keep)
+                store = self._buddy_stores[rank] = RankStore(directory, self.keep, self._current)
             return store
+
+    def _current(self) -> tuple[str, str]:
+        """What the stores evict against: this run's timeline now (a publish of another one is late)."""
+        return self.timeline.run_id, self.timeline.timeline
 
     def connect_to(self, rank: int) -> ReplicationClient:
         """A new channel client to ``rank``'s server (the restore fetches its buddy copy with it)."""

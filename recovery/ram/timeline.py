@@ -7,8 +7,9 @@ for a restart although its step number looks right (issue 13):
   store (its path a hash of run.dir, or a configured ``recovery.store_dir``) still holds the old
   run's snapshots;
 - an abandoned timeline: a restore that does not come from RAM (the persistent tier, a chosen
-  ``checkpoint.load_step``, a fresh start) rewinds the run, and snapshots taken before it belong to
-  a history the run no longer has.
+  ``checkpoint.load_step``, a fresh start, a heal from a live replica group) rewinds the run or
+  joins another group's history, and snapshots taken before it belong to a history the run may no
+  longer have.
 
 So every snapshot carries ``(run_id, timeline)``, and only snapshots of the current pair are
 eligible:
@@ -32,6 +33,7 @@ The record names its checkpoint root: with storage unreachable it is trusted for
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +42,8 @@ from typing import Any
 from resilient.errors import IntegrityError, StorageError
 from resilient.runfiles import TIMELINE_FILE, group_file, read_json, write_json
 from resilient.storage.objects import ObjectStore
+
+log = logging.getLogger(__name__)
 
 RUN_OBJECT = "run.json"
 """``<checkpoint root>/run.json``: ``{"run_id", "created"}``, written once, never rewritten."""
@@ -144,17 +148,43 @@ def start(store: ObjectStore, run_dir: str, group: int, load_step: int | None = 
     run_id = root_run_id(store)
     previous = read_record(run_dir, group)
     incarnation = previous.incarnation + 1 if previous is not None and previous.run_id == run_id else 0
-    token = f"{incarnation}-{secrets.token_hex(4)}"
-    timeline = Timeline(run_id, incarnation, token, store.location.url, load_step)
+    return _begin(run_dir, group, run_id, incarnation, store.location.url, load_step)
+
+
+def _begin(run_dir: str, group: int, run_id: str, incarnation: int, root: str, load_step: int | None) -> Timeline:
+    timeline = Timeline(run_id, incarnation, f"{incarnation}-{secrets.token_hex(4)}", root, load_step)
     write_json(record_path(run_dir, group), timeline.to_json())
     return timeline
 
 
-def joined(store: ObjectStore, run_dir: str, group: int) -> Timeline:
-    """Rank 0's side after a heal from a live replica group: the recorded timeline goes on (the
-    groups train one trajectory in lockstep, so this group's snapshots, all of steps the live
-    groups also passed, stay true); with no record for this root, a new one."""
+def healed(
+    store: ObjectStore, run_dir: str, group: int, load_step: int | None = None, *, storage: bool = True
+) -> Timeline:
+    """Rank 0's side after a heal from a live replica group: a new timeline, recorded.
+
+    Not the recorded one: the live group may itself have rewound (restored an older step and begun
+    a new history) since this group's snapshots were taken, so they may belong to a history the job
+    no longer has; kept current, a later restart could restore one (say step 50 of the abandoned
+    history) and the quorum would heal every group from it. ``load_step`` is recorded as applied:
+    the live group's state already descends from it.
+
+    A heal never needed storage and must not start to (an outage would crash-loop every healing
+    group): the recorded run id of this root is trusted, as ``current`` does offline. With no record
+    of this root the root's run id is read only when ``storage`` (the RAM tier is on); else, or when
+    storage is unreachable, a timeline that matches nothing (new snapshots never restore)."""
     record = read_record(run_dir, group)
-    if record is not None and record.root == store.location.url:
-        return record
-    return start(store, run_dir, group)
+    url = store.location.url
+    if record is not None and record.root == url:
+        return _begin(run_dir, group, record.run_id, record.incarnation + 1, url, load_step)
+    if storage:
+        try:
+            return start(store, run_dir, group, load_step)
+        except StorageError as e:
+            log.warning("after the heal: %s; RAM snapshots of this group cannot restore until its next restore", e)
+    return Timeline(run_id="", incarnation=0, timeline="", root=url)
+
+
+def incarnation_of(timeline: str) -> int | None:
+    """The incarnation in a timeline token ``"<incarnation>-<random>"`` (None: not one)."""
+    head, _, _ = timeline.partition("-")
+    return int(head) if head.isdigit() else None

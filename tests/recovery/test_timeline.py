@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from resilient.recovery.restore import PeerHeal
 from resilient.storage.checkpointer import Checkpointer
 from tests.recovery.policy import events, restore_with, save, snapshot, start_run, tier
 
@@ -117,6 +118,7 @@ def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
             save(ckpt, 2)
             snapshot(ram, 4)
             (run / "group0").mkdir(parents=True, exist_ok=True)
+            (run / "group0").mkdir(parents=True, exist_ok=True)
             (run / "group0" / "timeline.json").write_text("{not json")
             result, _, _ = restore_with(run, ckpt, ram)
         assert (result.source, result.step) == ("persistent", 2)
@@ -129,3 +131,81 @@ def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
         assert record["timeline"].startswith("0-") and result.timeline.to_json() == record
     finally:
         ram.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_heal_abandons_the_groups_own_history(tmp_path):
+    # The live group rewound (restored step 40 from storage) before this group healed from it at
+    # step 44: this group's snapshots 48 and 50 belong to a history the job no longer has.
+    run, ckpt = tmp_path / "run", Checkpointer(str(tmp_path / "ckpt"))
+    ram = tier(tmp_path / "store")  # keep=2
+    try:
+        start_run(run, ckpt, ram)
+        before = _record(run)
+        save(ckpt, 40)
+        snapshot(ram, 48, 50)
+        healed, _, _ = restore_with(run, ckpt, ram, peer=PeerHeal(step=44, bytes=1, seconds=0.1))
+        assert before is not None and healed.timeline is not None
+        assert healed.timeline.timeline != before["timeline"] and healed.timeline.incarnation == 1
+        assert _record(run) == healed.timeline.to_json() and ram.timeline == healed.timeline
+        snapshot(ram, 46)  # the healed history's first snapshot; before: evicted by 48 and 50 (keep=2)
+        assert sorted(ram.own.indexes()) == [46]
+        result, caller, _ = restore_with(run, ckpt, ram)
+        # Before: "own", step 50 of the abandoned history (and the quorum healed every group from it).
+        assert (result.source, result.step) == ("own", 46)
+        assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 1046.0
+    finally:
+        ram.close()
+        ckpt.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_heal_needs_no_storage(tmp_path, caplog):
+    # An S3 outage while a group heals from a live peer: before, every rank raised StorageError
+    # (reading run.json) and the group crash-looped; a heal never needed storage.
+    run, gone = tmp_path / "run", tmp_path / "gone"
+    gone.write_text("")  # a file: any read under the root fails (StorageError)
+    heal = PeerHeal(step=9, bytes=1, seconds=0.1)
+    with Checkpointer(str(gone)) as ckpt:
+        no_ram, _, _ = restore_with(run, ckpt, None, peer=heal)
+        assert (no_ram.source, no_ram.step, no_ram.timeline.timeline) == ("peer", 9, "")
+        ram = tier(tmp_path / "store")
+        try:
+            unknown, _, _ = restore_with(run, ckpt, ram, peer=heal)
+            assert unknown.timeline is not None and (unknown.timeline.run_id, unknown.timeline.timeline) == ("", "")
+            assert any("cannot restore until its next restore" in r.getMessage() for r in caplog.records)
+            # A record of this root: its run id is trusted, a new timeline begins without storage.
+            (run / "group0").mkdir(parents=True, exist_ok=True)
+            (run / "group0" / "timeline.json").write_text(
+                json.dumps({"run_id": "r1", "incarnation": 3, "timeline": "3-aa", "root": ckpt.url})
+            )
+            known, _, _ = restore_with(run, ckpt, ram, peer=heal)
+            assert known.timeline is not None and (known.timeline.run_id, known.timeline.incarnation) == ("r1", 4)
+            assert known.timeline.timeline.startswith("4-") and _record(run) == known.timeline.to_json()
+        finally:
+            ram.close()
+    assert [(e["source"], e["timeline"]) for e in events(run)][:2] == [("peer", ""), ("peer", "")]
+
+
+@pytest.mark.timeout(30)
+def test_a_ram_restore_to_a_step_drops_the_newer_steps_it_ruled_out(tmp_path):
+    # The RAM restore goes on in its timeline: step 50, ruled out (damaged), must not stay in it
+    # for a later restart to pick (held by the decision's apply: every rank drops its snapshots,
+    # own and kept for buddies, after the restored step).
+    run, ckpt = tmp_path / "run", Checkpointer(str(tmp_path / "ckpt"))
+    ram = tier(tmp_path / "store")
+    try:
+        start_run(run, ckpt, ram)
+        save(ckpt, 40)
+        snapshot(ram, 48, 50)
+        index = ram.own.indexes()[50]
+        ram.own.data(index)[index.tensors[0].offset] ^= 0x40
+        result, _, _ = restore_with(run, ckpt, ram)
+        assert (result.source, result.step) == ("own", 48)
+        assert _reasons(result.excluded) == {50: "crc32c mismatch in tensor 'model.w'"}
+        assert sorted(ram.own.indexes()) == [48]
+        again, _, _ = restore_with(run, ckpt, ram)
+        assert (again.source, again.step, again.timeline) == ("own", 48, result.timeline)
+    finally:
+        ram.close()
+        ckpt.close()

@@ -151,3 +151,18 @@ def test_state_digest_depends_on_bits_and_names() -> None:
     assert state_digest(a) != state_digest(flipped), "-0.0 differs from 0.0 in bits"
     renamed = {"model": {"w": torch.arange(4.0), "c": torch.zeros(2)}}
     assert state_digest(a) != state_digest(renamed)
+
+
+@pytest.mark.timeout(10)
+def test_an_unwritable_event_log_never_raises_and_is_warned_once(tmp_path, caplog) -> None:
+    # Rank 0 alone writes restore_fallback between collectives: an OSError (ENOSPC, EROFS) raised
+    # there left its peers waiting in the next one.
+    (tmp_path / runfiles.EVENTS_FILE).mkdir()  # opening it for append fails (IsADirectoryError)
+    runfiles.write_event(str(tmp_path), "restore_fallback", step=4)
+    runfiles.write_event(str(tmp_path), "restore", step=2)
+    log = runfiles.EventLog(str(tmp_path), enabled=True)
+    log.write("done", step=2)
+    log.close()
+    warned = [r.getMessage() for r in caplog.records if "the run goes on without them" in r.getMessage()]
+    assert len(warned) == 1 and runfiles.events_path(str(tmp_path)) in warned[0], warned
+    assert list((tmp_path / runfiles.EVENTS_FILE).iterdir()) == []

@@ -84,3 +84,29 @@ def test_store_directory_must_be_private(tmp_path):
         check_private_dir(str(shared))
     check_private_dir(str(tmp_path / "private"))
     assert (os.stat(tmp_path / "private").st_mode & 0o777) == 0o700
+
+
+@pytest.mark.timeout(10)
+def test_a_late_publish_of_an_older_timeline_never_evicts_the_current_one(tmp_path):
+    old, new, other_run = ("run", "0-aa"), ("run", "1-bb"), ("gone", "4-cc")
+    store = RankStore(str(tmp_path / "r"), keep=2)
+    write_snapshot(store, 40, 40.0, tags=other_run)
+    write_snapshot(store, 48, 48.0, tags=old)
+    write_snapshot(store, 2, 2.0, tags=new)  # known abandoned: another run, an older incarnation
+    write_snapshot(store, 4, 4.0, tags=new)
+    assert sorted(store.indexes()) == [2, 4]
+    # A snapshot of the older timeline still in flight across the restore publishes now. Before,
+    # any other timeline counted as abandoned: it wiped steps 2 and 4 of the current one.
+    write_snapshot(store, 50, 50.0, tags=old)
+    assert {s: i.timeline for s, i in store.indexes().items()} == {2: "1-bb", 4: "1-bb", 50: "0-aa"}
+    write_snapshot(store, 6, 6.0, tags=new)
+    assert sorted(store.indexes()) == [4, 6]
+    # Where the current timeline is known (the tier's), a late publish is itself dropped at once;
+    # publishes of the current one drop every other timeline (a lost record restarts the
+    # incarnation count, so a higher one can be of an abandoned history too).
+    store.current = lambda: new
+    write_snapshot(store, 52, 52.0, tags=old)
+    assert sorted(store.indexes()) == [4, 6]
+    write_snapshot(store, 60, 60.0, tags=("run", "7-dd"))
+    write_snapshot(store, 8, 8.0, tags=new)
+    assert {s: i.timeline for s, i in store.indexes().items()} == {6: "1-bb", 8: "1-bb"}

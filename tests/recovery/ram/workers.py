@@ -13,8 +13,11 @@ from resilient.recovery.ram.store import RankStore, SnapshotIndex, checksum, lay
 from resilient.recovery.ram.tier import RamTier
 
 
-def write_snapshot(store: RankStore, step: int, value: float, *, publish: bool = True) -> str:
-    """Put a two-tensor snapshot of ``step`` (values ``value``) into ``store``; returns its slot."""
+def write_snapshot(
+    store: RankStore, step: int, value: float, *, publish: bool = True, tags: tuple[str, str] = ("", "")
+) -> str:
+    """Put a two-tensor snapshot of ``step`` (values ``value``, tagged ``(run_id, timeline)``) into
+    ``store``; returns its slot."""
     tensors = {"a": torch.full((5, 3), value), "b": torch.full((4,), value).bfloat16()}
     entries, nbytes = layout_tensors(tensors)
     slot, data = store.reserve(nbytes)
@@ -24,7 +27,15 @@ def write_snapshot(store: RankStore, step: int, value: float, *, publish: bool =
     if publish:
         store.publish(
             SnapshotIndex(
-                step=step, rank=0, topology={}, tensors=entries, values={"v": value}, slot=slot, nbytes=nbytes
+                step=step,
+                rank=0,
+                topology={},
+                tensors=entries,
+                values={"v": value},
+                slot=slot,
+                nbytes=nbytes,
+                run_id=tags[0],
+                timeline=tags[1],
             )
         )
         store.release(slot)
