@@ -21,7 +21,9 @@ Damaged steps: when the newest committed step does not load on some rank (an ``I
 checksum mismatch, a damaged manifest, a missing chunk), every rank learns it through one
 collective and the group falls back to the next older committed step, recording
 ``restore_fallback`` in ``events.jsonl``; an older step's strict load writes every tensor and value
-of the state again, so what the failed attempt wrote is overwritten. Any other error (storage
+of the state again, so what the failed attempt wrote is overwritten. Once an older state has loaded,
+the damaged steps passed are set aside (their manifest renamed), because the run saves those step
+numbers again. Any other error (storage
 unreachable, a state that does not match) is raised on every rank: an older step would not help.
 
 Timelines: every restore that does not come from RAM (persistent, fresh, ``checkpoint.resume``
@@ -55,11 +57,13 @@ from typing import Any
 
 from resilient import dist as rdist
 from resilient.errors import ConfigError, IntegrityError, ResilientError, RestoreError, StorageError
+from resilient.manifest import step_dir
 from resilient.recovery.ram import timeline as timelines
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.ram.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
+from resilient.storage.retention import SET_ASIDE_MANIFEST, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -263,28 +267,53 @@ def _from_persistent(
     next committed step is the newest state left, so the RAM decision is taken again with its
     lower bound moved down. Any other error is raised on every rank."""
     damaged: list[str] = []
+    passed: list[int] = []  # damaged steps, newer than whatever loads
     for i, step in enumerate(candidates):
         older = candidates[i + 1] if i + 1 < len(candidates) else None
         try:
             _load_committed(result, state, checkpointer, step)
+            _set_aside(checkpointer, passed)
             return
         except IntegrityError as e:
             log.warning("[rank %d] step %d does not load, trying older steps: %s", rdist.get_rank(), step, e)
             if rdist.get_rank() == 0:
                 write_event(run_dir, "restore_fallback", group=group_id(), step=step, reason=str(e))
             damaged.append(f"step {step}: {e}")
+            passed.append(step)
         if ram is not None:
             fast = ram.restore(state, older)  # a RAM apply writes every tensor and value, as a strict load
             result.excluded += [x for x in fast.excluded if x not in result.excluded]
             if fast.step is not None and fast.source is not None:
                 result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
                 result.group_sources = fast.sources
+                _set_aside(checkpointer, passed)
                 return
     raise RestoreError(
         f"none of the {len(candidates)} committed steps under {checkpointer.url} loads; newest first: "
         f"{'; '.join(damaged)}. Check them with `resilient-ckpt verify --all {checkpointer.url}`, or set "
         f"checkpoint.resume=false to start afresh"
     )
+
+
+def _set_aside(checkpointer: Checkpointer, steps: list[int]) -> None:
+    """Rank 0 sets the damaged steps the group fell back past aside (``retention.set_aside``): the
+    run trains through those step numbers again, and a committed step is never overwritten. Only
+    once an older state has loaded: with nothing loadable, every damaged step stays as it was (a
+    rerun must not start afresh). A failure here is warned, never raised on one rank alone."""
+    if rdist.get_rank() != 0:
+        return
+    for step in steps:
+        try:
+            set_aside(checkpointer.store, step)
+            log.warning("damaged step %d set aside (%s); it will be saved again", step, SET_ASIDE_MANIFEST)
+        except (ResilientError, OSError) as e:
+            log.warning(
+                "cannot set damaged step %d aside (%s): its next save will fail; delete %s/%s",
+                step,
+                e,
+                checkpointer.url,
+                step_dir(step),
+            )
 
 
 def _load_committed(result: RestoreResult, state: dict[str, Any], checkpointer: Checkpointer, step: int) -> None:

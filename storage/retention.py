@@ -105,6 +105,23 @@ def _step_of_key(key: str) -> tuple[bool, int, str]:
     return "/" in key, int(key.split("/", 1)[0].removeprefix("step-")), key
 
 
+SET_ASIDE_MANIFEST = "manifest.damaged.json"
+"""Where a damaged step's manifest goes when a restore falls back past it (kept for inspection)."""
+
+
+def set_aside(store: ObjectStore, step: int) -> None:
+    """Make committed ``step`` uncommitted by moving its manifest to ``SET_ASIDE_MANIFEST``: a
+    restore fell back past it as damaged, and the run will save that step number again (a committed
+    step is never overwritten). The copy is written before the manifest is deleted; the data stays
+    until retention removes the step (as an attempt the new manifest does not name)."""
+    key = f"{step_dir(step)}/{MANIFEST}"
+    data = store.read(key)
+    if data is None:
+        return
+    store.write(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}", data)
+    store.delete_prefix(key)
+
+
 def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:
     for key in keys:
         if "/" not in key:  # a whole step: drop the commit marker first

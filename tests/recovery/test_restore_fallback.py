@@ -61,6 +61,11 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_step_that_loads(tmp_path
     assert "manifest" in fallbacks[0]["reason"] and "not valid JSON" in fallbacks[0]["reason"]
     assert "checksum mismatch in tensor 'model.z' at step 4" in fallbacks[1]["reason"]
     assert [(e["source"], e["step"]) for e in events(run)] == [("persistent", 2)]
+    # The run trains steps 4 and 6 again: the damaged ones are set aside (manifest renamed, kept).
+    assert ckpt.steps() == [2]
+    assert all((root / f"step-00000000{s}" / "manifest.damaged.json").exists() for s in (4, 6))
+    save(ckpt, 4, 6)
+    assert ckpt.steps() == [2, 4, 6]
 
 
 def test_past_a_damaged_step_a_newer_ram_snapshot_of_the_timeline_wins(tmp_path, ckpt):
@@ -88,6 +93,7 @@ def test_no_step_that_loads_is_one_error_naming_each(tmp_path, ckpt):
         restore_with(tmp_path / "run", ckpt)
     assert "\n" not in str(e.value) and "; step 2: " in str(e.value) and "verify --all" in str(e.value)
     assert [x["step"] for x in events(tmp_path / "run", "restore_fallback")] == [4, 2]
+    assert ckpt.steps() == [2, 4]  # nothing loaded: nothing set aside (a rerun must not start afresh)
 
 
 def test_load_step_goes_back_once_and_later_ram_snapshots_never_come_back(tmp_path, ckpt):
