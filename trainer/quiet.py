@@ -73,8 +73,10 @@ def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:
     if debug_enabled():
         return None
     if isinstance(error, ResilientError):
-        if claim_report(run_dir, f"error: [rank {rank}] {error}"):
-            print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
+        # An agreed error already names the rank that saw it ("[rank 0 (and 1 other rank(s))] ...").
+        line = f"error: {error}" if str(error).startswith("[rank ") else f"error: [rank {rank}] {error}"
+        if claim_report(run_dir, line):
+            print(line, file=sys.stderr, flush=True)
         return ERROR_EXIT
     if isinstance(error, KeyboardInterrupt):
         return 128 + 2  # Ctrl-C: torchrun passed the launcher's SIGINT on; the launcher says where we stood

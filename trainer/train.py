@@ -61,6 +61,9 @@ def _setup_logging(rank: int) -> None:
     )
     # DTensor warns on every full_tensor() of a _StridedShard (FSDP x TP): noise for a trainer.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # boto3's INFO ("Found credentials in environment variables") is not the run's story.
+    for name in ("botocore", "boto3", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _init_process_group(config: TrainConfig, device: torch.device) -> None:
