@@ -142,7 +142,7 @@ class Checkpointer:
             keep_last=self.config.keep_last,
             io_threads=self.config.io_threads,
         )
-        handle = SaveHandle(step, decided_by=deadline + decision_grace_s(self.config.commit_timeout_s))
+        handle = SaveHandle(step, decided_by=deadline + self._grace_s())
         handle.stats, handle.attempt = stats, attempt
         self._inflight.append(handle)
         self._outcomes.track(handle)
@@ -244,6 +244,9 @@ class Checkpointer:
                 )
         self._inflight = []
         return None
+
+    def _grace_s(self) -> float:
+        return decision_grace_s(self.config.commit_timeout_s, self.location.scheme)
 
     @staticmethod
     def _wait_decided(handle: SaveHandle, floor: float) -> bool:

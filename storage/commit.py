@@ -44,6 +44,7 @@ from resilient.manifest import (
 )
 from resilient.storage.objects import ObjectStore
 from resilient.storage.retention import KeepLast, apply_retention
+from resilient.storage.s3 import COMMIT_WRITE_BOUND_S
 
 if TYPE_CHECKING:  # persist.py imports this module: the job type is for annotations only
     from resilient.storage.persist import PersistJob
@@ -85,10 +86,13 @@ def poll_cap_s(scheme: str, world_size: int, configured: float | None = None) ->
     return min(5.0, 0.5 * max(1.0, world_size / 256))
 
 
-def decision_grace_s(timeout_s: float) -> float:
+def decision_grace_s(timeout_s: float, scheme: str = "file") -> float:
     """How long after the agreed deadline a waiting rank still expects the coordinator's decision
-    (the coordinator stops at the deadline, then writes the manifest or its marker)."""
-    return min(60.0, max(5.0, 0.1 * timeout_s))
+    (the coordinator starts no manifest write after the deadline, then writes it or its marker).
+    On S3 at least the longest manifest write (``s3.COMMIT_WRITE_BOUND_S``) plus a margin: a
+    slower one could commit a step after the others gave up on it."""
+    grace = min(60.0, max(5.0, 0.1 * timeout_s))
+    return max(grace, COMMIT_WRITE_BOUND_S + 5.0) if scheme == "s3" else grace
 
 
 def _read_json(store: ObjectStore, key: str) -> dict | None:
@@ -286,7 +290,7 @@ def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
     by the agreed deadline plus ``decision_grace_s``. Polls back off toward ``poll_cap_s``."""
     key, marker = f"{step_dir(job.step)}/{MANIFEST}", failure_key(job.attempt_key, COMMIT_RANK)
     job.deadline = job.deadline or time.time() + job.commit_timeout_s
-    give_up = job.deadline + decision_grace_s(job.commit_timeout_s)
+    give_up = job.deadline + decision_grace_s(job.commit_timeout_s, store.location.scheme)
     delay, cap = 0.002, poll_cap_s(store.location.scheme, job.world_size, job.poll_cap_s)
     unreadable: Exception | None = None
     while True:

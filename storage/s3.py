@@ -24,16 +24,35 @@ CONFLICT_TRIES = 6
 CONFLICT_BACKOFF_S = 0.1
 
 
-def s3_client(location: Location):
+# The commit point must be decided within the grace the other ranks give the coordinator after
+# the deadline (commit.decision_grace_s): otherwise rank 0 could commit a step that its peers
+# already reported "not committed" (botocore's defaults above bound a PUT only by 8 x 130 s). So
+# the manifest's conditional PUT, and the read that resolves a 412, go through a client bounded to
+# COMMIT_CALL_S per call, and no new try starts after COMMIT_RETRY_WINDOW_S.
+_COMMIT_CONNECT_S, _COMMIT_READ_S, _COMMIT_ATTEMPTS = 3, 7, 2
+COMMIT_CALL_S = (_COMMIT_CONNECT_S + _COMMIT_READ_S) * _COMMIT_ATTEMPTS
+COMMIT_RETRY_WINDOW_S = 5.0
+COMMIT_WRITE_BOUND_S = COMMIT_RETRY_WINDOW_S + 2 * COMMIT_CALL_S
+"""The longest ``write_if_absent`` lasts: its last PUT try, then the read after a 412."""
+
+
+def s3_client(location: Location, *, bounded_for_commit: bool = False):
     import boto3
     from botocore.config import Config
 
-    config = Config(
-        retries={"max_attempts": 8, "mode": "standard"},
-        connect_timeout=10,
-        read_timeout=120,
-        max_pool_connections=64,
-    )
+    if bounded_for_commit:
+        config = Config(
+            retries={"total_max_attempts": _COMMIT_ATTEMPTS, "mode": "standard"},
+            connect_timeout=_COMMIT_CONNECT_S,
+            read_timeout=_COMMIT_READ_S,
+        )
+    else:
+        config = Config(
+            retries={"max_attempts": 8, "mode": "standard"},
+            connect_timeout=10,
+            read_timeout=120,
+            max_pool_connections=64,
+        )
     return boto3.client("s3", endpoint_url=location.endpoint, region_name=location.region, config=config)
 
 
@@ -46,6 +65,7 @@ class S3ObjectStore:
         self.location = location
         self.bucket = location.bucket
         self._client = s3_client(location)
+        self._commit_client = s3_client(location, bounded_for_commit=True)  # write_if_absent only
 
     def _key(self, key: str) -> str:
         return self.location.join(key)
@@ -56,8 +76,11 @@ class S3ObjectStore:
         return StorageError(f"{op} {where}{endpoint} failed: {err}; check the bucket, credentials and endpoint")
 
     def read(self, key: str) -> bytes | None:
+        return self._read_with(self._client, key)
+
+    def _read_with(self, client, key: str) -> bytes | None:
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            return client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
         except Exception as e:
             if _code(e) in _MISSING_CODES:
                 return None
@@ -71,27 +94,32 @@ class S3ObjectStore:
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
         """True iff ``key`` now holds ``data`` from this call (or from an earlier try of it whose
-        response was lost); False if another writer's bytes are there."""
-        delay = CONFLICT_BACKOFF_S
+        response was lost); False if another writer's bytes are there. Lasts at most
+        ``COMMIT_WRITE_BOUND_S`` (see above)."""
+        delay, start = CONFLICT_BACKOFF_S, time.monotonic()
+        tries = 0
         for attempt in range(CONFLICT_TRIES):
             if attempt:
                 time.sleep(delay)
                 delay *= 2
+                if time.monotonic() - start > COMMIT_RETRY_WINDOW_S:
+                    break
+            tries += 1
             try:
-                self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+                self._commit_client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
                 return True
             except Exception as e:
                 code = _code(e)
                 if code not in _EXISTS_CODES | _CONFLICT_CODES:
                     raise self._fail("creating", key, e) from e
                 if code in _EXISTS_CODES:
-                    stored = self.read(key)
+                    stored = self._read_with(self._commit_client, key)
                     if stored is not None:
                         return stored == data
                     # Deleted between the 412 and our read: nothing is there, so try again.
         where = f"s3://{self.bucket}/{self._key(key)}"
         raise StorageError(
-            f"creating {where} failed: {CONFLICT_TRIES} conditional PUTs in a row met a concurrent write "
+            f"creating {where} failed: {tries} conditional PUTs in a row met a concurrent write "
             "(409 ConditionalRequestConflict); another writer is saving the same step: stop it, then save again"
         )
 

@@ -78,7 +78,7 @@ def test_s3_conflict_409_is_retried_not_taken_for_exists(s3_endpoint, s3_bucket,
             return _answer(request, 409, _error_xml("ConditionalRequestConflict", "a conditional write is in flight"))
         return None  # the third try goes to moto
 
-    store._client.meta.events.register("before-send.s3.PutObject", conflict_twice)
+    store._commit_client.meta.events.register("before-send.s3.PutObject", conflict_twice)
     assert store.write_if_absent(MANIFEST_KEY, OURS) is True
     assert len(calls) == 3 and store.read(MANIFEST_KEY) == OURS
 
@@ -90,7 +90,7 @@ def test_s3_conflict_that_never_clears_raises_naming_the_key(s3_endpoint, s3_buc
     def always_conflict(request, **_: object) -> AWSResponse:
         return _answer(request, 409, _error_xml("ConditionalRequestConflict", "a conditional write is in flight"))
 
-    store._client.meta.events.register("before-send.s3.PutObject", always_conflict)
+    store._commit_client.meta.events.register("before-send.s3.PutObject", always_conflict)
     with pytest.raises(StorageError) as err:
         store.write_if_absent(MANIFEST_KEY, OURS)
     message = str(err.value)
@@ -184,3 +184,18 @@ def test_memory_create_of_our_own_bytes_counts_as_ours() -> None:
     assert store.write_if_absent(MANIFEST_KEY, OURS) is True
     assert store.write_if_absent(MANIFEST_KEY, THEIRS) is False
     assert store.read(MANIFEST_KEY) == OURS
+
+
+def test_the_manifest_write_on_s3_ends_before_the_other_ranks_give_up(s3_endpoint, s3_bucket) -> None:
+    # The coordinator starts no manifest write after the agreed deadline; the others wait
+    # decision_grace_s past it. A manifest write that could outlast that grace could commit a step
+    # its peers already reported "not committed" (botocore's defaults allow 8 tries of 130 s).
+    from resilient.storage.commit import decision_grace_s
+
+    store = _store(s3_bucket, s3_endpoint)
+    config = store._commit_client.meta.config
+    per_call = (config.connect_timeout + config.read_timeout) * config.retries["total_max_attempts"]
+    assert per_call == s3_module.COMMIT_CALL_S and s3_module.COMMIT_WRITE_BOUND_S < 60
+    for timeout_s in (10.0, 600.0, 86400.0):
+        assert decision_grace_s(timeout_s, "s3") > s3_module.COMMIT_WRITE_BOUND_S
+        assert decision_grace_s(timeout_s, "file") <= 60.0
