@@ -57,7 +57,7 @@ from typing import Any
 
 from resilient import dist as rdist
 from resilient.errors import ConfigError, IntegrityError, ResilientError, RestoreError, StorageError
-from resilient.manifest import step_dir
+from resilient.manifest import MANIFEST, step_dir
 from resilient.recovery.ram import timeline as timelines
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.ram.timeline import Timeline
@@ -267,7 +267,7 @@ def _from_persistent(
     next committed step is the newest state left, so the RAM decision is taken again with its
     lower bound moved down. Any other error is raised on every rank."""
     damaged: list[str] = []
-    passed: list[int] = []  # damaged steps, newer than whatever loads
+    passed: list[tuple[int, bytes | None]] = []  # damaged steps (and their manifests, on rank 0)
     for i, step in enumerate(candidates):
         older = candidates[i + 1] if i + 1 < len(candidates) else None
         try:
@@ -279,7 +279,7 @@ def _from_persistent(
             if rdist.get_rank() == 0:
                 write_event(run_dir, "restore_fallback", group=group_id(), step=step, reason=str(e))
             damaged.append(f"step {step}: {e}")
-            passed.append(step)
+            passed.append((step, _manifest_bytes(checkpointer, step)))
         if ram is not None:
             fast = ram.restore(state, older)  # a RAM apply writes every tensor and value, as a strict load
             result.excluded += [x for x in fast.excluded if x not in result.excluded]
@@ -295,18 +295,30 @@ def _from_persistent(
     )
 
 
-def _set_aside(checkpointer: Checkpointer, steps: list[int]) -> None:
+def _manifest_bytes(checkpointer: Checkpointer, step: int) -> bytes | None:
+    """Rank 0: the damaged step's manifest as found now (what may be set aside later)."""
+    if rdist.get_rank() != 0:
+        return None
+    try:
+        return checkpointer.store.read(f"{step_dir(step)}/{MANIFEST}")
+    except Exception as e:  # noqa: BLE001 - then it is not set aside; never raised on one rank alone
+        log.warning("cannot read the manifest of damaged step %d (%s): it will not be set aside", step, e)
+        return None
+
+
+def _set_aside(checkpointer: Checkpointer, steps: list[tuple[int, bytes | None]]) -> None:
     """Rank 0 sets the damaged steps the group fell back past aside (``retention.set_aside``): the
     run trains through those step numbers again, and a committed step is never overwritten. Only
-    once an older state has loaded: with nothing loadable, every damaged step stays as it was (a
-    rerun must not start afresh). A failure here is warned, never raised on one rank alone."""
-    if rdist.get_rank() != 0:
-        return
-    for step in steps:
+    once an older state has loaded (with nothing loadable, every damaged step stays as it was: a
+    rerun must not start afresh), and only a manifest still as found damaged. A failure here is
+    warned, never raised on one rank alone."""
+    for step, damaged in steps:
+        if damaged is None:
+            continue
         try:
-            set_aside(checkpointer.store, step)
-            log.warning("damaged step %d set aside (%s); it will be saved again", step, SET_ASIDE_MANIFEST)
-        except (ResilientError, OSError) as e:
+            if set_aside(checkpointer.store, step, damaged):
+                log.warning("damaged step %d set aside (%s); it will be saved again", step, SET_ASIDE_MANIFEST)
+        except Exception as e:  # noqa: BLE001 - rank 0 only: its peers are already in the next collective
             log.warning(
                 "cannot set damaged step %d aside (%s): its next save will fail; delete %s/%s",
                 step,

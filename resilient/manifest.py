@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.errors import IntegrityError
+from resilient.errors import ConfigError, IntegrityError
 
 FORMAT_NAME = "resilient"
 FORMAT_VERSION = 1
@@ -102,7 +102,8 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise IntegrityError(f"{where} is not a resilient manifest (format={d.get('format')!r})")
         if d.get("format_version") != FORMAT_VERSION:
-            raise IntegrityError(
+            # Not damage: a newer writer. A restore must not fall back past it (nor set it aside).
+            raise ConfigError(
                 f"manifest {where} has format version {d.get('format_version')}; this resilient "
                 f"reads version {FORMAT_VERSION}: upgrade resilient"
             )

@@ -266,8 +266,9 @@ class Checkpointer:
             return True, None
         t0 = time.perf_counter()
         oldest = self._inflight.pop(0)
-        # Every save is decided by its deadline plus the grace (commit.py): this bounds the wait.
-        if not self._wait_decided(oldest, 0.0):
+        # Every save is decided by its deadline plus the grace (commit.py); rank 0's handle completes
+        # only after retention, so the wait is never shorter than a whole save's bound from now.
+        if not self._wait_decided(oldest, time.time() + self.config.commit_timeout_s + self._grace_s()):
             return False, CommitError(f"save of step {oldest.step} still persisting after its decision was due")
         stats.waited_s = time.perf_counter() - t0
         stats.policy = "waited"

@@ -91,14 +91,25 @@ def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | No
             if damaged is not None:
                 damaged.append(step)
             continue
+        if attempt is None:  # the manifest went away after listing (set aside): not a step that loads
+            continue
         good += 1
+        keep = {attempt, _set_aside_attempt(store, step)}  # a damaged step's data stays for inspection
         for name in store.list_children(step_dir(step)):
-            if name.startswith("attempt-") and name != attempt:
+            if name.startswith("attempt-") and name not in keep:
                 doomed.append(f"{step_dir(step)}/{name}")
     for step in listing.uncommitted:
         if step < newest:  # a newer uncommitted step may be a save still in flight
             doomed.append(step_dir(step))
     return sorted(doomed, key=_step_of_key)
+
+
+def _set_aside_attempt(store: ObjectStore, step: int) -> str | None:
+    data = store.read(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}")
+    try:
+        return json.loads(data)["attempt"] if data is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable: its attempt cannot be told apart (deleted with the strays)
 
 
 def _step_of_key(key: str) -> tuple[bool, int, str]:
@@ -109,17 +120,19 @@ SET_ASIDE_MANIFEST = "manifest.damaged.json"
 """Where a damaged step's manifest goes when a restore falls back past it (kept for inspection)."""
 
 
-def set_aside(store: ObjectStore, step: int) -> None:
+def set_aside(store: ObjectStore, step: int, damaged: bytes) -> bool:
     """Make committed ``step`` uncommitted by moving its manifest to ``SET_ASIDE_MANIFEST``: a
     restore fell back past it as damaged, and the run will save that step number again (a committed
-    step is never overwritten). The copy is written before the manifest is deleted; the data stays
-    until retention removes the step (as an attempt the new manifest does not name)."""
+    step is never overwritten). Only while the manifest still holds ``damaged``, the bytes read when
+    the step failed to load: another replica group may have committed the step afresh since. The copy
+    is written before the manifest is deleted; retention keeps the attempt it names. False: not set
+    aside (the manifest changed or is gone)."""
     key = f"{step_dir(step)}/{MANIFEST}"
-    data = store.read(key)
-    if data is None:
-        return
-    store.write(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}", data)
+    if store.read(key) != damaged:
+        return False
+    store.write(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}", damaged)
     store.delete_prefix(key)
+    return True
 
 
 def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:

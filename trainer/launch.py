@@ -143,9 +143,11 @@ def run(command: list[str], grace_s: float) -> int:
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    # OMP_NUM_THREADS: torchrun sets 1 anyway when it is unset, but first prints a 5-line warning
-    # above the one line the operator should read.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if _nproc_of(command) > 1:
+        # What torchrun sets for more than one rank when unset, without the 5-line warning it
+        # prints above the one line the operator should read.
+        env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -165,6 +167,11 @@ def run(command: list[str], grace_s: float) -> int:
             signal.signal(sig, handler)
         if proc.poll() is None:
             _stop(proc, grace_s)
+
+
+def _nproc_of(command: list[str]) -> int:
+    flag = "--nproc-per-node"
+    return int(command[command.index(flag) + 1]) if flag in command else 1
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:

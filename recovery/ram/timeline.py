@@ -179,7 +179,7 @@ def healed(
     if storage:
         try:
             return start(store, run_dir, group, load_step)
-        except StorageError as e:
+        except (StorageError, IntegrityError) as e:  # unreachable, or a damaged run.json
             log.warning("after the heal: %s; RAM snapshots of this group cannot restore until its next restore", e)
     return Timeline(run_id="", incarnation=0, timeline="", root=url)
 

@@ -175,3 +175,33 @@ def test_a_step_damaged_on_one_rank_moves_every_rank_to_the_same_older_step(tmp_
     assert restored == [{"source": "persistent", "step": 2, "w": rows[rank], "train": {"step": 2}} for rank in range(2)]
     (fallback,) = events(tmp_path / "run", "restore_fallback")
     assert fallback["step"] == 4 and fallback["reason"].startswith("[rank 1] checksum mismatch")
+
+
+def test_a_set_aside_never_touches_a_step_committed_again_and_keeps_the_damaged_data(tmp_path, ckpt):
+    import json
+
+    from resilient.storage.retention import KeepLast, plan_retention, set_aside
+
+    root = tmp_path / "ckpt"
+    save(ckpt, 2, 4)
+    _flip_chunk(root, 4, "model.w")
+    damaged = (root / step_dir(4) / MANIFEST).read_bytes()
+    assert restore_with(tmp_path / "run", ckpt)[0].step == 2 and ckpt.steps() == [2]
+    save(ckpt, 4)  # the run (or another replica group) commits step 4 afresh
+    # A late set-aside (a slower group that also fell back past 4) must leave the new commit alone.
+    assert set_aside(ckpt.store, 4, damaged) is False and ckpt.steps() == [2, 4]
+    # Retention keeps the damaged attempt for inspection, beside the new one.
+    old_attempt = json.loads(damaged)["attempt"]
+    assert f"{step_dir(4)}/{old_attempt}" not in plan_retention(ckpt.store, KeepLast(2))
+
+
+def test_a_newer_format_version_is_not_damage_and_is_never_set_aside(tmp_path, ckpt):
+    import json
+
+    root = tmp_path / "ckpt"
+    save(ckpt, 2, 4)
+    manifest = root / step_dir(4) / MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
+    with pytest.raises(ConfigError, match="format version 99.*upgrade resilient"):
+        restore_with(tmp_path / "run", ckpt)
+    assert ckpt.steps() == [2, 4] and not (root / step_dir(4) / "manifest.damaged.json").exists()
