@@ -92,7 +92,7 @@ def decision_grace_s(timeout_s: float, scheme: str = "file") -> float:
     On S3 at least the longest manifest write (``s3.COMMIT_WRITE_BOUND_S``) plus a margin: a
     slower one could commit a step after the others gave up on it."""
     grace = min(60.0, max(5.0, 0.1 * timeout_s))
-    return max(grace, COMMIT_WRITE_BOUND_S + 5.0) if scheme == "s3" else grace
+    return max(grace, COMMIT_WRITE_BOUND_S + 15.0) if scheme == "s3" else grace  # + DNS, scheduling
 
 
 def _read_json(store: ObjectStore, key: str) -> dict | None:

@@ -19,21 +19,25 @@ _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _EXISTS_CODES = {"PreconditionFailed", "412"}
 # 409: another conditional write to the same key was in flight; S3 says to retry, nothing exists yet.
 _CONFLICT_CODES = {"ConditionalRequestConflict", "409"}
-CONFLICT_TRIES = 6
-"""Conditional PUTs answered 409 before giving up (backoff doubles from CONFLICT_BACKOFF_S, ~3 s in all)."""
 CONFLICT_BACKOFF_S = 0.1
+"""First wait before a conditional PUT is tried again (doubling, up to COMMIT_BACKOFF_CAP_S)."""
 
 
 # The commit point must be decided within the grace the other ranks give the coordinator after
 # the deadline (commit.decision_grace_s): otherwise rank 0 could commit a step that its peers
 # already reported "not committed" (botocore's defaults above bound a PUT only by 8 x 130 s). So
-# the manifest's conditional PUT, and the read that resolves a 412, go through a client bounded to
-# COMMIT_CALL_S per call, and no new try starts after COMMIT_RETRY_WINDOW_S.
-_COMMIT_CONNECT_S, _COMMIT_READ_S, _COMMIT_ATTEMPTS = 3, 7, 2
-COMMIT_CALL_S = (_COMMIT_CONNECT_S + _COMMIT_READ_S) * _COMMIT_ATTEMPTS
-COMMIT_RETRY_WINDOW_S = 5.0
-COMMIT_WRITE_BOUND_S = COMMIT_RETRY_WINDOW_S + 2 * COMMIT_CALL_S
-"""The longest ``write_if_absent`` lasts: its last PUT try, then the read after a 412."""
+# the manifest's conditional PUT, and the read that resolves a 412, go through a client that makes
+# one try of at most COMMIT_CALL_S, and write_if_absent retries on its own clock (409, 5xx,
+# throttling, timeouts), starting no try after COMMIT_RETRY_WINDOW_S.
+_COMMIT_CONNECT_S, _COMMIT_READ_S = 3, 7
+COMMIT_CALL_S = _COMMIT_CONNECT_S + _COMMIT_READ_S
+COMMIT_RETRY_WINDOW_S = 20.0
+COMMIT_BACKOFF_CAP_S = 2.0
+COMMIT_WRITE_BOUND_S = COMMIT_RETRY_WINDOW_S + COMMIT_BACKOFF_CAP_S + 2 * COMMIT_CALL_S
+"""The longest ``write_if_absent`` lasts: a last PUT started at the window's end, then the read
+after a 412."""
+_FATAL_CODES = {"AccessDenied", "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "404"}
+"""Answers a retry cannot change: raised at once."""
 
 
 def s3_client(location: Location, *, bounded_for_commit: bool = False):
@@ -42,7 +46,7 @@ def s3_client(location: Location, *, bounded_for_commit: bool = False):
 
     if bounded_for_commit:
         config = Config(
-            retries={"total_max_attempts": _COMMIT_ATTEMPTS, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # write_if_absent retries
             connect_timeout=_COMMIT_CONNECT_S,
             read_timeout=_COMMIT_READ_S,
         )
@@ -56,8 +60,9 @@ def s3_client(location: Location, *, bounded_for_commit: bool = False):
     return boto3.client("s3", endpoint_url=location.endpoint, region_name=location.region, config=config)
 
 
-def _code(err: Exception) -> str:
-    return str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+def _code(err: Exception | None) -> str:
+    response = getattr(err, "response", None) or {}  # connection errors carry none (or None)
+    return str(response.get("Error", {}).get("Code", ""))
 
 
 class S3ObjectStore:
@@ -95,32 +100,39 @@ class S3ObjectStore:
     def write_if_absent(self, key: str, data: bytes) -> bool:
         """True iff ``key`` now holds ``data`` from this call (or from an earlier try of it whose
         response was lost); False if another writer's bytes are there. Lasts at most
-        ``COMMIT_WRITE_BOUND_S`` (see above)."""
-        delay, start = CONFLICT_BACKOFF_S, time.monotonic()
-        tries = 0
-        for attempt in range(CONFLICT_TRIES):
-            if attempt:
+        ``COMMIT_WRITE_BOUND_S`` (see above); 409s, 5xx, throttling and timeouts are retried."""
+        delay, start, tries = CONFLICT_BACKOFF_S, time.monotonic(), 0
+        last: Exception | None = None
+        while tries == 0 or time.monotonic() - start <= COMMIT_RETRY_WINDOW_S:
+            if tries:
                 time.sleep(delay)
-                delay *= 2
-                if time.monotonic() - start > COMMIT_RETRY_WINDOW_S:
-                    break
+                delay = min(2 * delay, COMMIT_BACKOFF_CAP_S)
             tries += 1
             try:
                 self._commit_client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
                 return True
             except Exception as e:
+                last = e
                 code = _code(e)
-                if code not in _EXISTS_CODES | _CONFLICT_CODES:
+                if code in _FATAL_CODES:
                     raise self._fail("creating", key, e) from e
                 if code in _EXISTS_CODES:
-                    stored = self._read_with(self._commit_client, key)
+                    try:
+                        stored = self._read_with(self._commit_client, key)
+                    except StorageError as read_error:
+                        last = read_error  # the read-back failed: try the PUT again (412 again, read again)
+                        continue
                     if stored is not None:
                         return stored == data
                     # Deleted between the 412 and our read: nothing is there, so try again.
         where = f"s3://{self.bucket}/{self._key(key)}"
+        why = (
+            "409 ConditionalRequestConflict: another writer is saving the same step; stop it"
+            if (_code(last) in _CONFLICT_CODES)
+            else f"{last}; check the endpoint"
+        )
         raise StorageError(
-            f"creating {where} failed: {tries} conditional PUTs in a row met a concurrent write "
-            "(409 ConditionalRequestConflict); another writer is saving the same step: stop it, then save again"
+            f"creating {where} failed after {tries} tries in {time.monotonic() - start:.0f} s ({why}), then save again"
         )
 
     def exists(self, key: str) -> bool:
