@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
-from resilient.manifest import MANIFEST, parse_step_dir, step_dir
+from resilient.manifest import LATEST, MANIFEST, parse_step_dir, step_dir
 from resilient.storage.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,24 @@ def set_aside(store: ObjectStore, step: int, damaged: bytes) -> bool:
         return False
     store.write(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}", damaged)
     store.delete_prefix(key)
+    _point_latest_below(store, step)
     return True
+
+
+def _point_latest_below(store: ObjectStore, step: int) -> None:
+    """``latest`` only ever moves up, except here: it must not keep naming a step that is no longer
+    committed (tools would report that step as lost after its commit)."""
+    try:
+        named = json.loads(store.read(LATEST) or b"{}").get("step")
+    except (ValueError, AttributeError):
+        return
+    if named != step:
+        return
+    below = [s for s in list_steps(store).committed if s < step]
+    if below:
+        store.write(LATEST, json.dumps({"step": below[-1]}).encode())
+    else:
+        store.delete_prefix(LATEST)
 
 
 def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:

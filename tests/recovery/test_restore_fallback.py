@@ -7,6 +7,7 @@ One process on a temporary file:// root, and two gloo ranks for a step damaged o
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,9 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_step_that_loads(tmp_path
     assert "manifest" in fallbacks[0]["reason"] and "not valid JSON" in fallbacks[0]["reason"]
     assert "checksum mismatch in tensor 'model.z' at step 4" in fallbacks[1]["reason"]
     assert [(e["source"], e["step"]) for e in events(run)] == [("persistent", 2)]
-    # The run trains steps 4 and 6 again: the damaged ones are set aside (manifest renamed, kept).
-    assert ckpt.steps() == [2]
+    # The run trains steps 4 and 6 again: the damaged ones are set aside (manifest renamed, kept),
+    # and `latest` names the step that loaded (tools would report step 6 as lost after its commit).
+    assert ckpt.steps() == [2] and json.loads((root / "latest").read_text()) == {"step": 2}
     assert all((root / f"step-00000000{s}" / "manifest.damaged.json").exists() for s in (4, 6))
     save(ckpt, 4, 6)
     assert ckpt.steps() == [2, 4, 6]
