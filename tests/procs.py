@@ -19,3 +19,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     proc.kill()
+
+
+def communicate_or_fail(proc: subprocess.Popen, timeout_s: float, what: str = "the job") -> tuple[str, str]:
+    """``proc``'s (stdout, stderr) once it exits; past ``timeout_s`` its whole tree is killed and
+    the test fails with the tail of both (stderr is "" when it was not piped)."""
+    import pytest
+
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"{what} did not finish within {timeout_s} s\n{(stdout or '')[-4000:]}\n{(stderr or '')[-3000:]}")
+    return stdout or "", stderr or ""

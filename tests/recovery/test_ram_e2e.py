@@ -25,7 +25,7 @@ from resilient import Checkpointer
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
-from tests.procs import kill_tree
+from tests.procs import communicate_or_fail
 
 pytestmark = [pytest.mark.e2e]
 
@@ -69,12 +69,7 @@ def _start(command: list[str], step_sleep: float = 0.0) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, _ = proc.communicate(timeout=30)
-        pytest.fail(f"the job did not finish in {timeout_s} s\n{out[-4000:]}")
+    out, _ = communicate_or_fail(proc, timeout_s)
     assert proc.returncode == 0, f"launcher exited {proc.returncode}\n{out[-6000:]}"
     return out
 

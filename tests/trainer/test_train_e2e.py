@@ -32,7 +32,7 @@ import torch
 from resilient import Checkpointer
 from resilient.runfiles import read_jsonl_by_step
 from resilient.trainer.config import load_config
-from tests.procs import kill_tree
+from tests.procs import communicate_or_fail
 
 pytestmark = [pytest.mark.e2e]
 
@@ -48,12 +48,7 @@ def _run(command: list[str], timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool =
     sessions of their own, so killing torchrun alone would orphan them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_GROUP": "0"}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"{command} did not finish within {timeout_s} s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    stdout, stderr = communicate_or_fail(proc, timeout_s, str(command))
     report = f"{command} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
     assert (proc.returncode == 0) == expect_ok, report
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

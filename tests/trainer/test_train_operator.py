@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resilient import Checkpointer
-from tests.procs import kill_tree
+from tests.procs import communicate_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
@@ -29,12 +29,7 @@ def _launch(args: list[str], run_dir: Path, env: dict[str, str] | None = None) -
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"did not finish within {timeout_s} s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    stdout, stderr = communicate_or_fail(proc, timeout_s, "resilient-train")
     return proc.returncode, stdout, stderr
 
 
