@@ -157,17 +157,29 @@ def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int)
     for fqn, plan in plans.items():
         if math.prod(plan.shape) == 0:
             continue
-        counts = np.zeros(plan.shard_grid(), dtype=np.int32)
-        for box in written[fqn]:
-            lo = [o // s for o, s in zip(box.offsets, plan.shard_shape, strict=True)]
-            hi = [math.ceil((o + n) / s) for o, n, s in zip(box.offsets, box.sizes, plan.shard_shape, strict=True)]
-            counts[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))] += 1
-        if not (counts == 1).all():
-            missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
+        missing, twice = _shard_gaps(plan, written[fqn])
+        if missing or twice:
             raise CommitError(
                 f"step {step} not committed: tensor {fqn!r} has {missing} shard(s) never written and "
                 f"{twice} written more than once; the previous step is intact"
             )
+
+
+def _shard_gaps(plan: ArrayPlan, boxes: list[Box]) -> tuple[int, int]:
+    """(shards no box covers, shards more than one box covers)."""
+    spans = []
+    for box in boxes:
+        lo = [o // s for o, s in zip(box.offsets, plan.shard_shape, strict=True)]
+        hi = [math.ceil((o + n) / s) for o, n, s in zip(box.offsets, box.sizes, plan.shard_shape, strict=True)]
+        spans.append((lo, hi))
+    grid = plan.shard_grid()
+    if math.prod(grid) == 1:  # one shard, as every small tensor has: no array needed (2,000 cost 9% of a save)
+        covering = sum(all(a < b for a, b in zip(lo, hi, strict=True)) for lo, hi in spans)
+        return int(covering == 0), int(covering > 1)
+    counts = np.zeros(grid, dtype=np.int32)
+    for lo, hi in spans:
+        counts[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))] += 1
+    return int((counts == 0).sum()), int((counts > 1).sum())
 
 
 def commit_manifest(store: ObjectStore, manifest: Manifest) -> None:

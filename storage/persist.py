@@ -179,7 +179,6 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
         for key, box in _shards(item)
     ]
     files = AttemptFiles(root, expected_files=len(objects))
-    files.make_dirs(key for key, _ in objects)
     if objects:  # a rank with nothing to write (all its tensors written by a peer) makes nothing durable;
         # it must not fsync step-N/ either: the rank that creates it may not have yet (ENOENT)
         files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
@@ -187,6 +186,7 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
     first = next((key for key, what in objects if isinstance(what, tuple)), None)
 
     def write(key: str, what) -> None:
+        files.make_parent(key)
         if isinstance(what, dict):
             files.write(key, [json.dumps(what).encode()])
             return

@@ -12,6 +12,8 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+import crc32c
+
 from resilient.errors import ConfigError
 from resilient.manifest import LATEST, MANIFEST, parse_step_dir, step_dir
 from resilient.storage.objects import ObjectStore
@@ -52,17 +54,30 @@ class DamagedManifest(Exception):
     """A step's manifest.json exists but cannot be read as a manifest (truncated, not JSON)."""
 
 
+_ATTEMPT_OF: dict[tuple[int, int], str] = {}
+"""Attempt named by manifest bytes already parsed, by (length, crc32c) of those bytes: a committed
+manifest never changes, and every commit re-reads the kept steps' manifests, which for 2,000
+tensors took 11% of a save here in ``json.loads``. Bytes that differ (damaged, rewritten) miss."""
+_ATTEMPT_CACHE_MAX = 1024
+
+
 def committed_attempt(store: ObjectStore, step: int) -> str | None:
     """The attempt the step's manifest names (None: no manifest); DamagedManifest if unreadable."""
     data = store.read(f"{step_dir(step)}/{MANIFEST}")
     if data is None:
         return None
+    key = (len(data), crc32c.crc32c(data))
+    if key in _ATTEMPT_OF:
+        return _ATTEMPT_OF[key]
     try:
         attempt = json.loads(data)["attempt"]
     except (ValueError, KeyError, TypeError) as e:
         raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: {e}") from e
     if not isinstance(attempt, str):
         raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: attempt is {attempt!r}")
+    if len(_ATTEMPT_OF) >= _ATTEMPT_CACHE_MAX:
+        _ATTEMPT_OF.clear()
+    _ATTEMPT_OF[key] = attempt
     return attempt
 
 
