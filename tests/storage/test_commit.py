@@ -44,6 +44,22 @@ def test_coverage_check_catches_missing_and_duplicate_shards():
         )
 
 
+def test_coverage_check_of_a_one_shard_tensor():
+    # One shard is checked without a numpy grid (thousands of small tensors per save): same verdicts.
+    info = {"fqn": "w", "shape": [8, 2], "dtype": "float32", "box": Box((0, 0), (8, 2)).to_json(),
+            "placements": [], "mesh_shape": [], "mesh_dim_names": []}  # fmt: skip
+    plans = plan_arrays([[info]])
+    assert plans["w"].shard_grid() == (1, 1)
+    whole = Box((0, 0), (8, 2))
+    check_coverage(plans, [_receipt(0, whole)], step=3)
+    with pytest.raises(CommitError, match="'w' has 1 shard.s. never written and 0 written more than once"):
+        check_coverage(plans, [_receipt(0)], step=3)
+    with pytest.raises(CommitError, match="'w' has 1 shard.s. never written"):
+        check_coverage(plans, [_receipt(0, Box((0, 0), (0, 2)))], step=3)  # an empty box covers nothing
+    with pytest.raises(CommitError, match="0 shard.s. never written and 1 written more than once"):
+        check_coverage(plans, [_receipt(0, whole), _receipt(1, whole)], step=3)
+
+
 def test_manifest_is_created_exactly_once(tmp_path):
     store = FileObjectStore(parse_url(str(tmp_path)))
     manifest = Manifest(step=4, attempt="attempt-a", world_size=1, arrays={}, values={})
@@ -91,6 +107,19 @@ def test_retention_counts_only_steps_that_load_toward_keep_last(tmp_path):
     damaged: list[int] = []
     doomed = plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(2), damaged)
     assert doomed == ["step-000000001"] and sorted(damaged) == [4, 5]
+
+
+def test_retention_sees_damage_of_a_manifest_it_read_before(tmp_path):
+    # Attempts are cached by the manifest's bytes (every commit re-reads the kept steps): the same
+    # length with other bytes must be parsed again, and found damaged.
+    ckpt = Checkpointer(str(tmp_path))
+    for s in (1, 2, 3):
+        ckpt.save(s, {"w": torch.ones(2)}).wait()  # each commit's retention read the older manifests
+    path = tmp_path / "step-000000002" / "manifest.json"
+    path.write_bytes(b"x" * len(path.read_bytes()))
+    damaged: list[int] = []
+    assert plan_retention(FileObjectStore(parse_url(str(tmp_path))), KeepLast(2), damaged) == []
+    assert damaged == [2]
 
 
 class _S3LikeStore:
