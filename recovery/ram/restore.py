@@ -9,6 +9,12 @@ storage when no RAM step is left. Only snapshots of the current run and timeline
 ``timeline``, see ``ram.timeline``) taken on the same topology (world size, ranks per node, mesh,
 tensor layout) are candidates; the others are listed in ``excluded`` with the reason.
 
+A snapshot belongs to the rank it was taken on (the rank is its place in the mesh, so its shard),
+not to a machine: after a restart that renumbered the ranks (elastic rendezvous), rank r restores
+rank r's snapshot wherever it now lies — a store of its own node (read in place, source "own"),
+else any rank that offers it (its buddy first; source "buddy"). Restoring the snapshot a machine
+took into the rank that machine now runs would put another rank's shard there.
+
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
 while its peers wait in the next collective; anything else (a bug) is raised on every rank.

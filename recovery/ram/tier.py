@@ -10,7 +10,8 @@ arrives is not sent (recorded as "superseded").
 ``restore(state, persistent_step)`` is the collective RAM restore decision of
 ``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
 tiers, and sets ``timeline`` (``ram.timeline``): the run and timeline snapshots are tagged with,
-and the only ones the decision may restore. The buddy side (what this rank serves to and keeps
+and the only ones the decision may restore. ``start`` learns every rank's machine
+(``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank serves to and keeps
 for others) is ``ram.buddy``.
 """
 
