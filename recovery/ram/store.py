@@ -293,11 +293,24 @@ class RankStore:
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
+    def drop_abandoned(self, current: tuple[str, str]) -> None:
+        """Remove every snapshot not of ``current``, the timeline the run's record names now (known
+        abandoned, as ``_evict`` decides after a publish of it), then the slots they used. For a
+        store nothing publishes into any more (``RamTier.left_here``), which ``_evict`` never visits."""
+        for step, index in self.indexes().items():
+            if _abandoned((index.run_id, index.timeline), current, recorded=True):
+                self.remove(step)
+        self.drop_spare_slots()
+
     def drop_spare_slots(self) -> None:
         """Delete slot files no visible snapshot and no reader uses."""
         with self._lock:
             used = {i.slot for i in self.indexes().values()} | {s for s, n in self._leases.items() if n > 0}
-            for name in [n for n in os.listdir(self.directory) if n.startswith("slot") and n not in used]:
+            try:
+                names = os.listdir(self.directory)
+            except FileNotFoundError:  # nothing was ever stored here
+                return
+            for name in [n for n in names if n.startswith("slot") and n not in used]:
                 self._slots.pop(name, None)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.directory, name))

@@ -87,6 +87,7 @@ class RamTier:
         self.stats = JsonlSink(stats_path)
         self._buddy_stores: dict[int, RankStore] = {}
         self._stores_lock = threading.Lock()
+        self._pruned = False
         # Simulated nodes until ``start`` learns every rank's machine (``_place``).
         self._place(Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains)))
         self._server: ReplicationServer | None = None
@@ -240,6 +241,15 @@ class RamTier:
                         found.add(int(rank))
         return sorted(found)
 
+    def _drop_abandoned_left_here(self) -> None:
+        """Free the abandoned snapshots of the stores a renumbering left on this node: nothing
+        publishes into them any more, so the eviction that follows a publish never visits them.
+        Once per tier, after its first publish of the timeline the run's record names now."""
+        current = self._current()
+        for rank in self.left_here():
+            for store in self.copies_of(rank):
+                store.drop_abandoned(current)
+
     def _current(self) -> tuple[str, str]:
         """What the stores evict against: this run's timeline now (a publish of another one is late)."""
         return self.timeline.run_id, self.timeline.timeline
@@ -363,6 +373,9 @@ class RamTier:
             entry.crc32c = checksum(data, entry)
         self.own.publish(index)
         mark_store(self.root)
+        if not self._pruned and (index.run_id, index.timeline) == self._current():
+            self._pruned = True
+            self._drop_abandoned_left_here()
         record = {
             "event": "ram_snapshot",
             "group": self.group,

@@ -11,6 +11,7 @@ import os
 
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram.timeline import Timeline
 from tests.recovery.ram.workers import empty_state, state_of
 
 
@@ -25,9 +26,12 @@ def machine_tier(rank: int, world: int, base: str, machines: list[str]) -> RamTi
     return ram
 
 
-def snapshot_on(rank: int, world: int, base: str, machines: list[str], steps: list[int]) -> dict:
-    """Snapshot each step on machine ``machines[rank]``; report where the node store is."""
+def snapshot_on(rank: int, world: int, base: str, machines: list[str], steps: list[int], timeline: str = "") -> dict:
+    """Snapshot each step on machine ``machines[rank]`` (tagged ``timeline`` of run "run", if
+    given); report where the node store is."""
     ram = machine_tier(rank, world, base, machines)
+    if timeline:
+        ram.timeline = Timeline(run_id="run", incarnation=int(timeline.split("-")[0]), timeline=timeline)
     for step in steps:
         ram.snapshot(step, state_of(rank, step))
         ram.wait(30)

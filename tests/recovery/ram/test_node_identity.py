@@ -118,3 +118,30 @@ def test_nodes_with_unequal_rank_counts_fail_to_start_on_every_rank(tmp_path):
     results = run_world(node_workers.start_on, 3, str(tmp_path), ["a", "a", "b"], timeout_s=120)
     assert [r["type"] for r in results] == ["ConfigError"] * 3
     assert all("a=2, b=1" in r["message"] and "\n" not in r["message"] for r in results)
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+@pytest.mark.dist
+def test_stores_a_swap_left_behind_drop_their_abandoned_snapshots(tmp_path):
+    base = str(tmp_path)
+    run_world(node_workers.snapshot_on, 2, base, ["alpha", "beta"], [2, 4], "0-old", timeout_s=120)
+    beta = os.path.join(base, "beta", "group0", "node-beta")
+    assert _files(os.path.join(beta, "own", "rank1")) == ["slot0.bin", "slot1.bin"] + [
+        f"step-{s:09d}.json" for s in (2, 4)
+    ]
+    # Swapped, and the run went on in a new timeline (e.g. restored from storage): nothing will
+    # ever publish into beta's own/rank1 or buddy/rank0 again, and their snapshots can never restore.
+    run_world(node_workers.snapshot_on, 2, base, ["beta", "alpha"], [6], "1-new", timeout_s=120)
+    alpha = os.path.join(base, "alpha", "group0", "node-alpha")
+    for left in (os.path.join(beta, "own", "rank1"), os.path.join(beta, "buddy", "rank0")):
+        assert _files(left) == [], left
+    for left in (os.path.join(alpha, "own", "rank0"), os.path.join(alpha, "buddy", "rank1")):
+        assert _files(left) == [], left
+    # What the new timeline wrote stays: each rank's step 6 and its copy on the other machine.
+    for node, rank, kind in ((beta, 0, "own"), (alpha, 1, "own"), (alpha, 0, "buddy"), (beta, 1, "buddy")):
+        index = _index(node, kind, rank, 6)
+        assert (index["rank"], index["timeline"], index["step"]) == (rank, "1-new", 6)
+        assert _files(os.path.join(node, kind, f"rank{rank}")) == ["slot0.bin", "step-000000006.json"]
