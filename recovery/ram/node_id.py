@@ -45,12 +45,12 @@ def resolve_node_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]
     return socket.gethostname(), "hostname"
 
 
-def exchange() -> list[str]:
-    """Every rank's identity, in rank order (collective over the default group: one all-gather,
+def exchange(identity: str) -> list[str]:
+    """Every rank's ``identity``, in rank order (collective over the default group: one all-gather,
     bounded by the process group's timeout). A rank's local rank is its position among the ranks
     of its identity (``Pairing.ranks_on``), not torchrun's ``LOCAL_RANK``: the pairing and the
     snapshot indexes then use one numbering, whatever the launcher set."""
-    return rdist.agree(lambda: resolve_node_id()[0], what="RAM tier node identities")
+    return rdist.agree(lambda: identity, what="RAM tier node identities")
 
 
 def sanitize(identity: str) -> str:

@@ -35,6 +35,7 @@ from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
 from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
+from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import RamRestore, restore_from_ram
 from resilient.recovery.ram.store import (
@@ -123,13 +124,23 @@ class RamTier:
         """Collective: recompute the nodes from every rank's machine (``ram.node_id``), so a restart
         that renumbers ranks or nodes finds each store where it was. One machine (every identity
         the same) keeps the simulated nodes of ``recovery.ranks_per_node``."""
-        identities = exchange_node_ids()
+        identity, source = resolve_node_id()
+        identities = exchange_node_ids(identity)
         if len(set(identities)) > 1:
             self._place(Pairing.from_identities(identities, tuple(self.config.failure_domains)))
+            configured = self.config.ranks_per_node
+            if configured and configured != self.pairing.ranks_per_node and self.rank == 0:
+                log.warning(
+                    "[rank 0] recovery.ranks_per_node=%d ignored: the ranks run on %d machines of %d ranks each",
+                    configured,
+                    self.pairing.nodes,
+                    self.pairing.ranks_per_node,
+                )
         log.info(
-            "[rank %d] RAM tier node %s (node %d of %d, local rank %d)",
+            "[rank %d] RAM tier node %s (from %s; node %d of %d, local rank %d)",
             self.rank,
             self.node_id,
+            source,
             self.node,
             self.pairing.nodes,
             self.local_rank,
