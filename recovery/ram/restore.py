@@ -33,7 +33,6 @@ import torch
 from resilient import dist as rdist
 from resilient.recovery.ram.buddy import snapshot_key
 from resilient.recovery.ram.channel import ChannelError
-from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
 from resilient.state import Leaf, flatten_state, set_leaf
 
@@ -73,7 +72,7 @@ def restore_from_ram(
     reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
     ruled_out: set[int] = set()
     while True:
-        step = choose_step(tier.pairing, reports, ruled_out)
+        step = choose_step(reports, ruled_out)
         if step is None or (persistent_step is not None and step < persistent_step):
             return RamRestore(None, None, excluded=decision.excluded, seconds=time.perf_counter() - start)
         verdicts = rdist.agree(functools.partial(decision.fetch, step, reports), what=f"RAM restore of step {step}")
@@ -88,7 +87,7 @@ def restore_from_ram(
         ruled_out.add(step)
 
 
-def choose_step(pairing: Pairing, reports: list[Report], ruled_out: set[int]) -> int | None:
+def choose_step(reports: list[Report], ruled_out: set[int]) -> int | None:
     """The newest step every rank can get from its own store or from any rank that offers a copy
     (its buddy, or a node it ran on under an earlier numbering); the same on every rank."""
     common: set[int] | None = None

@@ -14,6 +14,7 @@ from resilient.errors import ConfigError
 from resilient.recovery.ram import node_id
 from resilient.recovery.ram.node_id import resolve_node_id, sanitize
 from resilient.recovery.ram.pairing import Pairing
+from resilient.recovery.ram.restore import choose_step
 from tests.dist import run_world
 from tests.recovery.ram import node_workers
 
@@ -73,6 +74,19 @@ def test_unequal_rank_counts_per_node_are_one_line_naming_the_counts():
         Pairing.from_identities(["b", "a", "a", "c", "c", "c"])
     message = str(info.value)
     assert "\n" not in message and "a=2, b=1, c=3" in message
+
+
+@pytest.mark.timeout(10)
+def test_a_step_counts_when_any_rank_offers_the_copy_not_only_the_current_buddy():
+    # After a renumbering, rank 0's step 4 lies on rank 2's node (its buddy then), while its buddy
+    # now is rank 1: the step is still every rank's.
+    reports = [
+        {"own": [2], "kept": {"2": [2, 4]}},
+        {"own": [2, 4], "kept": {"0": [2]}},
+        {"own": [2, 4], "kept": {"0": [4], "1": [2, 4]}},
+    ]
+    assert choose_step(reports, set()) == 4
+    assert choose_step(reports, {4}) == 2
 
 
 def _index(node_dir: str, kind: str, rank: int, step: int) -> dict:
