@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from resilient.errors import ConfigError
 from resilient.recovery.ram import node_id
@@ -159,3 +160,18 @@ def test_stores_a_swap_left_behind_drop_their_abandoned_snapshots(tmp_path):
         index = _index(node, kind, rank, 6)
         assert (index["rank"], index["timeline"], index["step"]) == (rank, "1-new", 6)
         assert _files(os.path.join(node, kind, f"rank{rank}")) == ["slot0.bin", "step-000000006.json"]
+
+
+@pytest.mark.dist
+def test_restore_after_two_machines_of_two_ranks_were_interleaved_by_the_rendezvous(tmp_path):
+    base = str(tmp_path)
+    taken = run_world(node_workers.snapshot_on, 4, base, ["a", "a", "b", "b"], [2, 4], timeout_s=150)
+    assert [t["buddy"] for t in taken] == [2, 3, 0, 1] and all(t["copies"] == ["copied"] * 2 for t in taken)
+    # Now machine b runs ranks 0 and 2, machine a ranks 1 and 3: each rank's step 4 lies on the
+    # machine it runs on (its own store, or the copy kept there for it), read in place.
+    restored = run_world(node_workers.restore_on, 4, base, ["b", "a", "b", "a"], timeout_s=150)
+    for rank, r in enumerate(restored):
+        assert (r["step"], r["sources"]) == (4, ["own"] * 4), r
+        value = rank * 1000 + 4
+        assert r["w"] == value and r["b"] == float(torch.tensor(value).bfloat16()), r
+        assert r["train"] == {"step": 4, "rank": rank}
