@@ -7,7 +7,8 @@ rank numbers the restart hands out. Resolved in this order, the first one set wi
 1. ``RESILIENT_NODE_ID``: the operator knows best (e.g. a Kubernetes node name from the downward
    API when the store is a hostPath, or two launchers on one machine playing two nodes);
 2. ``POD_NAME``: a pod's name (set from the downward API), stable across container restarts,
-   which is what keeps a pod's memory-backed ``emptyDir``;
+   which is what keeps a pod's memory-backed ``emptyDir`` (a replaced pod has a new name, and an
+   empty memory: it is a new node either way);
 3. ``SLURMD_NODENAME``: the name of the SLURM node the step runs on;
 4. ``socket.gethostname()``: the machine's host name (a pod's ``HOSTNAME`` too).
 
