@@ -104,11 +104,13 @@ class RecoveryConfig:
     """Root of the node-local stores; empty: ``/dev/shm/resilient/<run-id>``. Must outlive the
     worker processes (tmpfs or a local disk), so a restarted worker finds its snapshots."""
     ranks_per_node: int = 0
-    """Ranks per node; 0: torchrun's ``LOCAL_WORLD_SIZE`` (one real node per host). Set it to
-    simulate several nodes on one machine: each gets its own store directory and buddy."""
+    """Ranks per simulated node, used only when every rank reports the same node identity (one
+    machine; ``resilient.recovery.ram.node_id``): set it to simulate several nodes there, each with
+    its own store directory and buddy. 0: torchrun's ``LOCAL_WORLD_SIZE``. Ranks on distinct
+    identities (``RESILIENT_NODE_ID``, pod, SLURM node or host names) are grouped by identity instead."""
     failure_domains: list[str] = field(default_factory=list)
-    """One label per node (e.g. its rack or power domain), in node order; a buddy is always on a
-    node with another label. Empty: every node is its own domain."""
+    """One label per node (e.g. its rack or power domain), in node order (real nodes: their sorted
+    identities); a buddy is always on a node with another label. Empty: every node is its own domain."""
     max_store_bytes: int = 0
     """Upper bound on the bytes one node keeps (own + buddy copies); the oldest snapshots go first.
     0: no bound beyond ``checkpoint.memory_keep`` snapshots per rank."""

@@ -3,7 +3,8 @@ channel is keyed with, and the address it listens on.
 
 Rank r's snapshots are copied to ``pairing.buddy_of(r)`` on another node; that rank's
 ``BuddyHandler`` stores each copy only after checking it (sender, key, size, every tensor's
-crc32c), and serves it back only to the rank it belongs to.
+crc32c), and serves it back only to the rank it belongs to (a snapshot belongs to the rank it was
+taken on: that rank's shard of the state, whichever node that rank runs on now).
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ class BuddyHandler:
         rank_part, _, step_part = key.partition("/")
         if rank_part != f"rank{requester_rank}":
             raise ResilientError(f"rank {requester_rank} may fetch only its own snapshots, not {key}")
-        index = tier.buddy_store(requester_rank).indexes().get(int(step_part.removeprefix("step-")))
-        if index is None:
-            return None
-        data = tier.buddy_store(requester_rank).data(index)
-        return {"index": index.to_json()}, memoryview(data.numpy())
+        step = int(step_part.removeprefix("step-"))
+        # The copy kept for it, else the own snapshot it left here under another rank numbering.
+        for store in tier.copies_of(requester_rank):
+            index = store.indexes().get(step)
+            if index is not None and index.rank == requester_rank:
+                return {"index": index.to_json()}, memoryview(store.data(index).numpy())
+        return None
 
 
 def shared_secret() -> bytes:

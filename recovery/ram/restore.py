@@ -9,6 +9,12 @@ storage when no RAM step is left. Only snapshots of the current run and timeline
 ``timeline``, see ``ram.timeline``) taken on the same topology (world size, ranks per node, mesh,
 tensor layout) are candidates; the others are listed in ``excluded`` with the reason.
 
+A snapshot belongs to the rank it was taken on (the rank is its place in the mesh, so its shard),
+not to a machine: after a restart that renumbered the ranks (elastic rendezvous), rank r restores
+rank r's snapshot wherever it now lies — a store of its own node (read in place, source "own"),
+else any rank that offers it (its buddy first; source "buddy"). Restoring the snapshot a machine
+took into the rank that machine now runs would put another rank's shard there.
+
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
 while its peers wait in the next collective; anything else (a bug) is raised on every rank.
@@ -27,7 +33,6 @@ import torch
 from resilient import dist as rdist
 from resilient.recovery.ram.buddy import snapshot_key
 from resilient.recovery.ram.channel import ChannelError
-from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
 from resilient.state import Leaf, flatten_state, set_leaf
 
@@ -37,7 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Report = dict[str, Any]
-"""One rank's offer: ``{"own": [steps], "kept": {"<rank>": [steps]}}`` (JSON: rank keys are strings)."""
+"""One rank's offer: ``{"own": [steps], "kept": {"<rank>": [steps]}}`` (JSON: rank keys are strings).
+"kept" holds the copies it keeps for its buddies and, on a node's first rank, the snapshots other
+ranks left on this node under an earlier rank numbering (``RamTier.left_here``)."""
 
 
 @dataclass(slots=True)
@@ -45,7 +52,7 @@ class RamRestore:
     """The outcome of one restore decision on this rank."""
 
     step: int | None
-    source: str | None  # "own" | "buddy" | None (no RAM step: storage or fresh)
+    source: str | None  # "own" (this node's RAM) | "buddy" (another node's) | None (storage or fresh)
     bytes: int = 0
     seconds: float = 0.0
     excluded: list[dict[str, Any]] = field(default_factory=list)
@@ -65,7 +72,7 @@ def restore_from_ram(
     reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
     ruled_out: set[int] = set()
     while True:
-        step = choose_step(tier.pairing, reports, ruled_out)
+        step = choose_step(reports, ruled_out)
         if step is None or (persistent_step is not None and step < persistent_step):
             return RamRestore(None, None, excluded=decision.excluded, seconds=time.perf_counter() - start)
         verdicts = rdist.agree(functools.partial(decision.fetch, step, reports), what=f"RAM restore of step {step}")
@@ -80,14 +87,14 @@ def restore_from_ram(
         ruled_out.add(step)
 
 
-def choose_step(pairing: Pairing, reports: list[Report], ruled_out: set[int]) -> int | None:
-    """The newest step every rank can get from its own store or its buddy's (same on every rank)."""
+def choose_step(reports: list[Report], ruled_out: set[int]) -> int | None:
+    """The newest step every rank can get from its own store or from any rank that offers a copy
+    (its buddy, or a node it ran on under an earlier numbering); the same on every rank."""
     common: set[int] | None = None
     for rank, report in enumerate(reports):
         available = set(report["own"])
-        holder = pairing.buddy_of(rank)
-        if holder is not None:
-            available |= set(reports[holder]["kept"].get(str(rank), []))
+        for holder in reports:
+            available |= set(holder["kept"].get(str(rank), []))
         common = available if common is None else common & available
     candidates = (common or set()) - ruled_out
     return max(candidates) if candidates else None
@@ -126,19 +133,30 @@ class _Decision:
                 own.append(step)
             else:
                 self._exclude(step, "own", reason)
-        kept = {str(r): self._kept(r) for r in tier.pairing.kept_by(tier.rank)}
+        ranks = sorted({*tier.pairing.kept_by(tier.rank), *tier.left_here()})
+        kept = {str(r): self._kept(r) for r in ranks}
         return {"own": own, "kept": kept}
 
     def _kept(self, rank: int) -> list[int]:
-        """The steps of ``rank``'s copies this rank may offer (their layout is checked by ``rank``)."""
-        offered = []
-        for step, index in sorted(self.tier.buddy_store(rank).indexes().items()):
-            reason = self.ineligible(index)
-            if reason is None:
-                offered.append(step)
-            else:
-                self._exclude(step, "buddy", f"copy kept for rank {rank}: {reason}")
-        return offered
+        """The steps of ``rank``'s snapshots on this node this rank may offer (their layout is
+        checked by ``rank``)."""
+        offered = set()
+        for store in self.tier.copies_of(rank):
+            for step, index in sorted(store.indexes().items()):
+                reason = self.ineligible(index) or self._not_of(index, rank)
+                if reason is None:
+                    offered.add(step)
+                else:
+                    self._exclude(step, "buddy", f"copy kept for rank {rank}: {reason}")
+        return sorted(offered)
+
+    def _unusable(self, index: SnapshotIndex, data: torch.Tensor) -> str | None:
+        """Why a snapshot found outside this rank's own store may not restore it (None: it may)."""
+        return self._not_of(index, self.tier.rank) or first_corruption(index, data) or self.incompatible(index)
+
+    @staticmethod
+    def _not_of(index: SnapshotIndex, rank: int) -> str | None:
+        return None if index.rank == rank else f"taken on rank {index.rank}, not {rank}"
 
     def ineligible(self, index: SnapshotIndex) -> str | None:
         """Why ``index`` may not restore now whatever its contents: another run or timeline, or a
@@ -184,10 +202,34 @@ class _Decision:
                 return own
             self._exclude(step, "own", own)
             log.warning("[rank %d] own RAM snapshot of step %d unusable: %s", rank, step, own)
-        holder = self.tier.pairing.buddy_of(rank)
-        if holder is None or step not in reports[holder]["kept"].get(str(rank), []):
-            return None
-        return self._fetch_from_buddy(step, holder)
+        here = self._here(step)
+        if here is not None:
+            return here
+        holders = [h for h, report in enumerate(reports) if step in report["kept"].get(str(rank), [])]
+        buddy = self.tier.pairing.buddy_of(rank)
+        for holder in sorted(holders, key=lambda h: h != buddy):  # the buddy first, then the rest
+            if holder not in self.tier.pairing.ranks_on(self.tier.node):
+                fetched = self._fetch_from_buddy(step, holder)
+                if fetched is not None:
+                    return fetched
+        return None
+
+    def _here(self, step: int) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
+        """This rank's snapshot of ``step`` from another store of this node (left here when the
+        ranks were renumbered): read in place, no network."""
+        for store in self.tier.copies_of(self.tier.rank):
+            try:
+                index = store.indexes().get(step)
+                if index is None:
+                    continue
+                data = store.data(index)
+                reason = self._unusable(index, data)
+            except Exception as e:  # a missing slot file, an I/O error: another copy may still do
+                reason = f"{type(e).__name__}: {e}"
+            if reason is None:
+                return "own", index, data
+            self._exclude(step, "own", f"{store.directory}: {reason}")
+        return None
 
     def _own_verified(self, step: int) -> tuple[str, SnapshotIndex, torch.Tensor] | str:
         """This rank's own snapshot of ``step`` if it verifies, else why not."""
@@ -214,7 +256,7 @@ class _Decision:
         index = SnapshotIndex.from_json(header["index"])
         # The client hands over the bytearray it received into: no further copy.
         data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        reason = first_corruption(index, data) or self.incompatible(index)
+        reason = self._unusable(index, data)
         if reason is not None:
             self._exclude(step, "buddy", reason)
             return None
@@ -235,5 +277,6 @@ class _Decision:
         # Snapshots after the restored step belong to the abandoned timeline: hidden, so a later
         # decision can never mix them with snapshots of the new one.
         self.tier.own.remove_newer(step)
-        for rank in self.tier.pairing.kept_by(self.tier.rank):
-            self.tier.buddy_store(rank).remove_newer(step)
+        for rank in {*self.tier.pairing.kept_by(self.tier.rank), *self.tier.left_here(), self.tier.rank}:
+            for store in self.tier.copies_of(rank):
+                store.remove_newer(step)

@@ -2,10 +2,17 @@
 
 Paths (the contract tools and ``resilient-chaos`` rely on)::
 
-    <store_dir>/group<G>/node<N>/           one simulated or real node of replica group G
+    <store_dir>/group<G>/node<N>/           simulated node N of replica group G (one machine)
+    <store_dir>/group<G>/node-<identity>/    the real node of that identity (``ram.node_id``)
         own/rank<R>/step-<S>.json            index of rank R's snapshot of step S (visible = complete)
         own/rank<R>/slot<K>.bin              the bytes, in a reused slot file
         buddy/rank<R>/...                    copies this node keeps for rank R of its buddy node
+
+A real node's directory is named by its identity, never by a node index: a restart that renumbers
+nodes finds each store where it was. ``R`` is the rank the snapshot was taken on (its place in the
+mesh, so its shard); after a renumbering, a directory may hold a rank that now runs elsewhere, and
+every index records the rank, node identity and local rank it was taken on, so the restore finds a
+rank's snapshot by what it is, not by where it lies (``ram.restore``).
 
 ``store_dir`` (``recovery.store_dir``) defaults to ``/dev/shm/resilient/<key>``, key a hash of the
 absolute run.dir, so a restarted worker of the same run finds it and two runs on one machine never
@@ -51,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
 from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.node_id import sanitize
 from resilient.recovery.ram.timeline import incarnation_of
 from resilient.state import Leaf
 
@@ -87,6 +95,10 @@ class SnapshotIndex:
     run_id: str = ""
     timeline: str = ""
     """The run and timeline the snapshot was taken on (``ram.timeline``): it restores only into them."""
+    node_id: str = ""
+    """The identity of the node it was taken on (``ram.node_id``; simulated: ``node<N>``)."""
+    local_rank: int = -1
+    """The taking rank's index on that node."""
     created: float = field(default_factory=time.time)
     version: int = INDEX_VERSION
 
@@ -281,11 +293,24 @@ class RankStore:
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
+    def drop_abandoned(self, current: tuple[str, str]) -> None:
+        """Remove every snapshot not of ``current``, the timeline the run's record names now (known
+        abandoned, as ``_evict`` decides after a publish of it), then the slots they used. For a
+        store nothing publishes into any more (``RamTier.left_here``), which ``_evict`` never visits."""
+        for step, index in self.indexes().items():
+            if _abandoned((index.run_id, index.timeline), current, recorded=True):
+                self.remove(step)
+        self.drop_spare_slots()
+
     def drop_spare_slots(self) -> None:
         """Delete slot files no visible snapshot and no reader uses."""
         with self._lock:
             used = {i.slot for i in self.indexes().values()} | {s for s, n in self._leases.items() if n > 0}
-            for name in [n for n in os.listdir(self.directory) if n.startswith("slot") and n not in used]:
+            try:
+                names = os.listdir(self.directory)
+            except FileNotFoundError:  # nothing was ever stored here
+                return
+            for name in [n for n in names if n.startswith("slot") and n not in used]:
                 self._slots.pop(name, None)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.directory, name))
@@ -384,9 +409,11 @@ def store_root(config: RecoveryConfig, run_dir: str) -> str:
     return os.path.join(DEFAULT_STORE_ROOT, run_dir_key(run_dir))
 
 
-def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int) -> str:
-    """The directory of node ``node`` of replica group ``group`` (wipe it to simulate losing the node)."""
-    return os.path.join(store_root(config, run_dir), f"group{group}", f"node{node}")
+def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int | str) -> str:
+    """The directory of node ``node`` of replica group ``group`` (wipe it to simulate losing the
+    node): a simulated node's index, or a real node's identity (sanitized)."""
+    name = f"node{node}" if isinstance(node, int) else f"node-{sanitize(node)}"
+    return os.path.join(store_root(config, run_dir), f"group{group}", name)
 
 
 def ranks_per_node(config: RecoveryConfig, world_size: int) -> int:

@@ -10,12 +10,14 @@ arrives is not sent (recorded as "superseded").
 ``restore(state, persistent_step)`` is the collective RAM restore decision of
 ``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
 tiers, and sets ``timeline`` (``ram.timeline``): the run and timeline snapshots are tagged with,
-and the only ones the decision may restore. The buddy side (what this rank serves to and keeps
+and the only ones the decision may restore. ``start`` learns every rank's machine
+(``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank serves to and keeps
 for others) is ``ram.buddy``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -32,6 +34,8 @@ from resilient.metrics import JsonlSink
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
 from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
+from resilient.recovery.ram.node_id import exchange as exchange_node_ids
+from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import RamRestore, restore_from_ram
 from resilient.recovery.ram.store import (
@@ -79,20 +83,14 @@ class RamTier:
         stats_path: str | None = None,
     ) -> None:
         self.config, self.keep, self.group, self.rank = config, keep, group, rank
-        self.pairing = Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains))
-        self.node = self.pairing.node_of(rank)
+        self.run_dir, self.fingerprint = run_dir, fingerprint
         self.root = store_root(config, run_dir)
-        self.node_dir = node_store_dir(config, run_dir, group, self.node)
-        self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), keep, self._current)
-        self.topology = {
-            "world_size": world_size,
-            "ranks_per_node": self.pairing.ranks_per_node,
-            "group": group,
-            **fingerprint,
-        }
         self.stats = JsonlSink(stats_path)
         self._buddy_stores: dict[int, RankStore] = {}
         self._stores_lock = threading.Lock()
+        self._pruned = False
+        # Simulated nodes until ``start`` learns every rank's machine (``_place``).
+        self._place(Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains)))
         self._server: ReplicationServer | None = None
         self._client: ReplicationClient | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -104,10 +102,57 @@ class RamTier:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def _place(self, pairing: Pairing) -> None:
+        """Put this rank on ``pairing``'s node: its store directory, node identity and topology."""
+        self.pairing = pairing
+        self.node = pairing.node_of(self.rank)
+        self.local_rank = pairing.ranks_on(self.node).index(self.rank)
+        named = bool(pairing.identities)
+        self.node_id = pairing.identities[self.rank] if named else f"node{self.node}"
+        self.node_dir = node_store_dir(self.config, self.run_dir, self.group, self.node_id if named else self.node)
+        self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{self.rank}"), self.keep, self._current)
+        with self._stores_lock:
+            self._buddy_stores.clear()
+        self.topology = {
+            "world_size": pairing.world_size,
+            "ranks_per_node": pairing.ranks_per_node,
+            "group": self.group,
+            **self.fingerprint,
+        }
+
+    def _place_by_identity(self) -> None:
+        """Collective: recompute the nodes from every rank's machine (``ram.node_id``), so a restart
+        that renumbers ranks or nodes finds each store where it was. One machine (every identity
+        the same) keeps the simulated nodes of ``recovery.ranks_per_node``."""
+        identity, source = resolve_node_id()
+        identities = exchange_node_ids(identity)
+        if len(set(identities)) > 1:
+            self._place(Pairing.from_identities(identities, tuple(self.config.failure_domains)))
+            configured = self.config.ranks_per_node
+            if configured and configured != self.pairing.ranks_per_node and self.rank == 0:
+                log.warning(
+                    "[rank 0] recovery.ranks_per_node=%d ignored: the ranks run on %d machines of %d ranks each",
+                    configured,
+                    self.pairing.nodes,
+                    self.pairing.ranks_per_node,
+                )
+        log.info(
+            "[rank %d] RAM tier node %s (from %s; node %d of %d, local rank %d)",
+            self.rank,
+            self.node_id,
+            source,
+            self.node,
+            self.pairing.nodes,
+            self.local_rank,
+            extra={"event": "ram_node", "node_id": self.node_id, "node": self.node, "local_rank": self.local_rank},
+        )
+
     def start(self) -> None:
-        """Open the store and the replication channel (collective: exchanges the channel addresses
-        and the job's secret over the group's process group, once, before training). A failure on
-        one rank is raised on every rank, so no peer waits in a collective for it."""
+        """Open the store and the replication channel (collective: exchanges the node identities,
+        the channel addresses and the job's secret over the group's process group, once, before
+        training). A failure on one rank is raised on every rank, so no peer waits in a collective
+        for it."""
+        self._place_by_identity()
         self._secret = shared_secret()
         try:
             self._addresses = rdist.agree(self._open)
@@ -182,6 +227,40 @@ class RamTier:
                 store = self._buddy_stores[rank] = RankStore(directory, self.keep, self._current)
             return store
 
+    def copies_of(self, rank: int) -> list[RankStore]:
+        """The stores of this node that may hold ``rank``'s snapshots besides its own store: the
+        copies kept for it, and, when ``rank`` now runs on another node (ranks were renumbered), the
+        own store it left here."""
+        stores = [self.buddy_store(rank)]
+        if rank not in self.pairing.ranks_on(self.node):
+            stores.append(RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), self.keep, self._current))
+        return stores
+
+    def left_here(self) -> list[int]:
+        """The ranks with a store on this node that no rank of this node keeps now (taken under
+        another numbering); reported by the node's first rank only, so each is offered once."""
+        if self.rank != self.pairing.ranks_on(self.node)[0]:
+            return []
+        here = self.pairing.ranks_on(self.node)
+        kept = {r for r in range(self.pairing.world_size) if self.pairing.buddy_of(r) in here}
+        found: set[int] = set()
+        for kind, claimed in (("own", set(here)), ("buddy", kept)):
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(os.path.join(self.node_dir, kind)):
+                    rank = name.removeprefix("rank")
+                    if rank.isdigit() and int(rank) < self.pairing.world_size and int(rank) not in claimed:
+                        found.add(int(rank))
+        return sorted(found)
+
+    def _drop_abandoned_left_here(self) -> None:
+        """Free the abandoned snapshots of the stores a renumbering left on this node: nothing
+        publishes into them any more, so the eviction that follows a publish never visits them.
+        Once per tier, after its first publish of the timeline the run's record names now."""
+        current = self._current()
+        for rank in self.left_here():
+            for store in self.copies_of(rank):
+                store.drop_abandoned(current)
+
     def _current(self) -> tuple[str, str]:
         """What the stores evict against: this run's timeline now (a publish of another one is late)."""
         return self.timeline.run_id, self.timeline.timeline
@@ -246,6 +325,8 @@ class RamTier:
             nbytes=nbytes,
             run_id=self.timeline.run_id,
             timeline=self.timeline.timeline,
+            node_id=self.node_id,
+            local_rank=self.local_rank,
         )
         return _Job(index, data, time.perf_counter() - start)
 
@@ -303,6 +384,9 @@ class RamTier:
             entry.crc32c = checksum(data, entry)
         self.own.publish(index)
         mark_store(self.root)
+        if not self._pruned and (index.run_id, index.timeline) == self._current():
+            self._pruned = True
+            self._drop_abandoned_left_here()
         record = {
             "event": "ram_snapshot",
             "group": self.group,

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from resilient.recovery.config import RecoveryConfig
-from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import choose_step
 from resilient.recovery.ram.store import RankStore, node_store_dir
 from tests.dist import run_world
@@ -89,14 +88,14 @@ def test_missing_slot_file_falls_back_to_the_buddy_without_hanging(tmp_path):
 
 
 def test_the_choice_is_the_newest_step_every_rank_gets_from_its_own_store_or_its_buddy():
-    pairing = Pairing(world_size=3, ranks_per_node=1)  # rank r's copies are kept by rank r+1
+    # rank r's copies are kept by rank r+1
     reports = [
         {"own": [2, 4, 6], "kept": {"2": [4, 6]}},
         {"own": [2], "kept": {"0": [2, 4, 6]}},  # rank 1 lost 4 and 6 ...
         {"own": [2, 4, 6], "kept": {"1": [2, 4]}},  # ... but rank 2 keeps its copy of 4
     ]
-    assert choose_step(pairing, reports, set()) == 4
-    assert choose_step(pairing, reports, {4}) == 2
-    assert choose_step(pairing, reports, {2, 4}) is None
-    alone = Pairing(world_size=2, ranks_per_node=2)  # one node: no buddies, own snapshots only
-    assert choose_step(alone, [{"own": [1, 3], "kept": {}}, {"own": [3], "kept": {}}], set()) == 3
+    assert choose_step(reports, set()) == 4
+    assert choose_step(reports, {4}) == 2
+    assert choose_step(reports, {2, 4}) is None
+    # one node: no buddies, own snapshots only
+    assert choose_step([{"own": [1, 3], "kept": {}}, {"own": [3], "kept": {}}], set()) == 3
