@@ -454,6 +454,9 @@ class ReplicationClient:
         except (ChannelError, OSError) as e:
             self._drop()
             raise ChannelError(f"{where} failed: {describe(e)}") from e
+        except BaseException:  # e.g. from get's ``into``: the reply is half read, so the stream is lost
+            self._drop()
+            raise
         if reply.op == "error":
             raise ChannelError(f"{where} refused by the server: {reply.meta.get('message', 'no reason given')}")
         if reply.op not in expected or reply.key != key:

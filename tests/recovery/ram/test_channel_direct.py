@@ -116,3 +116,22 @@ def test_refused_reservation_is_an_error_reply_and_the_connection_stays_in_step(
         assert server.stored == 1
     assert handler.committed == [(2, "rank2/step-000000002", {}, 1000)]
     assert handler.aborted == [] and bytes(handler.slot[:1000]) == b"\x07" * 1000
+
+
+def test_get_whose_into_raises_drops_the_connection_and_the_next_get_works(secret):
+    handler = SlotHandler(1000)
+    with (
+        ReplicationServer(secret, handler, host="127.0.0.1", timeout_s=10.0) as server,
+        ReplicationClient(secret, server.address, rank=4, timeout_s=10.0) as client,
+    ):
+        client.put("rank4/step-000000001", {}, b"\x05" * 1000)
+
+        def no_room(meta: dict, nbytes: int) -> memoryview:
+            raise MemoryError(f"no room for {nbytes} bytes")
+
+        with pytest.raises(MemoryError, match="no room for 1000 bytes"):
+            client.get("rank4/step-000000001", into=no_room)
+        assert "connected=False" in repr(client)  # the half-read reply is not left in the stream
+        got = client.get("rank4/step-000000001")
+    assert got is not None and bytes(got[1]) == b"\x05" * 1000
+    assert got[0] == {"nbytes": 1000}
