@@ -8,7 +8,14 @@ anything that fails a check is dropped before a byte of it is stored.
 The bytes on the wire (handshake, framing, MACs) are ``resilient.recovery.ram.wire``'s; this module
 holds the two ends that speak it: ``ReplicationServer`` (stores into and serves from a handler) and
 ``ReplicationClient``. Ops: ``put`` -> ``ok`` | ``error``; ``get`` -> ``value`` (meta + payload) |
-``missing`` | ``error``. A protocol violation closes the connection and its reason goes to
+``missing`` | ``error``.
+
+No bounce buffers: a put's payload is sent from the caller's memory (e.g. the mapped snapshot slot),
+MACed chunk by chunk as it goes out; a handler with ``reserve_put`` has it received straight into its
+own memory (e.g. a buddy store slot), MACed chunk by chunk as it lands, and ``get(key, into=...)``
+does the same for the client. The wire MAC covers every payload byte, so nothing here re-checksums.
+
+A protocol violation closes the connection and its reason goes to
 ``ReplicationServer.rejected``; a handler exception becomes an ``error`` reply and the connection
 stays up.
 
@@ -28,12 +35,16 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from resilient.errors import ConfigError
 from resilient.recovery.ram.wire import (
+    DISCARD,
     EMPTY,
     ChannelError,
+    Destination,
     Message,
     OversizedMessage,
     Session,
@@ -59,6 +70,33 @@ class ChannelHandler(Protocol):
 
     def get(self, requester_rank: int, key: str) -> tuple[dict, bytes | memoryview] | None:
         """The held header and payload of ``key``, or None when it is not held here."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PutTarget:
+    """Where a put's payload is received (the handler's own memory), and how the put ends.
+
+    ``buffer`` receives bytes that are NOT yet authenticated: the handler must not publish or read
+    them until ``commit``. Exactly one of ``commit`` (the whole payload arrived and its MAC verified)
+    or ``abort`` (MAC failure, timeout, peer gone, server closing) is called; if ``commit`` raises,
+    the handler cleans up itself and the client gets an ``error`` reply naming the exception.
+    """
+
+    buffer: memoryview  # writable, C-contiguous, exactly the payload's size
+    commit: Callable[[], None]
+    abort: Callable[[], None]
+
+
+class DirectPutHandler(ChannelHandler, Protocol):
+    """A handler that has puts received straight into its memory (no bounce buffer, no extra copy).
+
+    The server uses ``reserve_put`` instead of ``put`` when the handler has it.
+    """
+
+    def reserve_put(self, sender_rank: int, key: str, header: dict, nbytes: int) -> PutTarget:
+        """Called once the message header is authenticated, before its payload arrives; raise to refuse
+        the put (the payload is then read and dropped, and the client gets an ``error`` reply)."""
         ...
 
 
@@ -219,13 +257,17 @@ class ReplicationServer:
 
     def _serve_requests(self, session: Session, rank: int) -> None:
         while self._wait_for_request(session.sock):
+            landing = _Landing(self._handler, rank)
             try:
-                message = session.receive(self.max_message_bytes)
+                message = session.receive(self.max_message_bytes, landing.destination)
             except OversizedMessage as e:
                 # Answer once so the client learns why, then close: the unread payload desyncs the stream.
                 session.send("error", "", {"message": f"{e}; refused before reading it"})
                 raise ChannelError(f"{e}; refused before reading it") from e
-            self._dispatch(session, rank, message)
+            except BaseException:
+                landing.abort()
+                raise
+            self._dispatch(session, rank, message, landing)
 
     def _wait_for_request(self, sock: socket.socket) -> bool:
         """Wait, idle, for a request's first byte; False once the peer left or the server is closing."""
@@ -240,21 +282,26 @@ class ReplicationServer:
         finally:
             sock.settimeout(self.timeout_s)
 
-    def _dispatch(self, session: Session, rank: int, message: Message) -> None:
+    def _dispatch(self, session: Session, rank: int, message: Message, landing: _Landing) -> None:
         key = message.key
         if message.op == "put":
-            reply = self._handle_put(rank, message)
+            reply = self._handle_put(rank, message, landing)
         elif message.op == "get":
             reply = self._handle_get(rank, key)
         else:
             reply = ("error", {"message": f"unknown op {message.op!r}"}, EMPTY)
         session.send(reply[0], key, reply[1], reply[2])
 
-    def _handle_put(self, rank: int, message: Message) -> tuple[str, dict, memoryview]:
+    def _handle_put(self, rank: int, message: Message, landing: _Landing) -> tuple[str, dict, memoryview]:
+        if landing.refused is not None:
+            return self._handler_failed("put", rank, message.key, landing.refused)
         with self._lock:
             self.stored += 1
         try:
-            self._handler.put(rank, message.key, message.meta, memoryview(message.payload))
+            if landing.target is not None:
+                landing.target.commit()
+            else:
+                self._handler.put(rank, message.key, message.meta, memoryview(message.payload))
         except Exception as e:
             return self._handler_failed("put", rank, message.key, e)
         return "ok", {}, EMPTY
@@ -288,6 +335,33 @@ class ReplicationServer:
         with self._lock:
             self._errors.append(error)
         log.error("[channel %s:%d] internal error", *self.address, exc_info=error)
+
+
+class _Landing:
+    """Where one incoming message's payload goes: the handler's ``reserve_put`` target for a put
+    (when it has one), else a fresh buffer; a refused reservation reads and drops the payload."""
+
+    def __init__(self, handler: ChannelHandler, rank: int) -> None:
+        self._handler, self._rank = handler, rank
+        self.target: PutTarget | None = None
+        self.refused: Exception | None = None
+
+    def destination(self, op: str, key: str, meta: dict, nbytes: int) -> memoryview | None:
+        reserve = getattr(self._handler, "reserve_put", None)
+        if op != "put" or reserve is None:
+            return None
+        try:
+            target = reserve(self._rank, key, meta, nbytes)
+            buffer = _byte_view(target.buffer, key)
+        except Exception as e:  # the reply names it; the stream stays in step by reading the payload
+            self.refused = e
+            return DISCARD
+        self.target = target
+        return buffer
+
+    def abort(self) -> None:
+        if self.target is not None:
+            self.target.abort()
 
 
 class ReplicationClient:
@@ -336,21 +410,37 @@ class ReplicationClient:
         with self._lock:
             self._request("put", key, header, view, expected=("ok",))
 
-    def get(self, key: str) -> tuple[dict, bytearray] | None:
+    def get(
+        self, key: str, into: Callable[[dict, int], memoryview] | None = None
+    ) -> tuple[dict, bytearray | memoryview] | None:
         """The buddy's copy of ``key`` (header, payload), or None when the buddy does not hold it.
 
-        The payload is the bytearray it was received into: no copy of a possibly huge snapshot.
+        The payload is the buffer it was received into, no copy of a possibly huge snapshot: a new
+        bytearray, or ``into(header, nbytes)``'s writable view when given (called once the header is
+        authenticated; the view holds the sender's bytes only if ``get`` returns without raising).
         """
         _check_key(key)
+
+        def destination(op: str, reply_key: str, meta: dict, nbytes: int) -> memoryview | None:
+            return _byte_view(into(meta, nbytes), key) if into is not None and op == "value" else None
+
         with self._lock:
-            reply = self._request("get", key, {}, EMPTY, expected=("value", "missing"))
+            reply = self._request("get", key, {}, EMPTY, expected=("value", "missing"), destination=destination)
         return None if reply.op == "missing" else (reply.meta, reply.payload)
 
     def close(self) -> None:
         with self._lock:
             self._drop()
 
-    def _request(self, op: str, key: str, meta: dict, payload: memoryview, expected: tuple[str, ...]) -> Message:
+    def _request(
+        self,
+        op: str,
+        key: str,
+        meta: dict,
+        payload: memoryview,
+        expected: tuple[str, ...],
+        destination: Destination | None = None,
+    ) -> Message:
         where = f"replication {op} of key {key!r} by rank {self.rank} to {self.address[0]}:{self.address[1]}"
         try:
             session = self._connect()
@@ -360,10 +450,13 @@ class ReplicationClient:
                     f"{self._max_message_bytes}; raise it on the buddy or send smaller pieces"
                 )
             session.send(op, key, meta, payload, self.bytes_per_s)
-            reply = session.receive(self._max_message_bytes)
+            reply = session.receive(self._max_message_bytes, destination)
         except (ChannelError, OSError) as e:
             self._drop()
             raise ChannelError(f"{where} failed: {describe(e)}") from e
+        except BaseException:  # e.g. from get's ``into``: the reply is half read, so the stream is lost
+            self._drop()
+            raise
         if reply.op == "error":
             raise ChannelError(f"{where} refused by the server: {reply.meta.get('message', 'no reason given')}")
         if reply.op not in expected or reply.key != key:
