@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from resilient.errors import ResilientError
+
 from resilient.recovery.ram.buddy import BuddyHandler
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.store import RankStore, first_corruption
 from tests.recovery.ram.workers import write_snapshot
+
+pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
@@ -25,3 +31,32 @@ def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
     copy = kept.indexes()[3]
     assert copy.slot == "slot0.bin" and first_corruption(copy, kept.data(copy)) is None
     assert copy.values == {"v": 3.0}
+
+
+def test_a_copy_received_in_place_is_published_only_on_commit(tmp_path):
+    # reserve_put: the channel receives straight into the slot; nothing is visible before commit
+    # (the MAC verified), an abort leaves nothing, and a sender that is not ours is refused.
+    sender = RankStore(str(tmp_path / "sender"), keep=2)
+    write_snapshot(sender, 5, 5.0)
+    index = sender.indexes()[5]
+    index.rank = 0
+    kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
+    handler = BuddyHandler(
+        SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
+    )
+    header, key = {"index": index.to_json()}, "rank0/step-000000005"
+    payload = memoryview(sender.data(index).numpy())[: index.nbytes]
+    aborted = handler.reserve_put(0, key, header, index.nbytes)
+    aborted.buffer[:] = payload
+    aborted.abort()
+    assert kept.indexes() == {}
+    target = handler.reserve_put(0, key, header, index.nbytes)
+    target.buffer[:] = payload
+    assert kept.indexes() == {}
+    target.commit()
+    copy = kept.indexes()[5]
+    assert first_corruption(copy, kept.data(copy)) is None and copy.values == {"v": 5.0}
+    with pytest.raises(ResilientError, match="does not keep rank 1's snapshots"):
+        handler.reserve_put(1, "rank1/step-000000005", header, index.nbytes)
+    with pytest.raises(ResilientError, match="does not match its index"):
+        handler.reserve_put(0, key, header, index.nbytes - 1)
