@@ -3,8 +3,9 @@ channel is keyed with, and the address it listens on.
 
 Rank r's snapshots are copied to ``pairing.buddy_of(r)`` on another node; that rank's
 ``BuddyHandler`` stores each copy only after checking it (sender, key and size against the
-pairing and its index; its bytes by the channel's MAC, received in place), and serves it back only to the rank it belongs to (a snapshot belongs to the rank it was
-taken on: that rank's shard of the state, whichever node that rank runs on now).
+pairing and its index; its bytes by the channel's MAC, received in place), and serves it back
+only to the rank it belongs to (a snapshot belongs to the rank it was taken on: that rank's shard
+of the state, whichever node that rank runs on now).
 """
 
 from __future__ import annotations

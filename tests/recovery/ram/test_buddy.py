@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 from resilient.errors import ResilientError
-
 from resilient.recovery.ram.buddy import BuddyHandler
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.store import RankStore, first_corruption
