@@ -24,6 +24,16 @@ from resilient.errors import ConfigError
 from resilient.runfiles import group_id, logs_dir
 from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import load_config
+from resilient.trainer.emit import (
+    DEFAULT_IMAGE,
+    DEFAULT_RDZV_PORT,
+    DEFAULT_SHM,
+    EMIT_KINDS,
+    EmitSpec,
+    emit_flag_error,
+    k8s_manifest,
+    slurm_script,
+)
 from resilient.trainer.launch import (
     ReplicaLaunch,
     check_nproc,
@@ -33,6 +43,7 @@ from resilient.trainer.launch import (
     torchrun_command,
     trainer_args,
 )
+from resilient.trainer.multinode import MULTINODE_RESTARTS, flag_error, parse_nnodes, rendezvous_of, split_ranks
 from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 
@@ -61,13 +72,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--grace-s", type=float, default=30.0, help="wait after forwarding a signal before killing")
     parser.add_argument("--debug", action="store_true", help="show every rank's traceback on a failure")
+    _add_cluster_flags(parser)
     args = parser.parse_args(argv)
+    error = emit_flag_error(args) if args.emit else flag_error(args)
+    if error:
+        parser.error(error)
     if args.replica_groups is None:
         if args.nproc is not None and args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")
     elif args.nproc is not None or args.nproc_per_group is None:
         parser.error("--replica-groups takes --nproc-per-group N (ranks per group), not --nproc")
     return args
+
+
+def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    nodes = parser.add_argument_group("several nodes (torchrun's rendezvous flags; run the same command on every node)")
+    nodes.add_argument("--nnodes", help="N nodes, or MIN:MAX for an elastic job (default: this machine alone)")
+    nodes.add_argument("--node-rank", type=int, help="this node's rank in [0, N) (fixed --nnodes only)")
+    nodes.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous store, the same on every node")
+    nodes.add_argument("--rdzv-id", help="the job's rendezvous id: the same on every node, new for each launch")
+    nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (default: dp_shard x tp / nodes)")
+    emit = parser.add_argument_group("cluster files (print, do not run)")
+    emit.add_argument("--emit", choices=EMIT_KINDS, help="print an sbatch script (slurm) or a JobSet manifest (k8s)")
+    emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
+    emit.add_argument("--image", default=DEFAULT_IMAGE, help="k8s: container image with resilient installed")
+    emit.add_argument("--gpus-per-node", type=int, help="GPUs to request per node (default: --nproc-per-node; 0: CPU)")
+    emit.add_argument("--shm-size", default=DEFAULT_SHM, help="RAM tier's /dev/shm per node, e.g. 64Gi")
+    emit.add_argument("--rdzv-port", type=int, default=DEFAULT_RDZV_PORT, help="rendezvous port on node 0")
+
+
+def emit_files(args: argparse.Namespace) -> int:
+    """Print the sbatch script or manifest for ``args``; the recipe is checked here first."""
+    try:
+        config = load_config(args.config, args.overrides)
+        low, high = parse_nnodes(args.nnodes or "2")
+        per_node = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
+        spec = EmitSpec(
+            job_name=args.job_name,
+            min_nodes=low,
+            max_nodes=high,
+            nproc_per_node=per_node,
+            gpus_per_node=_gpus_per_node(args, config.run.device, per_node),
+            image=args.image,
+            shm_size=args.shm_size,
+            rdzv_port=args.rdzv_port,
+            max_restarts=MULTINODE_RESTARTS if args.max_restarts is None else args.max_restarts,
+            trainer_args=trainer_args(args),
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec), end="")
+    return 0
+
+
+def _gpus_per_node(args: argparse.Namespace, device: str, per_node: int) -> int:
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    return 0 if device == "cpu" else per_node  # one GPU per rank
 
 
 def run_replica_groups(args: argparse.Namespace) -> int:
@@ -103,14 +165,20 @@ def run_replica_groups(args: argparse.Namespace) -> int:
 
 def run_one_group(args: argparse.Namespace) -> int:
     # Every config mistake is found here, in a second, before torchrun starts any worker.
+    env: dict[str, str] = {}
     try:
         config = load_config(args.config, args.overrides)
-        args.nproc = check_nproc(config, args.nproc)
+        if args.nnodes is None:
+            args.nproc = check_nproc(config, args.nproc if args.nproc_per_node is None else args.nproc_per_node)
+        else:
+            high = parse_nnodes(args.nnodes)[1]
+            args.nproc = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
+            env = rendezvous_of(args).env()
         group_id()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s)
+    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s, env)
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     return code
@@ -118,6 +186,8 @@ def run_one_group(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.emit:
+        return emit_files(args)
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # the workers inherit it
     if args.replica_groups is not None:

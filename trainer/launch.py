@@ -57,6 +57,7 @@ from resilient.runfiles import (
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
+from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
 from resilient.validate import check_int
 
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
@@ -126,24 +127,30 @@ def interrupted_line(config: TrainConfig) -> str:
 
 
 def torchrun_command(args: argparse.Namespace, quiet: bool = False) -> list[str]:
-    """The torchrun command line for one group (standalone: a local rendezvous on a free port);
-    ``args``: ``nproc``, ``config``, ``overrides`` and optionally ``max_restarts``, as parsed.
-    ``quiet``: torchrun without its own traceback when a rank fails (``resilient.trainer.quiet``)."""
+    """The torchrun command line for one group: standalone (a local rendezvous on a free port), or
+    this node's share of a multi-node group (``resilient.trainer.multinode``). ``args``: ``nproc``
+    (ranks on this node), ``config``, ``overrides`` and optionally ``max_restarts`` and the
+    multi-node flags, as parsed. ``quiet``: torchrun without its own traceback when a rank fails
+    (``resilient.trainer.quiet``)."""
     runner = "resilient.trainer.quiet" if quiet else "torch.distributed.run"
-    command = [sys.executable, "-m", runner, "--standalone", "--nproc-per-node", str(args.nproc)]
+    rendezvous = rendezvous_of(args) if getattr(args, "nnodes", None) else None
+    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
+    command = [sys.executable, "-m", runner, *where, "--nproc-per-node", str(args.nproc)]
     max_restarts = getattr(args, "max_restarts", None)
+    if max_restarts is None and rendezvous is not None:
+        max_restarts = MULTINODE_RESTARTS
     if max_restarts:
         command += ["--max-restarts", str(max_restarts)]
     return command + ["-m", "resilient.trainer", *trainer_args(args)]
 
 
-def run(command: list[str], grace_s: float) -> int:
-    """Run ``command``, forwarding SIGINT/SIGTERM to it; returns its exit code (128 + N if killed by
-    signal N, as a shell reports it)."""
+def run(command: list[str], grace_s: float, env: dict[str, str] | None = None) -> int:
+    """Run ``command`` (with ``env`` added to ours), forwarding SIGINT/SIGTERM to it; returns its
+    exit code (128 + N if killed by signal N, as a shell reports it)."""
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, **(env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if _nproc_of(command) > 1:
         # What torchrun sets for more than one rank when unset, without the 5-line warning it
         # prints above the one line the operator should read.
