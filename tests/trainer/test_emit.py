@@ -37,7 +37,8 @@ def _stubs(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _stub(bin_dir, "scontrol", 'printf "gpu-a17\\ngpu-a18\\n"\n')
-    _stub(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n')
+    each_node = 'while [[ $1 == --* ]]; do shift; done\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n'
+    _stub(bin_dir, "srun", each_node)
     record = 'out="$OUT/node-$RESILIENT_NODE_ID"\nprintf "%s\\n" "$RESILIENT_NODE_ID" "$@" > "$out"\n'
     _stub(bin_dir, "resilient-train", record)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path)}
@@ -117,7 +118,8 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
     assert restart == "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
     # What pod 2 runs: the container's script with a stub resilient-train.
     assert container["command"] == ["bash", "-c"]
-    run_env = {**_stubs(tmp_path), "JOB_COMPLETION_INDEX": "2", "RDZV_ID": "omni-0", "RESILIENT_NODE_ID": "omni-node-0-2"}
+    run_env = {**_stubs(tmp_path), "JOB_COMPLETION_INDEX": "2", "RDZV_ID": "omni-0"}
+    run_env["RESILIENT_NODE_ID"] = "omni-node-0-2"  # as an operator may pin it; else the hostname
     done = subprocess.run(["bash", "-c", *container["args"]], env=run_env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     node_id, argv = _recorded(tmp_path, "omni-node-0-2")

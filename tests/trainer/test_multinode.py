@@ -1,0 +1,151 @@
+"""trainer/multinode.py and the multi-node flags of ``resilient-train``: bad combinations are one
+line and exit 2 before anything starts; the torchrun command joins a c10d rendezvous; and two
+launchers on this machine (``--nnodes 2``, distinct ``RESILIENT_NODE_ID``) train one job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient import Checkpointer
+from resilient.dist import free_port
+from resilient.errors import ConfigError
+from resilient.tools.train import main, parse_args
+from resilient.trainer.launch import torchrun_command
+from resilient.trainer.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
+from tests.procs import communicate_or_fail, kill_tree
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+JOIN = ["--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7"]
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_multinode_torchrun_command_joins_a_c10d_rendezvous() -> None:
+    args = parse_args(["--nnodes", "2", "--node-rank", "1", *JOIN, "--config", TINY])
+    args.nproc = 2  # what run_one_group puts there: ranks on this node
+    command = torchrun_command(args)
+    assert "--standalone" not in command and "--node-rank" not in command  # c10d ranks the nodes itself
+    assert (_flag(command, "--nnodes"), _flag(command, "--rdzv-backend")) == ("2", "c10d")
+    assert (_flag(command, "--rdzv-endpoint"), _flag(command, "--rdzv-id")) == ("node0:29400", "job7")
+    assert _flag(command, "--nproc-per-node") == "2" and _flag(command, "--max-restarts") == "3"
+    assert command[command.index("-m", 3) :] == ["-m", "resilient.trainer", "--config", TINY]
+    assert rendezvous_of(args).env() == {"NODE_RANK": "1"}
+    elastic = parse_args(["--nnodes", "1:4", *JOIN, "--max-restarts", "7"])
+    elastic.nproc = 1
+    command = torchrun_command(elastic)
+    assert (_flag(command, "--nnodes"), _flag(command, "--max-restarts")) == ("1:4", "7")
+    assert rendezvous_of(elastic).env() == {}
+    assert parse_args(["--nproc-per-node", "4"]).nnodes is None  # one node: the same as --nproc 4
+
+
+def test_nnodes_and_ranks_per_node() -> None:
+    assert (parse_nnodes("3"), parse_nnodes("2:8")) == ((3, 3), (2, 8))
+    for bad in ("0", "4:2", "a", "1:2:3", "-1", ""):
+        with pytest.raises(ConfigError, match="--nnodes"):
+            parse_nnodes(bad)
+    assert split_ranks(8, 2, None, None) == 4 and split_ranks(8, 4, 2, 8) == 2
+    with pytest.raises(ConfigError, match="do not split evenly over 3 nodes"):
+        split_ranks(8, 3, None, None)
+    with pytest.raises(ConfigError, match="--nnodes 2 x --nproc-per-node 2 = 4 ranks"):
+        split_ranks(8, 2, 2, None)
+    with pytest.raises(ConfigError, match="--nproc 6"):
+        split_ranks(8, 2, None, 6)
+    with pytest.raises(ConfigError, match="--node-rank 2 must be in"):
+        Rendezvous(min_nodes=2, max_nodes=2, endpoint="h:1", rdzv_id="x", node_rank=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--node-rank", "0"], "--node-rank takes --nnodes N (or MIN:MAX) as well"),
+        (["--rdzv-endpoint", "h:1"], "--rdzv-endpoint takes --nnodes"),
+        (["--rdzv-id", "x"], "--rdzv-id takes --nnodes"),
+        (["--nproc", "2", "--nproc-per-node", "2"], "on one node --nproc and --nproc-per-node are the same"),
+        (["--nnodes", "2"], "--nnodes 2 takes --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:29400"], "--nnodes 2 takes --rdzv-id ID"),
+        (["--nnodes", "0", *JOIN], "--nnodes 0: need 1 <= MIN <= MAX"),
+        (["--nnodes", "4:2", *JOIN], "--nnodes 4:2: need 1 <= MIN <= MAX"),
+        (["--nnodes", "two", *JOIN], "--nnodes 'two' must be N or MIN:MAX"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h", "--rdzv-id", "x"], "--rdzv-endpoint 'h' must be HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:70000", "--rdzv-id", "x"], "port in 1..65535"),
+        (["--nnodes", "2", "--node-rank", "2", *JOIN], "--node-rank 2 must be in [0, 2) for --nnodes 2"),
+        (["--nnodes", "2:4", "--node-rank", "0", *JOIN], "elastic --nnodes 2:4 ranks the nodes at each rendezvous"),
+        (["--nnodes", "2", *JOIN, "--replica-groups", "2", "--nproc-per-group", "2"], "--replica-groups runs its"),
+    ],
+)
+def test_bad_flag_combinations_are_one_line_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("resilient-train: error: ") and says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--nnodes", "3", *JOIN], "4 ranks do not split evenly over 3 nodes"),
+        (["--nnodes", "2", *JOIN, "--nproc-per-node", "4"], "--nnodes 2 x --nproc-per-node 4 = 8 ranks"),
+        (["--nnodes", "2", *JOIN, "--nproc", "8"], "--nproc 8 but parallel.dp_shard x tp = 4 ranks"),
+    ],
+)
+def test_recipe_that_does_not_fit_the_nodes_is_one_line_exit_2(
+    tmp_path: Path, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([*argv, "--config", TINY, "--set", f"run.dir={tmp_path / 'run'}"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def _node(rank: int, port: int, run_dir: Path, ckpt: Path) -> subprocess.Popen:
+    hooks = json.dumps(["tests.trainer.node_hooks:record_node"])
+    command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
+    command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    command += ["--rdzv-id", f"two-nodes-{port}"]
+    for key in ("parallel.dp_shard=2", "parallel.tp=1", "run.steps=4", f"run.dir={run_dir}"):
+        command += ["--set", key]
+    command += ["--set", f"checkpoint.url={ckpt}", "--set", f"run.step_hooks={hooks}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{'ab'[rank]}"}
+    env.pop("NODE_RANK", None)
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) -> None:
+    # ~17 s here: two resilient-train processes, one rank each, one c10d rendezvous on 127.0.0.1.
+    port = free_port()
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    nodes = [_node(rank, port, run_dir, ckpt) for rank in (0, 1)]
+    try:
+        outputs = [communicate_or_fail(proc, 120, f"node {rank}") for rank, proc in enumerate(nodes)]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    for proc, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert proc.returncode == 0, stderr[-4000:]
+    assert Checkpointer(str(ckpt)).steps() == [4]  # persist_every 4 in tiny.toml
+    seen = [json.loads((run_dir / f"node-rank{rank}.json").read_text()) for rank in (0, 1)]
+    # One rank per launcher, each told the node it runs on; together one world of two.
+    assert {s["RESILIENT_NODE_ID"] for s in seen} == {"host-a", "host-b"}
+    for s in seen:
+        assert s["NODE_RANK"] == str("ab".index(s["RESILIENT_NODE_ID"][-1]))  # from --node-rank
+        assert (s["LOCAL_WORLD_SIZE"], s["WORLD_SIZE"], s["TORCHELASTIC_RUN_ID"]) == ("1", "2", f"two-nodes-{port}")
+    assert sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"]
+    metrics = (run_dir / "group0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
