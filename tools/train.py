@@ -89,7 +89,11 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     nodes = parser.add_argument_group("several nodes (torchrun's rendezvous flags; run the same command on every node)")
     nodes.add_argument("--nnodes", help="N nodes, or MIN:MAX for an elastic job (default: this machine alone)")
     nodes.add_argument("--node-rank", type=int, help="this node's rank in [0, N) (fixed --nnodes only)")
-    nodes.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous store, the same on every node")
+    nodes.add_argument(
+        "--rdzv-endpoint",
+        help="HOST:PORT of the c10d rendezvous store, the same on every node "
+        "(with --replica-groups: where node 0 starts the job's lighthouse)",
+    )
     nodes.add_argument("--rdzv-id", help="the job's rendezvous id: the same on every node, new for each launch")
     nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (default: dp_shard x tp / nodes)")
     emit = parser.add_argument_group("cluster files (print, do not run)")
@@ -146,6 +150,9 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             join_timeout_ms=args.join_timeout_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             grace_s=args.grace_s + 10.0,  # torchrun itself waits up to 30 s for its workers
+            nnodes=int(args.nnodes or 1),  # flag_error: a fixed N with replica groups
+            node_rank=args.node_rank or 0,
+            lighthouse_at=args.rdzv_endpoint or "",
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

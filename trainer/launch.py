@@ -83,11 +83,23 @@ class ReplicaLaunch:
     launch_id: str = field(default_factory=lambda: f"{os.getpid()}x{int(time.time())}")
     """Part of every group's rendezvous id, so that each launch has run ids of its own: the
     one-error-line claim (``resilient.trainer.quiet``) of an earlier launch never silences this one."""
+    nnodes: int = 1
+    """Nodes the groups are spread over: group g runs on node g % nnodes (each group on one node)."""
+    node_rank: int = 0
+    lighthouse_at: str = ""
+    """HOST:PORT of the job's lighthouse when the groups span nodes: node 0 starts it there (bound to
+    every interface) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
 
     def __post_init__(self) -> None:
         check_int("--replica-groups", self.groups, 1)
         check_int("--nproc-per-group", self.nproc_per_group, 1)
         check_int("--max-restarts", self.max_restarts, 0)
+        check_int("--nnodes", self.nnodes, 1, self.groups)  # every node runs at least one group
+        check_int("--node-rank", self.node_rank, 0, self.nnodes - 1)
+
+    def groups_here(self) -> list[int]:
+        """The replica groups this node runs."""
+        return [group for group in range(self.groups) if group % self.nnodes == self.node_rank]
 
 
 # -- one group -------------------------------------------------------------------------------
@@ -214,14 +226,16 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s (lighthouse start)")
 
 
-def start_lighthouse(port: int, log: IO[str], *, join_timeout_ms: int, heartbeat_timeout_ms: int) -> subprocess.Popen:
-    """A lighthouse on 127.0.0.1:port, listening when this returns. ``--min_replicas 1``: a group
+def start_lighthouse(
+    port: int, log: IO[str], *, join_timeout_ms: int, heartbeat_timeout_ms: int, bind: str = "127.0.0.1"
+) -> subprocess.Popen:
+    """A lighthouse on bind:port, listening when this returns. ``--min_replicas 1``: a group
     trains alone while the others are down (that is the point); the lighthouse's majority rule
     (participants > half of the heartbeating groups) keeps two disjoint quorums from forming."""
     command = [
         lighthouse_binary(),
         "--bind",
-        f"127.0.0.1:{port}",
+        f"{bind}:{port}",
         "--min_replicas",
         "1",
         "--join_timeout_ms",
@@ -291,17 +305,22 @@ class ReplicaJob:
         os.makedirs(self.log_dir, exist_ok=True)
         os.makedirs(pids_dir(self.run_dir), exist_ok=True)
         if not self.lighthouse_url:
-            self.lighthouse_port = _free_port()
-            start = time.monotonic()
-            self._start_lighthouse()
-            self.lighthouse_url = f"http://127.0.0.1:{self.lighthouse_port}"
-            self.events.write(
-                "lighthouse_started",
-                url=self.lighthouse_url,
-                pid=self.lighthouse.pid,
-                startup_s=round(time.monotonic() - start, 2),
-            )
-        for group in range(self.launch.groups):
+            host, port = ("127.0.0.1", _free_port())
+            if self.launch.lighthouse_at:
+                host, _, given = self.launch.lighthouse_at.rpartition(":")
+                port = int(given)
+            self.lighthouse_port = port
+            self.lighthouse_url = f"http://{host}:{port}"
+            if self.launch.node_rank == 0:  # the other nodes' groups wait for it in start_quorum
+                start = time.monotonic()
+                self._start_lighthouse()
+                self.events.write(
+                    "lighthouse_started",
+                    url=self.lighthouse_url,
+                    pid=self.lighthouse.pid,
+                    startup_s=round(time.monotonic() - start, 2),
+                )
+        for group in self.launch.groups_here():
             env = {
                 **os.environ,
                 **self.launch.env,
@@ -324,6 +343,7 @@ class ReplicaJob:
             self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms,
             heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
+            bind="0.0.0.0" if self.launch.lighthouse_at else "127.0.0.1",  # other nodes' groups reach it
         )
         write_pid_file(lighthouse_pid_path(self.run_dir), self.lighthouse.pid)
 
@@ -374,11 +394,15 @@ class ReplicaJob:
             f.close()
 
     def _kill_stray_workers(self) -> None:
-        """Workers left by a torchrun that died hard (they run in sessions of their own)."""
+        """Workers left by a torchrun that died hard (they run in sessions of their own); only this
+        node's groups: with groups on several nodes the run directory may be shared."""
         folder = pids_dir(self.run_dir)
+        mine = tuple(f"group{group}-" for group in self.launch.groups_here())
         for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if ".tmp" in name or not name.startswith(mine):
+                continue
             pid = read_pid_file(os.path.join(folder, name))
-            if ".tmp" in name or pid is None:
+            if pid is None:
                 continue
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:

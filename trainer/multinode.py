@@ -108,7 +108,7 @@ def flag_error(args: argparse.Namespace) -> str | None:
     except ConfigError as e:
         return str(e)
     if args.replica_groups is not None:
-        return "--replica-groups runs its groups on one machine: across nodes run one group (drop --replica-groups)"
+        return _replica_flag_error(args, low, high)
     if args.rdzv_endpoint is None:
         return f"--nnodes {args.nnodes} takes --rdzv-endpoint HOST:PORT (the same on every node, e.g. node0:29400)"
     if args.rdzv_id is None:
@@ -118,6 +118,27 @@ def flag_error(args: argparse.Namespace) -> str | None:
             return f"elastic --nnodes {args.nnodes} ranks the nodes at each rendezvous: drop --node-rank"
         if not 0 <= args.node_rank < high:
             return f"--node-rank {args.node_rank} must be in [0, {high}) for --nnodes {args.nnodes}"
+    return None
+
+
+def _replica_flag_error(args: argparse.Namespace, low: int, high: int) -> str | None:
+    """Replica groups over nodes: group g runs on node g % N, each group a one-node torchrun; the
+    groups meet at the job's lighthouse (``--lighthouse URL``, or started by node 0 on
+    ``--rdzv-endpoint HOST:PORT``), which is their rendezvous."""
+    if low != high:
+        return f"--replica-groups takes a fixed --nnodes N, not {args.nnodes}: a lost group drops out of the quorum"
+    if high > args.replica_groups:
+        return f"--nnodes {high} but --replica-groups {args.replica_groups}: every node runs at least one group"
+    if args.node_rank is None:
+        return f"--replica-groups with --nnodes {high} takes --node-rank R: node R runs groups R, R+{high}, ..."
+    if not 0 <= args.node_rank < high:
+        return f"--node-rank {args.node_rank} must be in [0, {high}) for --nnodes {high}"
+    if args.rdzv_id is not None:
+        return "--replica-groups takes no --rdzv-id: each group rendezvous on its own node"
+    if args.rdzv_endpoint is None and not args.lighthouse:
+        return "replica groups across nodes take --rdzv-endpoint HOST:PORT (node 0 starts a lighthouse) or --lighthouse"
+    if args.rdzv_endpoint is not None and args.lighthouse:
+        return "give --lighthouse URL (a running lighthouse) or --rdzv-endpoint HOST:PORT (node 0 starts one), not both"
     return None
 
 

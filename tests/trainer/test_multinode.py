@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from resilient import Checkpointer
 from resilient.dist import free_port
 from resilient.errors import ConfigError
 from resilient.tools.train import main, parse_args
-from resilient.trainer.launch import torchrun_command
+from resilient.trainer.launch import ReplicaLaunch, torchrun_command
 from resilient.trainer.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
 from tests.procs import communicate_or_fail, kill_tree
 
@@ -81,7 +82,6 @@ def test_nnodes_and_ranks_per_node() -> None:
         (["--nnodes", "2", "--rdzv-endpoint", "h:70000", "--rdzv-id", "x"], "port in 1..65535"),
         (["--nnodes", "2", "--node-rank", "2", *JOIN], "--node-rank 2 must be in [0, 2) for --nnodes 2"),
         (["--nnodes", "2:4", "--node-rank", "0", *JOIN], "elastic --nnodes 2:4 ranks the nodes at each rendezvous"),
-        (["--nnodes", "2", *JOIN, "--replica-groups", "2", "--nproc-per-group", "2"], "--replica-groups runs its"),
     ],
 )
 def test_bad_flag_combinations_are_one_line_exit_2(
@@ -92,6 +92,44 @@ def test_bad_flag_combinations_are_one_line_exit_2(
     lines = capsys.readouterr().err.splitlines()
     assert exited.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("resilient-train: error: ") and says in lines[0], lines[0]
+
+
+GROUPS = ["--replica-groups", "2", "--nproc-per-group", "1"]
+LIGHTHOUSE_AT = ["--rdzv-endpoint", "node0:29510"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([*GROUPS, "--nnodes", "1:2", "--node-rank", "0", *LIGHTHOUSE_AT], "takes a fixed --nnodes N, not 1:2"),
+        ([*GROUPS, "--nnodes", "3", "--node-rank", "0", *LIGHTHOUSE_AT], "--nnodes 3 but --replica-groups 2"),
+        ([*GROUPS, "--nnodes", "2", *LIGHTHOUSE_AT], "takes --node-rank R: node R runs groups R, R+2, ..."),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "2", *LIGHTHOUSE_AT], "--node-rank 2 must be in [0, 2)"),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "1", *JOIN], "--replica-groups takes no --rdzv-id"),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "1"], "take --rdzv-endpoint HOST:PORT (node 0 starts a lighthouse)"),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "1", *LIGHTHOUSE_AT, "--lighthouse", "http://h:1"], "not both"),
+    ],
+)
+def test_bad_replica_group_node_flags_are_one_line_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+def test_replica_groups_spread_over_nodes() -> None:
+    def launch(nnodes: int, node_rank: int, **kwargs: object) -> ReplicaLaunch:
+        values = {"groups": 5, "nproc_per_group": 1, "run_dir": "r", "trainer_args": [], **kwargs}
+        return ReplicaLaunch(nnodes=nnodes, node_rank=node_rank, **values)
+
+    assert [launch(2, rank).groups_here() for rank in (0, 1)] == [[0, 2, 4], [1, 3]]
+    assert launch(1, 0).groups_here() == [0, 1, 2, 3, 4]  # one machine: all of them, as before
+    with pytest.raises(ConfigError, match="--nnodes=6 is out of range"):
+        launch(6, 0)
+    with pytest.raises(ConfigError, match="--node-rank=2 is out of range"):
+        launch(2, 2)
 
 
 @pytest.mark.parametrize(
@@ -149,3 +187,52 @@ def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) 
     assert sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"]
     metrics = (run_dir / "group0" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
+
+
+def _group_node(rank: int, port: int, run_dir: Path, ckpt: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY, *GROUPS]
+    command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    for key in ("parallel.dp_shard=1", "parallel.tp=1", "run.steps=16", f"run.dir={run_dir}"):
+        command += ["--set", key]
+    command += ["--set", f"checkpoint.url={ckpt}", "--set", f"run.step_hooks={json.dumps([PACE])}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{rank}"}
+    env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # the groups' steps overlap: they meet in one quorum
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+PACE = "tests.recovery.ram_hooks:pace"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_replica_groups_on_two_launchers_share_node_0s_lighthouse(tmp_path: Path) -> None:
+    # ~40 s here. One run directory for both "nodes", as on a shared file system.
+    port = free_port()
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    nodes = [_group_node(0, port, run_dir, ckpt)]
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "lighthouse_started" for e in _events(run_dir)):
+            assert nodes[0].poll() is None and time.monotonic() < deadline, "node 0 started no lighthouse"
+            time.sleep(0.1)
+        nodes.append(_group_node(1, port, run_dir, ckpt))
+        outputs = [communicate_or_fail(proc, 150, f"node {rank}") for rank, proc in enumerate(nodes)]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    for proc, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert proc.returncode == 0, stderr[-4000:]
+    events = _events(run_dir)
+    (lighthouse,) = [e for e in events if e["event"] == "lighthouse_started"]  # node 0's only
+    assert lighthouse["url"] == f"http://127.0.0.1:{port}"
+    assert sorted(e["group"] for e in events if e["event"] == "group_started") == [0, 1]
+    assert {(e["group"], e["step"]) for e in events if e["event"] == "done"} == {(0, 16), (1, 16)}
+    together = [e for e in events if e["event"] == "step" and e["committed"] and e["participants"] == 2]
+    assert {e["group"] for e in together} == {0, 1}, [e for e in events if e["event"] == "step"][:4]
+    assert Checkpointer(str(ckpt)).steps()[-1] == 16
