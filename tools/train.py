@@ -8,8 +8,15 @@ exited ``--grace-s`` seconds later, it is killed.
 
     resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml [--lighthouse URL]
 
-runs G replica groups under a torchft quorum instead. An argparse shell: the launcher is
-``resilient.trainer.launch``.
+runs G replica groups under a torchft quorum instead.
+
+    resilient-train --nnodes 2 --node-rank R --rdzv-endpoint node0:29400 --rdzv-id job7 --config ...
+
+on every node runs one group across the nodes (torchrun's c10d rendezvous,
+``resilient.trainer.multinode``); with ``--replica-groups`` node R runs groups R, R+N, ... and
+node 0 starts the job's lighthouse on ``--rdzv-endpoint``. ``--emit slurm|k8s`` prints an sbatch
+script or a JobSet manifest that does this on a cluster (``resilient.trainer.emit``). An argparse
+shell: the launcher is ``resilient.trainer.launch``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ one torchrun per group with ``--max-restarts``, its own rendezvous port and the 
 group needs (``RESILIENT_GROUP``, ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE``,
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it a torchrun restart reuses the dead
 incarnation's rendezvous store and the restarted group never joins, pytorch/pytorch#135712).
+Across nodes (``--nnodes N --node-rank R``) this node runs groups R, R+N, ... and only node 0 starts
+the lighthouse, on ``--rdzv-endpoint HOST:PORT`` (``ReplicaLaunch.lighthouse_at``).
 Logs go to ``<run.dir>/logs/``; ranks write their pids to ``<run.dir>/pids/``; rank 0 of each group
 appends per-step quorum events to ``<run.dir>/events.jsonl``.
 

@@ -7,6 +7,10 @@ machine is HOST). Always the c10d backend, never torchrun's static one: with c10
 launcher restarts (or a replacement node) joins again and every agent restarts its workers into the
 new membership, which is what ``--max-restarts`` counts; a static rendezvous forms once.
 
+Replica groups (``--replica-groups G``) spread over the nodes instead: node R runs groups R, R+N,
+..., each a one-node torchrun; their rendezvous is the job's torchft lighthouse, which node 0 starts
+on ``--rdzv-endpoint HOST:PORT`` unless ``--lighthouse URL`` names a running one.
+
 Kept apart from ``launch`` (which runs the commands) and free of torch imports: the launcher checks
 every flag in a second, before any worker starts.
 """
