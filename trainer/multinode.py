@@ -18,9 +18,12 @@ every flag in a second, before any worker starts.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
+from resilient.trainer.quiet import LAUNCH_ENV
 
 NODE_RANK_ENV = "NODE_RANK"
 """Set for the ranks when ``--node-rank`` is given: the operator's stable name for this machine (a
@@ -42,6 +45,8 @@ class Rendezvous:
     rdzv_id: str
     """The job's rendezvous id: the same on every node, new for each launch of the job."""
     node_rank: int | None = None
+    launch_id: str = field(default_factory=lambda: f"{os.getpid()}x{int(time.time())}")
+    """This launcher's own id (``LAUNCH_ENV``): the operator may reuse ``rdzv_id`` for a rerun."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -71,7 +76,8 @@ class Rendezvous:
 
     def env(self) -> dict[str, str]:
         """Environment for this node's ranks."""
-        return {} if self.node_rank is None else {NODE_RANK_ENV: str(self.node_rank)}
+        env = {LAUNCH_ENV: self.launch_id}
+        return env if self.node_rank is None else {**env, NODE_RANK_ENV: str(self.node_rank)}
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

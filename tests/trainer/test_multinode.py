@@ -19,6 +19,7 @@ from resilient.errors import ConfigError
 from resilient.tools.train import main, parse_args
 from resilient.trainer.launch import ReplicaLaunch, torchrun_command
 from resilient.trainer.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
+from resilient.trainer.quiet import error_path
 from tests.procs import communicate_or_fail, kill_tree
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,13 +42,31 @@ def test_multinode_torchrun_command_joins_a_c10d_rendezvous() -> None:
     assert (_flag(command, "--rdzv-endpoint"), _flag(command, "--rdzv-id")) == ("node0:29400", "job7")
     assert _flag(command, "--nproc-per-node") == "2" and _flag(command, "--max-restarts") == "3"
     assert command[command.index("-m", 3) :] == ["-m", "resilient.trainer", "--config", TINY]
-    assert rendezvous_of(args).env() == {"NODE_RANK": "1"}
+    env = rendezvous_of(args).env()
+    assert env["NODE_RANK"] == "1" and sorted(env) == ["NODE_RANK", "RESILIENT_LAUNCH_ID"]
     elastic = parse_args(["--nnodes", "1:4", *JOIN, "--max-restarts", "7"])
     elastic.nproc = 1
     command = torchrun_command(elastic)
     assert (_flag(command, "--nnodes"), _flag(command, "--max-restarts")) == ("1:4", "7")
-    assert rendezvous_of(elastic).env() == {}
+    assert sorted(rendezvous_of(elastic).env()) == ["RESILIENT_LAUNCH_ID"]
     assert parse_args(["--nproc-per-node", "4"]).nnodes is None  # one node: the same as --nproc 4
+
+
+def test_a_rerun_with_the_same_rdzv_id_is_not_silenced_by_the_last_ones_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The one-error-line claim is keyed by torchrun's run id, here the operator's --rdzv-id.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.delenv("RESILIENT_LAUNCH_ID", raising=False)
+    assert error_path(str(tmp_path)).endswith("error-job7")  # one node, standalone: as before
+    first, second = (Rendezvous(min_nodes=2, max_nodes=2, endpoint="h:1", rdzv_id="job7", launch_id=i) for i in "ab")
+    monkeypatch.setenv("RESILIENT_LAUNCH_ID", first.env()["RESILIENT_LAUNCH_ID"])
+    claimed = error_path(str(tmp_path))
+    monkeypatch.setenv("RESILIENT_LAUNCH_ID", second.env()["RESILIENT_LAUNCH_ID"])
+    assert (claimed, error_path(str(tmp_path))) == (
+        os.path.join(str(tmp_path), "logs", "error-job7-a"),
+        os.path.join(str(tmp_path), "logs", "error-job7-b"),
+    )
 
 
 def test_nnodes_and_ranks_per_node() -> None:
