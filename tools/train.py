@@ -115,10 +115,18 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 def emit_files(args: argparse.Namespace) -> int:
     """Print the sbatch script or manifest for ``args``; the recipe is checked here first."""
     try:
-        config = load_config(args.config, args.overrides)
+        groups = args.replica_groups or 0
+        replica = ["replica.enabled=true", f"replica.groups={groups}"] if groups else []
+        config = load_config(args.config, [*args.overrides, *replica])
         low, high = parse_nnodes(args.nnodes or "2")
-        per_node = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
+        if groups:
+            _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
+            per_node = groups // high * args.nproc_per_group
+        else:
+            per_node = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
         spec = EmitSpec(
+            replica_groups=groups,
+            nproc_per_group=args.nproc_per_group or 0,
             job_name=args.job_name,
             min_nodes=low,
             max_nodes=high,
@@ -135,6 +143,14 @@ def emit_files(args: argparse.Namespace) -> int:
         return 2
     print(slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec), end="")
     return 0
+
+
+def _check_group_ranks(world_size: int, nproc_per_group: int) -> None:
+    if nproc_per_group != world_size:
+        raise ConfigError(
+            f"--nproc-per-group {nproc_per_group} but parallel.dp_shard x tp = {world_size} ranks per group: "
+            f"set parallel.dp_shard / parallel.tp so that their product is {nproc_per_group}"
+        )
 
 
 def _gpus_per_node(args: argparse.Namespace, device: str, per_node: int) -> int:

@@ -51,6 +51,10 @@ class EmitSpec:
     max_restarts: int = 3
     trainer_args: list[str] = field(default_factory=list)
     """``--config`` / ``--set`` arguments every node passes on to its ranks."""
+    replica_groups: int = 0
+    """0: one group across all nodes. G: G torchft replica groups, G / nodes on each node, meeting at
+    the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.multinode``)."""
+    nproc_per_group: int = 0
 
     def __post_init__(self) -> None:
         if not JOB_NAME.match(self.job_name):
@@ -66,6 +70,11 @@ class EmitSpec:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node} must be >= 0 (0: a CPU recipe)")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0")
+        if self.replica_groups and (self.elastic or self.replica_groups % self.max_nodes):
+            raise ConfigError(
+                f"--replica-groups {self.replica_groups} over --nnodes {self.nnodes}: the emitted nodes are alike, "
+                "so give a fixed node count that divides the groups"
+            )
 
     @property
     def nnodes(self) -> str:
@@ -87,8 +96,8 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
     ):
         if value is not None:
             return f"--emit writes {flag} for each node itself: drop {flag}"
-    if args.replica_groups is not None:
-        return "--emit runs one group across nodes: drop --replica-groups"
+    if args.replica_groups is not None and args.nproc_per_node is not None:
+        return "--replica-groups takes --nproc-per-group N (ranks per group), not --nproc-per-node"
     if args.nnodes is not None:
         try:
             parse_nnodes(args.nnodes)
@@ -99,9 +108,14 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
 
 def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str) -> str:
     """The ``resilient-train`` line one node runs; the three strings are shell words (``"$VAR"``)."""
-    words = ["resilient-train", "--nnodes", spec.nnodes, "--nproc-per-node", str(spec.nproc_per_node)]
-    flags = ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
-    flags += [] if spec.elastic else ["--node-rank", node_rank]
+    if spec.replica_groups:  # each group rendezvous on its own node: no --rdzv-id
+        words = ["resilient-train", "--replica-groups", str(spec.replica_groups)]
+        words += ["--nproc-per-group", str(spec.nproc_per_group), "--nnodes", spec.nnodes]
+        flags = ["--node-rank", node_rank, "--rdzv-endpoint", endpoint]
+    else:
+        words = ["resilient-train", "--nnodes", spec.nnodes, "--nproc-per-node", str(spec.nproc_per_node)]
+        flags = ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+        flags += [] if spec.elastic else ["--node-rank", node_rank]
     tail = ["--max-restarts", str(spec.max_restarts), *spec.trainer_args]
     return " ".join([*(shlex.quote(w) for w in words), *flags, *(shlex.quote(w) for w in tail)])
 
@@ -159,8 +173,9 @@ def slurm_script(spec: EmitSpec) -> str:
     """An sbatch script: ``srun`` starts one ``resilient-train`` per node, all meeting on the first."""
     lines = _slurm_header(spec) + [
         "",
-        "# The c10d rendezvous store lives on the allocation's first node.",
-        'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"# The {_meeting_point(spec)} lives on the allocation's first node.",
+        # sed, not head: head would exit early and pipefail would fail on the writer's SIGPIPE.
+        'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f'export RDZV_ENDPOINT="$RDZV_HOST:{spec.rdzv_port}"',
         "# The same on every node, new for each (re)queued run of the job.",
         'export RDZV_ID="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
@@ -170,10 +185,16 @@ def slurm_script(spec: EmitSpec) -> str:
         f"# /dev/shm is smaller than --shm-size {spec.shm_size}; set recovery.store_dir to use another tmpfs.",
         # kill-on-bad-exit: a node whose launcher gave up must not leave the others waiting in a
         # rendezvous that can no longer complete.
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(_slurm_node_script(spec))}",
+        # Replica groups: 0, the other nodes' groups train on without the lost ones.
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit={0 if spec.replica_groups else 1} "
+        f"bash -c {shlex.quote(_slurm_node_script(spec))}",
         "",
     ]
     return "\n".join(lines)
+
+
+def _meeting_point(spec: EmitSpec) -> str:
+    return "job's torchft lighthouse" if spec.replica_groups else "c10d rendezvous store"
 
 
 # -- Kubernetes (JobSet) ---------------------------------------------------------------------
@@ -238,7 +259,7 @@ def k8s_manifest(spec: EmitSpec) -> str:
         "  failurePolicy:",
         f"    maxRestarts: {spec.max_restarts}",
         "  network:",
-        "    # Stable pod DNS names <name>-node-0-<i>.<name>: pod 0 hosts the rendezvous store.",
+        f"    # Stable pod DNS names <name>-node-0-<i>.<name>: pod 0 hosts the {_meeting_point(spec)}.",
         "    enableDNSHostnames: true",
         "  replicatedJobs:",
         "  - name: node",

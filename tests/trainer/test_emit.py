@@ -36,7 +36,9 @@ def _stubs(tmp_path: Path) -> dict[str, str]:
     ``resilient-train`` (writes its environment of interest and argv to ``<out>/node-<id>``)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _stub(bin_dir, "scontrol", 'printf "gpu-a17\\ngpu-a18\\n"\n')
+    # A long host list: the script must read the first name without killing the writer by SIGPIPE
+    # (pipefail would turn that into a failed job).
+    _stub(bin_dir, "scontrol", 'printf "gpu-a17\\ngpu-a18\\n"\nseq 1 200000 | sed s/^/gpu-b/\n')
     each_node = 'while [[ $1 == --* ]]; do shift; done\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n'
     _stub(bin_dir, "srun", each_node)
     record = 'out="$OUT/node-$RESILIENT_NODE_ID"\nprintf "%s\\n" "$RESILIENT_NODE_ID" "$@" > "$out"\n'
@@ -86,6 +88,38 @@ def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
     _, argv = _recorded(tmp_path, "1")
     assert _flag(argv, "--nnodes") == "2:4" and "--node-rank" not in argv  # elastic: ranked at rendezvous
     assert _flag(argv, "--rdzv-id") == "7-0"
+
+
+def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: Path) -> None:
+    spec = EmitSpec(**{**SPEC, "gpus_per_node": 8, "nproc_per_node": 8}, replica_groups=4, nproc_per_group=4)
+    script = slurm_script(spec)
+    assert "lighthouse lives on the allocation's first node" in script
+    assert "--kill-on-bad-exit=0" in script  # a node's groups may die; the others train on
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
+    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    for node in ("0", "1"):
+        _, argv = _recorded(tmp_path, node)
+        assert (_flag(argv, "--replica-groups"), _flag(argv, "--nproc-per-group")) == ("4", "4")
+        assert (_flag(argv, "--nnodes"), _flag(argv, "--node-rank")) == ("2", node)
+        assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # node 0 starts the lighthouse there
+        assert "--rdzv-id" not in argv and "--nproc-per-node" not in argv  # each group meets on its node
+    with pytest.raises(ConfigError, match="--replica-groups 3 over --nnodes 2"):
+        EmitSpec(**SPEC, replica_groups=3, nproc_per_group=4)
+    with pytest.raises(ConfigError, match="--replica-groups 4 over --nnodes 2:4"):
+        EmitSpec(**SPEC, replica_groups=4, nproc_per_group=4, min_nodes=2, max_nodes=4)
+
+
+def test_cli_emits_replica_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--emit", "k8s", "--config", TINY, "--replica-groups", "4", "--nproc-per-group", "4", "--nnodes", "2"]
+    assert main([*argv, "--set", "data.global_rows=24"]) == 0
+    container = _container(yaml.safe_load(capsys.readouterr().out))
+    command = shlex.split(container["args"][0].splitlines()[-1].removeprefix("exec "))
+    assert _flag(command, "--rdzv-endpoint") == "resilient-node-0-0.resilient:29400"
+    assert (_flag(command, "--replica-groups"), _flag(command, "--node-rank")) == ("4", "$JOB_COMPLETION_INDEX")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8  # 2 groups x 4 ranks on each node
+    assert "replica.enabled=true" not in command  # the launcher adds the replica keys itself
 
 
 def _container(manifest: dict) -> dict:
@@ -179,6 +213,9 @@ def _one_line_exit_2(argv: list[str]) -> str:
     return lines[0]
 
 
+EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -190,6 +227,8 @@ def _one_line_exit_2(argv: list[str]) -> str:
         (["--emit", "slurm", "--config", TINY, "--nnodes", "3"], "error: parallel.dp_shard x parallel.tp = 4 ranks"),
         (["--emit", "k8s", "--config", TINY, "--nproc-per-node", "4"], "error: --nnodes 2 x --nproc-per-node 4 = 8"),
         (["--emit", "k8s", "--config", TINY, "--shm-size", "1GB"], "error: --shm-size '1GB'"),
+        ([*EMIT_GROUPS, "--nproc-per-group", "2"], "error: --nproc-per-group 2 but parallel.dp_shard x tp = 4 ranks"),
+        ([*EMIT_GROUPS, "--nproc-per-group", "4", "--nproc-per-node", "8"], "not --nproc-per-node"),
     ],
 )
 def test_bad_emit_flags_are_one_line_exit_2(argv: list[str], says: str) -> None:
