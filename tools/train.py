@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-restarts",
         type=int,
         default=None,
-        help="torchrun restarts of the group after a rank fails (default: 0 for one group, 3 per replica group)",
+        help="torchrun restarts of the group after a rank fails (default: 0 on one node, else 3)",
     )
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: a silent group is dead")
     parser.add_argument("--join-timeout-ms", type=int, default=2000, help="lighthouse: wait for joiners")
@@ -104,12 +104,23 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--rdzv-id", help="the job's rendezvous id: the same on every node, new for each launch")
     nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (default: dp_shard x tp / nodes)")
     emit = parser.add_argument_group("cluster files (print, do not run)")
-    emit.add_argument("--emit", choices=EMIT_KINDS, help="print an sbatch script (slurm) or a JobSet manifest (k8s)")
+    emit.add_argument(
+        "--emit",
+        choices=EMIT_KINDS,
+        help="print an sbatch script (slurm) or a JobSet manifest (k8s) for --nnodes (default 2) nodes",
+    )
     emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
     emit.add_argument("--image", default=DEFAULT_IMAGE, help="k8s: container image with resilient installed")
-    emit.add_argument("--gpus-per-node", type=int, help="GPUs to request per node (default: --nproc-per-node; 0: CPU)")
-    emit.add_argument("--shm-size", default=DEFAULT_SHM, help="RAM tier's /dev/shm per node, e.g. 64Gi")
-    emit.add_argument("--rdzv-port", type=int, default=DEFAULT_RDZV_PORT, help="rendezvous port on node 0")
+    emit.add_argument(
+        "--gpus-per-node", type=int, help="GPUs to request per node (default: ranks per node; 0 when run.device is cpu)"
+    )
+    emit.add_argument("--shm-size", default=DEFAULT_SHM, help=f"RAM tier's /dev/shm per node (default {DEFAULT_SHM})")
+    emit.add_argument(
+        "--rdzv-port",
+        type=int,
+        default=DEFAULT_RDZV_PORT,
+        help=f"rendezvous (or lighthouse) port on node 0 (default {DEFAULT_RDZV_PORT})",
+    )
 
 
 def emit_files(args: argparse.Namespace) -> int:
