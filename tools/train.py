@@ -50,7 +50,14 @@ from resilient.trainer.launch import (
     torchrun_command,
     trainer_args,
 )
-from resilient.trainer.multinode import MULTINODE_RESTARTS, flag_error, parse_nnodes, rendezvous_of, split_ranks
+from resilient.trainer.multinode import (
+    MULTINODE_RESTARTS,
+    NODE_RANK_ENV,
+    flag_error,
+    parse_nnodes,
+    rendezvous_of,
+    split_ranks,
+)
 from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 
@@ -187,6 +194,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             nnodes=int(args.nnodes or 1),  # flag_error: a fixed N with replica groups
             node_rank=args.node_rank or 0,
             lighthouse_at=args.rdzv_endpoint or "",
+            env={NODE_RANK_ENV: str(args.node_rank)} if args.nnodes else {},
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

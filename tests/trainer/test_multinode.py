@@ -169,7 +169,7 @@ def test_recipe_that_does_not_fit_the_nodes_is_one_line_exit_2(
 
 
 def _node(rank: int, port: int, run_dir: Path, ckpt: Path) -> subprocess.Popen:
-    hooks = json.dumps(["tests.trainer.node_hooks:record_node"])
+    hooks = json.dumps([NODE_HOOK])
     command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
     command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     command += ["--rdzv-id", f"two-nodes-{port}"]
@@ -197,7 +197,7 @@ def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) 
     for proc, (_, stderr) in zip(nodes, outputs, strict=True):
         assert proc.returncode == 0, stderr[-4000:]
     assert Checkpointer(str(ckpt)).steps() == [4]  # persist_every 4 in tiny.toml
-    seen = [json.loads((run_dir / f"node-rank{rank}.json").read_text()) for rank in (0, 1)]
+    seen = [json.loads((run_dir / f"node-group0-rank{rank}.json").read_text()) for rank in (0, 1)]
     # One rank per launcher, each told the node it runs on; together one world of two.
     assert {s["RESILIENT_NODE_ID"] for s in seen} == {"host-a", "host-b"}
     for s in seen:
@@ -213,7 +213,7 @@ def _group_node(rank: int, port: int, run_dir: Path, ckpt: Path) -> subprocess.P
     command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     for key in ("parallel.dp_shard=1", "parallel.tp=1", "run.steps=16", f"run.dir={run_dir}"):
         command += ["--set", key]
-    command += ["--set", f"checkpoint.url={ckpt}", "--set", f"run.step_hooks={json.dumps([PACE])}"]
+    command += ["--set", f"checkpoint.url={ckpt}", "--set", f"run.step_hooks={json.dumps([PACE, NODE_HOOK])}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{rank}"}
     env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # the groups' steps overlap: they meet in one quorum
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -225,6 +225,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 PACE = "tests.recovery.ram_hooks:pace"
+NODE_HOOK = "tests.trainer.node_hooks:record_node"
 
 
 @pytest.mark.e2e
@@ -255,3 +256,6 @@ def test_replica_groups_on_two_launchers_share_node_0s_lighthouse(tmp_path: Path
     together = [e for e in events if e["event"] == "step" and e["committed"] and e["participants"] == 2]
     assert {e["group"] for e in together} == {0, 1}, [e for e in events if e["event"] == "step"][:4]
     assert Checkpointer(str(ckpt)).steps()[-1] == 16
+    for group in (0, 1):  # group g ran on node g % 2, told so
+        seen = json.loads((run_dir / f"node-group{group}-rank0.json").read_text())
+        assert (seen["RESILIENT_NODE_ID"], seen["NODE_RANK"], seen["WORLD_SIZE"]) == (f"host-{group}", str(group), "1")
