@@ -168,34 +168,46 @@ def test_recipe_that_does_not_fit_the_nodes_is_one_line_exit_2(
     assert not (tmp_path / "run").exists()  # nothing started
 
 
-def _node(rank: int, port: int, run_dir: Path, ckpt: Path) -> subprocess.Popen:
-    hooks = json.dumps([NODE_HOOK])
+def _node(rank: int, port: int, tmp_path: Path, *sets: str, hooks: tuple[str, ...] = ()) -> subprocess.Popen:
+    """One launcher of a two-node job of one rank per node; its output goes to ``node<rank>.log``
+    (files, not pipes: a launcher blocked on a full pipe would stall its peer in a collective)."""
     command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
     command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     command += ["--rdzv-id", f"two-nodes-{port}"]
-    for key in ("parallel.dp_shard=2", "parallel.tp=1", "run.steps=4", f"run.dir={run_dir}"):
+    keys = [
+        "parallel.dp_shard=2",
+        "parallel.tp=1",
+        f"run.dir={tmp_path / 'run'}",
+        f"checkpoint.url={tmp_path / 'ckpt'}",
+    ]
+    for key in [*keys, f"run.step_hooks={json.dumps([NODE_HOOK, *hooks])}", *sets]:
         command += ["--set", key]
-    command += ["--set", f"checkpoint.url={ckpt}", "--set", f"run.step_hooks={hooks}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{'ab'[rank]}"}
     env.pop("NODE_RANK", None)
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # read by PACE only
+    with open(tmp_path / f"node{rank}.log", "a") as log:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_nodes(nodes: list[subprocess.Popen], tmp_path: Path, timeout_s: float) -> None:
+    try:
+        for rank, proc in enumerate(nodes):
+            communicate_or_fail(proc, timeout_s, f"node {rank}")
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    for rank, proc in enumerate(nodes):
+        assert proc.returncode == 0, (tmp_path / f"node{rank}.log").read_text()[-4000:]
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) -> None:
-    # ~17 s here: two resilient-train processes, one rank each, one c10d rendezvous on 127.0.0.1.
+    # ~20 s here: two resilient-train processes, one rank each, one c10d rendezvous on 127.0.0.1.
     port = free_port()
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    nodes = [_node(rank, port, run_dir, ckpt) for rank in (0, 1)]
-    try:
-        outputs = [communicate_or_fail(proc, 120, f"node {rank}") for rank, proc in enumerate(nodes)]
-    finally:
-        for proc in nodes:
-            if proc.poll() is None:
-                kill_tree(proc)
-    for proc, (_, stderr) in zip(nodes, outputs, strict=True):
-        assert proc.returncode == 0, stderr[-4000:]
+    _wait_nodes([_node(rank, port, tmp_path, "run.steps=4") for rank in (0, 1)], tmp_path, 120)
     assert Checkpointer(str(ckpt)).steps() == [4]  # persist_every 4 in tiny.toml
     seen = [json.loads((run_dir / f"node-group0-rank{rank}.json").read_text()) for rank in (0, 1)]
     # One rank per launcher, each told the node it runs on; together one world of two.
@@ -208,15 +220,17 @@ def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) 
     assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
 
 
-def _group_node(rank: int, port: int, run_dir: Path, ckpt: Path) -> subprocess.Popen:
+def _group_node(rank: int, port: int, tmp_path: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY, *GROUPS]
     command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    for key in ("parallel.dp_shard=1", "parallel.tp=1", "run.steps=16", f"run.dir={run_dir}"):
+    for key in ("parallel.dp_shard=1", "parallel.tp=1", "run.steps=16", f"run.dir={tmp_path / 'run'}"):
         command += ["--set", key]
-    command += ["--set", f"checkpoint.url={ckpt}", "--set", f"run.step_hooks={json.dumps([PACE, NODE_HOOK])}"]
+    hooks = json.dumps([PACE, NODE_HOOK])
+    command += ["--set", f"checkpoint.url={tmp_path / 'ckpt'}", "--set", f"run.step_hooks={hooks}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{rank}"}
     env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # the groups' steps overlap: they meet in one quorum
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / f"node{rank}.log", "a") as log:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -234,20 +248,17 @@ def test_replica_groups_on_two_launchers_share_node_0s_lighthouse(tmp_path: Path
     # ~40 s here. One run directory for both "nodes", as on a shared file system.
     port = free_port()
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    nodes = [_group_node(0, port, run_dir, ckpt)]
+    nodes = [_group_node(0, port, tmp_path)]
     try:
         deadline = time.monotonic() + 90
         while not any(e["event"] == "lighthouse_started" for e in _events(run_dir)):
             assert nodes[0].poll() is None and time.monotonic() < deadline, "node 0 started no lighthouse"
             time.sleep(0.1)
-        nodes.append(_group_node(1, port, run_dir, ckpt))
-        outputs = [communicate_or_fail(proc, 150, f"node {rank}") for rank, proc in enumerate(nodes)]
-    finally:
-        for proc in nodes:
-            if proc.poll() is None:
-                kill_tree(proc)
-    for proc, (_, stderr) in zip(nodes, outputs, strict=True):
-        assert proc.returncode == 0, stderr[-4000:]
+        nodes.append(_group_node(1, port, tmp_path))
+    except BaseException:
+        kill_tree(nodes[0])
+        raise
+    _wait_nodes(nodes, tmp_path, 150)
     events = _events(run_dir)
     (lighthouse,) = [e for e in events if e["event"] == "lighthouse_started"]  # node 0's only
     assert lighthouse["url"] == f"http://127.0.0.1:{port}"
@@ -259,3 +270,43 @@ def test_replica_groups_on_two_launchers_share_node_0s_lighthouse(tmp_path: Path
     for group in (0, 1):  # group g ran on node g % 2, told so
         seen = json.loads((run_dir / f"node-group{group}-rank0.json").read_text())
         assert (seen["RESILIENT_NODE_ID"], seen["NODE_RANK"], seen["WORLD_SIZE"]) == (f"host-{group}", str(group), "1")
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "group0" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_node_killed_with_its_launcher_rejoins_and_the_job_resumes(tmp_path: Path) -> None:
+    # ~60-90 s here. Node 1's whole process tree (launcher, torchrun, worker) is SIGKILLed mid-run;
+    # node 0's torchrun restarts its worker into a new rendezvous round, which the relaunched node 1
+    # joins (same --rdzv-id); both resume from the newest step every rank has, and finish.
+    port = free_port()
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    sets = ("run.steps=14", "checkpoint.memory_every=2", f"recovery.store_dir={tmp_path / 'shm'}")
+    nodes = [_node(rank, port, tmp_path, *sets, hooks=(PACE,)) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 150
+        while _steps_done(run_dir) < 6:
+            assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "no step 6"
+            time.sleep(0.1)
+        kill_tree(nodes[1])
+        nodes[1].wait(timeout=30)
+        killed_after = _steps_done(run_dir)
+        nodes[1] = _node(1, port, tmp_path, *sets, hooks=(PACE,))
+    except BaseException:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+        raise
+    _wait_nodes(nodes, tmp_path, 200)
+    assert killed_after < 14 and Checkpointer(str(ckpt)).steps()[-1] == 14
+    restores = [e for e in _events(run_dir) if e["event"] == "restore"]
+    first, resumed = restores[:2], restores[2:]
+    assert {(e["rank"], e["source"]) for e in first} == {(0, "fresh"), (1, "fresh")}
+    # One decision for every rank: the same step, at most 2 steps (memory_every) before the kill.
+    assert len(resumed) == 2 and len({e["step"] for e in resumed}) == 1, resumed
+    assert killed_after - 2 <= resumed[0]["step"] <= killed_after, (killed_after, resumed)
+    assert {e["source"] for e in resumed} <= {"own", "buddy", "persistent"}, resumed
