@@ -63,16 +63,14 @@ class Rendezvous:
     def torchrun_args(self) -> list[str]:
         # No --node-rank: the c10d rendezvous ranks the nodes itself (torchrun warns that it ignores
         # it); the operator's node rank reaches the ranks as NODE_RANK instead (``env``).
-        return [
-            "--nnodes",
-            self.nnodes,
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            self.endpoint,
-            "--rdzv-id",
-            self.rdzv_id,
-        ]
+        args = ["--nnodes", self.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint]
+        args += ["--rdzv-id", self.rdzv_id]
+        if self.node_rank is not None:
+            # Node 0 hosts the store. Otherwise torchrun guesses from HOST: every launcher whose
+            # machine HOST names tries, the first to bind wins, and several launchers on one
+            # machine race for it; the store dies with the winner, so which one won matters.
+            args += ["--rdzv-conf", f"is_host={int(self.node_rank == 0)}"]
+        return args
 
     def env(self) -> dict[str, str]:
         """Environment for this node's ranks."""

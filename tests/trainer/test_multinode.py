@@ -40,6 +40,10 @@ def test_multinode_torchrun_command_joins_a_c10d_rendezvous() -> None:
     assert "--standalone" not in command and "--node-rank" not in command  # c10d ranks the nodes itself
     assert (_flag(command, "--nnodes"), _flag(command, "--rdzv-backend")) == ("2", "c10d")
     assert (_flag(command, "--rdzv-endpoint"), _flag(command, "--rdzv-id")) == ("node0:29400", "job7")
+    assert _flag(command, "--rdzv-conf") == "is_host=0"  # node 0 hosts the store, not whoever binds first
+    node0 = parse_args(["--nnodes", "2", "--node-rank", "0", *JOIN])
+    node0.nproc = 2
+    assert _flag(torchrun_command(node0), "--rdzv-conf") == "is_host=1"
     assert _flag(command, "--nproc-per-node") == "2" and _flag(command, "--max-restarts") == "3"
     assert command[command.index("-m", 3) :] == ["-m", "resilient.trainer", "--config", TINY]
     env = rendezvous_of(args).env()
@@ -48,6 +52,7 @@ def test_multinode_torchrun_command_joins_a_c10d_rendezvous() -> None:
     elastic.nproc = 1
     command = torchrun_command(elastic)
     assert (_flag(command, "--nnodes"), _flag(command, "--max-restarts")) == ("1:4", "7")
+    assert "--rdzv-conf" not in command  # no node rank: torchrun finds the host from HOST
     assert sorted(rendezvous_of(elastic).env()) == ["RESILIENT_LAUNCH_ID"]
     assert parse_args(["--nproc-per-node", "4"]).nnodes is None  # one node: the same as --nproc 4
 
