@@ -8,8 +8,15 @@ exited ``--grace-s`` seconds later, it is killed.
 
     resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml [--lighthouse URL]
 
-runs G replica groups under a torchft quorum instead. An argparse shell: the launcher is
-``resilient.trainer.launch``.
+runs G replica groups under a torchft quorum instead.
+
+    resilient-train --nnodes 2 --node-rank R --rdzv-endpoint node0:29400 --rdzv-id job7 --config ...
+
+on every node runs one group across the nodes (torchrun's c10d rendezvous,
+``resilient.trainer.multinode``); with ``--replica-groups`` node R runs groups R, R+N, ... and
+node 0 starts the job's lighthouse on ``--rdzv-endpoint``. ``--emit slurm|k8s`` prints an sbatch
+script or a JobSet manifest that does this on a cluster (``resilient.trainer.emit``). An argparse
+shell: the launcher is ``resilient.trainer.launch``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,16 @@ from resilient.errors import ConfigError
 from resilient.runfiles import group_id, logs_dir
 from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import load_config
+from resilient.trainer.emit import (
+    DEFAULT_IMAGE,
+    DEFAULT_RDZV_PORT,
+    DEFAULT_SHM,
+    EMIT_KINDS,
+    EmitSpec,
+    emit_flag_error,
+    k8s_manifest,
+    slurm_script,
+)
 from resilient.trainer.launch import (
     ReplicaLaunch,
     check_nproc,
@@ -32,6 +49,14 @@ from resilient.trainer.launch import (
     run_replicated,
     torchrun_command,
     trainer_args,
+)
+from resilient.trainer.multinode import (
+    MULTINODE_RESTARTS,
+    NODE_RANK_ENV,
+    flag_error,
+    parse_nnodes,
+    rendezvous_of,
+    split_ranks,
 )
 from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
@@ -46,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-restarts",
         type=int,
         default=None,
-        help="torchrun restarts of the group after a rank fails (default: 0 for one group, 3 per replica group)",
+        help="torchrun restarts of the group after a rank fails (default: 0 on one node, else 3)",
     )
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: a silent group is dead")
     parser.add_argument("--join-timeout-ms", type=int, default=2000, help="lighthouse: wait for joiners")
@@ -61,13 +86,95 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--grace-s", type=float, default=30.0, help="wait after forwarding a signal before killing")
     parser.add_argument("--debug", action="store_true", help="show every rank's traceback on a failure")
+    _add_cluster_flags(parser)
     args = parser.parse_args(argv)
+    error = emit_flag_error(args) if args.emit else flag_error(args)
+    if error:
+        parser.error(error)
     if args.replica_groups is None:
         if args.nproc is not None and args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")
     elif args.nproc is not None or args.nproc_per_group is None:
         parser.error("--replica-groups takes --nproc-per-group N (ranks per group), not --nproc")
     return args
+
+
+def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    nodes = parser.add_argument_group("several nodes (torchrun's rendezvous flags; run the same command on every node)")
+    nodes.add_argument("--nnodes", help="N nodes, or MIN:MAX for an elastic job (default: this machine alone)")
+    nodes.add_argument("--node-rank", type=int, help="this node's rank in [0, N) (fixed --nnodes only)")
+    nodes.add_argument(
+        "--rdzv-endpoint",
+        help="HOST:PORT of the c10d rendezvous store, the same on every node "
+        "(with --replica-groups: where node 0 starts the job's lighthouse)",
+    )
+    nodes.add_argument("--rdzv-id", help="the job's rendezvous id: the same on every node, new for each launch")
+    nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (default: dp_shard x tp / nodes)")
+    emit = parser.add_argument_group("cluster files (print, do not run)")
+    emit.add_argument(
+        "--emit",
+        choices=EMIT_KINDS,
+        help="print an sbatch script (slurm) or a JobSet manifest (k8s) for --nnodes (default 2) nodes",
+    )
+    emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
+    emit.add_argument("--image", default=DEFAULT_IMAGE, help="k8s: container image with resilient installed")
+    emit.add_argument(
+        "--gpus-per-node", type=int, help="GPUs to request per node (default: ranks per node; 0 when run.device is cpu)"
+    )
+    emit.add_argument("--shm-size", default=DEFAULT_SHM, help=f"RAM tier's /dev/shm per node (default {DEFAULT_SHM})")
+    emit.add_argument(
+        "--rdzv-port",
+        type=int,
+        default=DEFAULT_RDZV_PORT,
+        help=f"rendezvous (or lighthouse) port on node 0 (default {DEFAULT_RDZV_PORT})",
+    )
+
+
+def emit_files(args: argparse.Namespace) -> int:
+    """Print the sbatch script or manifest for ``args``; the recipe is checked here first."""
+    try:
+        groups = args.replica_groups or 0
+        replica = ["replica.enabled=true", f"replica.groups={groups}"] if groups else []
+        config = load_config(args.config, [*args.overrides, *replica])
+        low, high = parse_nnodes(args.nnodes or "2")
+        if groups:
+            _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
+            per_node = groups // high * args.nproc_per_group
+        else:
+            per_node = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
+        spec = EmitSpec(
+            replica_groups=groups,
+            nproc_per_group=args.nproc_per_group or 0,
+            job_name=args.job_name,
+            min_nodes=low,
+            max_nodes=high,
+            nproc_per_node=per_node,
+            gpus_per_node=_gpus_per_node(args, config.run.device, per_node),
+            image=args.image,
+            shm_size=args.shm_size,
+            rdzv_port=args.rdzv_port,
+            max_restarts=MULTINODE_RESTARTS if args.max_restarts is None else args.max_restarts,
+            trainer_args=trainer_args(args),
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec), end="")
+    return 0
+
+
+def _check_group_ranks(world_size: int, nproc_per_group: int) -> None:
+    if nproc_per_group != world_size:
+        raise ConfigError(
+            f"--nproc-per-group {nproc_per_group} but parallel.dp_shard x tp = {world_size} ranks per group: "
+            f"set parallel.dp_shard / parallel.tp so that their product is {nproc_per_group}"
+        )
+
+
+def _gpus_per_node(args: argparse.Namespace, device: str, per_node: int) -> int:
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    return 0 if device == "cpu" else per_node  # one GPU per rank
 
 
 def run_replica_groups(args: argparse.Namespace) -> int:
@@ -84,6 +191,10 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             join_timeout_ms=args.join_timeout_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             grace_s=args.grace_s + 10.0,  # torchrun itself waits up to 30 s for its workers
+            nnodes=int(args.nnodes or 1),  # flag_error: a fixed N with replica groups
+            node_rank=args.node_rank or 0,
+            lighthouse_at=args.rdzv_endpoint or "",
+            env={NODE_RANK_ENV: str(args.node_rank)} if args.nnodes else {},
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -103,14 +214,20 @@ def run_replica_groups(args: argparse.Namespace) -> int:
 
 def run_one_group(args: argparse.Namespace) -> int:
     # Every config mistake is found here, in a second, before torchrun starts any worker.
+    env: dict[str, str] = {}
     try:
         config = load_config(args.config, args.overrides)
-        args.nproc = check_nproc(config, args.nproc)
+        if args.nnodes is None:
+            args.nproc = check_nproc(config, args.nproc if args.nproc_per_node is None else args.nproc_per_node)
+        else:
+            high = parse_nnodes(args.nnodes)[1]
+            args.nproc = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
+            env = rendezvous_of(args).env()
         group_id()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s)
+    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s, env)
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     return code
@@ -118,6 +235,8 @@ def run_one_group(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.emit:
+        return emit_files(args)
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # the workers inherit it
     if args.replica_groups is not None:

@@ -13,6 +13,8 @@ one torchrun per group with ``--max-restarts``, its own rendezvous port and the 
 group needs (``RESILIENT_GROUP``, ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE``,
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it a torchrun restart reuses the dead
 incarnation's rendezvous store and the restarted group never joins, pytorch/pytorch#135712).
+Across nodes (``--nnodes N --node-rank R``) this node runs groups R, R+N, ... and only node 0 starts
+the lighthouse, on ``--rdzv-endpoint HOST:PORT`` (``ReplicaLaunch.lighthouse_at``).
 Logs go to ``<run.dir>/logs/``; ranks write their pids to ``<run.dir>/pids/``; rank 0 of each group
 appends per-step quorum events to ``<run.dir>/events.jsonl``.
 
@@ -57,6 +59,7 @@ from resilient.runfiles import (
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
+from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
 from resilient.validate import check_int
 
 LIGHTHOUSE_START_TIMEOUT_S = 60.0
@@ -82,11 +85,23 @@ class ReplicaLaunch:
     launch_id: str = field(default_factory=lambda: f"{os.getpid()}x{int(time.time())}")
     """Part of every group's rendezvous id, so that each launch has run ids of its own: the
     one-error-line claim (``resilient.trainer.quiet``) of an earlier launch never silences this one."""
+    nnodes: int = 1
+    """Nodes the groups are spread over: group g runs on node g % nnodes (each group on one node)."""
+    node_rank: int = 0
+    lighthouse_at: str = ""
+    """HOST:PORT of the job's lighthouse when the groups span nodes: node 0 starts it there (bound to
+    every interface) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
 
     def __post_init__(self) -> None:
         check_int("--replica-groups", self.groups, 1)
         check_int("--nproc-per-group", self.nproc_per_group, 1)
         check_int("--max-restarts", self.max_restarts, 0)
+        check_int("--nnodes", self.nnodes, 1, self.groups)  # every node runs at least one group
+        check_int("--node-rank", self.node_rank, 0, self.nnodes - 1)
+
+    def groups_here(self) -> list[int]:
+        """The replica groups this node runs."""
+        return [group for group in range(self.groups) if group % self.nnodes == self.node_rank]
 
 
 # -- one group -------------------------------------------------------------------------------
@@ -126,24 +141,30 @@ def interrupted_line(config: TrainConfig) -> str:
 
 
 def torchrun_command(args: argparse.Namespace, quiet: bool = False) -> list[str]:
-    """The torchrun command line for one group (standalone: a local rendezvous on a free port);
-    ``args``: ``nproc``, ``config``, ``overrides`` and optionally ``max_restarts``, as parsed.
-    ``quiet``: torchrun without its own traceback when a rank fails (``resilient.trainer.quiet``)."""
+    """The torchrun command line for one group: standalone (a local rendezvous on a free port), or
+    this node's share of a multi-node group (``resilient.trainer.multinode``). ``args``: ``nproc``
+    (ranks on this node), ``config``, ``overrides`` and optionally ``max_restarts`` and the
+    multi-node flags, as parsed. ``quiet``: torchrun without its own traceback when a rank fails
+    (``resilient.trainer.quiet``)."""
     runner = "resilient.trainer.quiet" if quiet else "torch.distributed.run"
-    command = [sys.executable, "-m", runner, "--standalone", "--nproc-per-node", str(args.nproc)]
+    rendezvous = rendezvous_of(args) if getattr(args, "nnodes", None) else None
+    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
+    command = [sys.executable, "-m", runner, *where, "--nproc-per-node", str(args.nproc)]
     max_restarts = getattr(args, "max_restarts", None)
+    if max_restarts is None and rendezvous is not None:
+        max_restarts = MULTINODE_RESTARTS
     if max_restarts:
         command += ["--max-restarts", str(max_restarts)]
     return command + ["-m", "resilient.trainer", *trainer_args(args)]
 
 
-def run(command: list[str], grace_s: float) -> int:
-    """Run ``command``, forwarding SIGINT/SIGTERM to it; returns its exit code (128 + N if killed by
-    signal N, as a shell reports it)."""
+def run(command: list[str], grace_s: float, env: dict[str, str] | None = None) -> int:
+    """Run ``command`` (with ``env`` added to ours), forwarding SIGINT/SIGTERM to it; returns its
+    exit code (128 + N if killed by signal N, as a shell reports it)."""
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, **(env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if _nproc_of(command) > 1:
         # What torchrun sets for more than one rank when unset, without the 5-line warning it
         # prints above the one line the operator should read.
@@ -207,14 +228,16 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s (lighthouse start)")
 
 
-def start_lighthouse(port: int, log: IO[str], *, join_timeout_ms: int, heartbeat_timeout_ms: int) -> subprocess.Popen:
-    """A lighthouse on 127.0.0.1:port, listening when this returns. ``--min_replicas 1``: a group
+def start_lighthouse(
+    port: int, log: IO[str], *, join_timeout_ms: int, heartbeat_timeout_ms: int, bind: str = "127.0.0.1"
+) -> subprocess.Popen:
+    """A lighthouse on bind:port, listening when this returns. ``--min_replicas 1``: a group
     trains alone while the others are down (that is the point); the lighthouse's majority rule
     (participants > half of the heartbeating groups) keeps two disjoint quorums from forming."""
     command = [
         lighthouse_binary(),
         "--bind",
-        f"127.0.0.1:{port}",
+        f"{bind}:{port}",
         "--min_replicas",
         "1",
         "--join_timeout_ms",
@@ -284,17 +307,22 @@ class ReplicaJob:
         os.makedirs(self.log_dir, exist_ok=True)
         os.makedirs(pids_dir(self.run_dir), exist_ok=True)
         if not self.lighthouse_url:
-            self.lighthouse_port = _free_port()
-            start = time.monotonic()
-            self._start_lighthouse()
-            self.lighthouse_url = f"http://127.0.0.1:{self.lighthouse_port}"
-            self.events.write(
-                "lighthouse_started",
-                url=self.lighthouse_url,
-                pid=self.lighthouse.pid,
-                startup_s=round(time.monotonic() - start, 2),
-            )
-        for group in range(self.launch.groups):
+            host, port = ("127.0.0.1", _free_port())
+            if self.launch.lighthouse_at:
+                host, _, given = self.launch.lighthouse_at.rpartition(":")
+                port = int(given)
+            self.lighthouse_port = port
+            self.lighthouse_url = f"http://{host}:{port}"
+            if self.launch.node_rank == 0:  # the other nodes' groups wait for it in start_quorum
+                start = time.monotonic()
+                self._start_lighthouse()
+                self.events.write(
+                    "lighthouse_started",
+                    url=self.lighthouse_url,
+                    pid=self.lighthouse.pid,
+                    startup_s=round(time.monotonic() - start, 2),
+                )
+        for group in self.launch.groups_here():
             env = {
                 **os.environ,
                 **self.launch.env,
@@ -317,6 +345,7 @@ class ReplicaJob:
             self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms,
             heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
+            bind="0.0.0.0" if self.launch.lighthouse_at else "127.0.0.1",  # other nodes' groups reach it
         )
         write_pid_file(lighthouse_pid_path(self.run_dir), self.lighthouse.pid)
 
@@ -367,11 +396,15 @@ class ReplicaJob:
             f.close()
 
     def _kill_stray_workers(self) -> None:
-        """Workers left by a torchrun that died hard (they run in sessions of their own)."""
+        """Workers left by a torchrun that died hard (they run in sessions of their own); only this
+        node's groups: with groups on several nodes the run directory may be shared."""
         folder = pids_dir(self.run_dir)
+        mine = tuple(f"group{group}-" for group in self.launch.groups_here())
         for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if ".tmp" in name or not name.startswith(mine):
+                continue
             pid = read_pid_file(os.path.join(folder, name))
-            if ".tmp" in name or pid is None:
+            if pid is None:
                 continue
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:

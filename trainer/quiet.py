@@ -27,10 +27,17 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+LAUNCH_ENV = "RESILIENT_LAUNCH_ID"
+"""Set by a multi-node launcher: there the run id is the operator's ``--rdzv-id``, which a rerun of
+the same command repeats; this keeps that rerun's claim apart from the last one's."""
+
+
 def error_path(run_dir: str) -> str:
     # torchrun gives every worker of one launch the same run id: a stale file of an earlier launch
     # never silences this one.
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getppid()))
+    if os.environ.get(LAUNCH_ENV):
+        run_id += f"-{os.environ[LAUNCH_ENV]}"
     return os.path.join(logs_dir(run_dir), f"error-{run_id}")
 
 

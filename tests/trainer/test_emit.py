@@ -1,0 +1,235 @@
+"""trainer/emit.py: ``resilient-train --emit slurm|k8s`` prints files that parse and that start one
+``resilient-train`` per node with the multi-node flags. The emitted scripts are run here with stub
+``srun`` / ``scontrol`` / ``resilient-train`` on PATH: what each node would execute is asserted."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from resilient.errors import ConfigError
+from resilient.tools.train import main
+from resilient.trainer.emit import EmitSpec, k8s_manifest, slurm_script
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+SPEC = dict(job_name="omni", nproc_per_node=4, gpus_per_node=4, shm_size="32Gi", trainer_args=["--config", "r.toml"])
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def _stubs(tmp_path: Path) -> dict[str, str]:
+    """PATH with fake ``scontrol``, ``srun`` (runs the command once per node, SLURM_NODEID=0..1) and
+    ``resilient-train`` (writes its environment of interest and argv to ``<out>/node-<id>``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A long host list: the script must read the first name without killing the writer by SIGPIPE
+    # (pipefail would turn that into a failed job).
+    _stub(bin_dir, "scontrol", 'printf "gpu-a17\\ngpu-a18\\n"\nseq 1 200000 | sed s/^/gpu-b/\n')
+    each_node = 'while [[ $1 == --* ]]; do shift; done\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n'
+    _stub(bin_dir, "srun", each_node)
+    record = 'out="$OUT/node-$RESILIENT_NODE_ID"\nprintf "%s\\n" "$RESILIENT_NODE_ID" "$@" > "$out"\n'
+    _stub(bin_dir, "resilient-train", record)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path)}
+
+
+def _recorded(tmp_path: Path, node: str) -> tuple[str, list[str]]:
+    node_id, *argv = (tmp_path / f"node-{node}").read_text().splitlines()
+    return node_id, argv
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_sbatch_script_parses_and_starts_one_launcher_per_node(tmp_path: Path) -> None:
+    script = slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2))
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True).returncode == 0
+    directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    for wanted in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--requeue", "--job-name=omni"):
+        assert f"#SBATCH {wanted}" in directives, directives
+    assert "/dev/shm" in script and "32Gi" in script  # the note and the per-node check
+    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    for node in ("0", "1"):
+        node_id, argv = _recorded(tmp_path, node)
+        assert node_id == node  # RESILIENT_NODE_ID from SLURM_NODEID
+        assert _flag(argv, "--node-rank") == node and _flag(argv, "--nnodes") == "2"
+        assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # the allocation's first node
+        assert _flag(argv, "--rdzv-id") == "4242-1"  # new for each requeue of the job
+        assert _flag(argv, "--nproc-per-node") == "4" and _flag(argv, "--max-restarts") == "3"
+        assert argv[-2:] == ["--config", "r.toml"]
+
+
+def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
+    spec = EmitSpec(**{**SPEC, "gpus_per_node": 0}, min_nodes=2, max_nodes=4)
+    script = slurm_script(spec)
+    assert "#SBATCH --nodes=2-4" in script and "--gpus-per-node" not in script
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    _, argv = _recorded(tmp_path, "1")
+    assert _flag(argv, "--nnodes") == "2:4" and "--node-rank" not in argv  # elastic: ranked at rendezvous
+    assert _flag(argv, "--rdzv-id") == "7-0"
+
+
+def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: Path) -> None:
+    spec = EmitSpec(**{**SPEC, "gpus_per_node": 8, "nproc_per_node": 8}, replica_groups=4, nproc_per_group=4)
+    script = slurm_script(spec)
+    assert "lighthouse lives on the allocation's first node" in script
+    assert "--kill-on-bad-exit=0" in script  # a node's groups may die; the others train on
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
+    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    for node in ("0", "1"):
+        _, argv = _recorded(tmp_path, node)
+        assert (_flag(argv, "--replica-groups"), _flag(argv, "--nproc-per-group")) == ("4", "4")
+        assert (_flag(argv, "--nnodes"), _flag(argv, "--node-rank")) == ("2", node)
+        assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # node 0 starts the lighthouse there
+        assert "--rdzv-id" not in argv and "--nproc-per-node" not in argv  # each group meets on its node
+    with pytest.raises(ConfigError, match="--replica-groups 3 over --nnodes 2"):
+        EmitSpec(**SPEC, replica_groups=3, nproc_per_group=4)
+    with pytest.raises(ConfigError, match="--replica-groups 4 over --nnodes 2:4"):
+        EmitSpec(**SPEC, replica_groups=4, nproc_per_group=4, min_nodes=2, max_nodes=4)
+
+
+def test_cli_emits_replica_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--emit", "k8s", "--config", TINY, "--replica-groups", "4", "--nproc-per-group", "4", "--nnodes", "2"]
+    assert main([*argv, "--set", "data.global_rows=24"]) == 0
+    container = _container(yaml.safe_load(capsys.readouterr().out))
+    command = shlex.split(container["args"][0].splitlines()[-1].removeprefix("exec "))
+    assert _flag(command, "--rdzv-endpoint") == "resilient-node-0-0.resilient:29400"
+    assert (_flag(command, "--replica-groups"), _flag(command, "--node-rank")) == ("4", "$JOB_COMPLETION_INDEX")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8  # 2 groups x 4 ranks on each node
+    assert "replica.enabled=true" not in command  # the launcher adds the replica keys itself
+
+
+def _container(manifest: dict) -> dict:
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return {"pod": pod, **container}
+
+
+def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, min_nodes=3, max_nodes=3, image="reg/omni:7")))
+    assert (manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]) == (
+        "jobset.x-k8s.io/v1alpha2",
+        "JobSet",
+        "omni",
+    )
+    assert manifest["spec"]["network"]["enableDNSHostnames"] is True
+    assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert (job["parallelism"], job["completions"], job["completionMode"]) == (3, 3, "Indexed")
+    container = _container(manifest)
+    pod = container["pod"]
+    assert pod["restartPolicy"] == "OnFailure"
+    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}]
+    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert container["image"] == "reg/omni:7" and container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["ports"] == [{"containerPort": 29400}]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RDZV_ID"]["value"] == "omni-$(RESTART_ATTEMPT)"  # new for each JobSet restart
+    restart = env["RESTART_ATTEMPT"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert restart == "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
+    # What pod 2 runs: the container's script with a stub resilient-train.
+    assert container["command"] == ["bash", "-c"]
+    run_env = {**_stubs(tmp_path), "JOB_COMPLETION_INDEX": "2", "RDZV_ID": "omni-0"}
+    run_env["RESILIENT_NODE_ID"] = "omni-node-0-2"  # as an operator may pin it; else the hostname
+    done = subprocess.run(["bash", "-c", *container["args"]], env=run_env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    node_id, argv = _recorded(tmp_path, "omni-node-0-2")
+    assert node_id == "omni-node-0-2"
+    assert _flag(argv, "--rdzv-endpoint") == "omni-node-0-0.omni:29400"  # pod 0's stable DNS name
+    assert (_flag(argv, "--node-rank"), _flag(argv, "--rdzv-id"), _flag(argv, "--nnodes")) == ("2", "omni-0", "3")
+    assert _flag(argv, "--nproc-per-node") == "4" and argv[-2:] == ["--config", "r.toml"]
+
+
+def test_k8s_node_identity_defaults_to_the_pod_hostname(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**{**SPEC, "gpus_per_node": 0})))
+    container = _container(manifest)
+    assert "resources" not in container  # a CPU recipe requests no GPU
+    env = {k: v for k, v in _stubs(tmp_path).items() if k != "RESILIENT_NODE_ID"}
+    env.update(JOB_COMPLETION_INDEX="0", RDZV_ID="omni-0")
+    done = subprocess.run(["bash", "-c", *container["args"]], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    hostname = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    assert _recorded(tmp_path, hostname)[0] == hostname
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"job_name": "Omni_Run"}, "--job-name 'Omni_Run'"),
+        ({"shm_size": "64G"}, "--shm-size '64G'"),
+        ({"rdzv_port": 0}, "--rdzv-port 0"),
+        ({"gpus_per_node": -1}, "--gpus-per-node -1"),
+    ],
+)
+def test_emit_spec_rejects_bad_values_naming_the_flag(change: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        EmitSpec(**{**SPEC, **change})
+
+
+def test_cli_emits_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    # tiny.toml: dp_shard 2 x tp 2 = 4 ranks, split over the default 2 nodes; device auto: GPUs.
+    assert main(["--emit", "k8s", "--config", TINY, "--set", "run.steps=20", "--image", "i:1"]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    container = _container(manifest)
+    command = container["args"][0].splitlines()[-1]
+    argv = shlex.split(command.removeprefix("exec "))
+    assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--nproc-per-node") == "2"
+    assert argv[-4:] == ["--config", TINY, "--set", "run.steps=20"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert main(["--emit", "slurm", "--config", TINY, "--nnodes", "4", "--set", "parallel.dp_shard=4"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=4" in script and "--nproc-per-node 2" in script
+
+
+def _one_line_exit_2(argv: list[str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "resilient.tools.train", *argv], cwd=REPO, capture_output=True, text=True, timeout=50
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    return lines[0]
+
+
+EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--emit", "slurm"], "resilient-train: error: --emit takes --config RECIPE"),
+        (["--emit", "k8s", "--config", TINY, "--node-rank", "1"], "error: --emit writes --node-rank for each node"),
+        (["--emit", "k8s", "--config", TINY, "--rdzv-id", "x"], "error: --emit writes --rdzv-id"),
+        (["--emit", "slurm", "--config", TINY, "--nnodes", "2:x"], "error: --nnodes '2:x' must be N or MIN:MAX"),
+        (["--emit", "mpi", "--config", TINY], "argument --emit: invalid choice: 'mpi'"),
+        (["--emit", "slurm", "--config", TINY, "--nnodes", "3"], "error: parallel.dp_shard x parallel.tp = 4 ranks"),
+        (["--emit", "k8s", "--config", TINY, "--nproc-per-node", "4"], "error: --nnodes 2 x --nproc-per-node 4 = 8"),
+        (["--emit", "k8s", "--config", TINY, "--shm-size", "1GB"], "error: --shm-size '1GB'"),
+        ([*EMIT_GROUPS, "--nproc-per-group", "2"], "error: --nproc-per-group 2 but parallel.dp_shard x tp = 4 ranks"),
+        ([*EMIT_GROUPS, "--nproc-per-group", "4", "--nproc-per-node", "8"], "not --nproc-per-node"),
+    ],
+)
+def test_bad_emit_flags_are_one_line_exit_2(argv: list[str], says: str) -> None:
+    assert says in _one_line_exit_2(argv)

@@ -1,0 +1,317 @@
+"""trainer/multinode.py and the multi-node flags of ``resilient-train``: bad combinations are one
+line and exit 2 before anything starts; the torchrun command joins a c10d rendezvous; and two
+launchers on this machine (``--nnodes 2``, distinct ``RESILIENT_NODE_ID``) train one job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient import Checkpointer
+from resilient.dist import free_port
+from resilient.errors import ConfigError
+from resilient.tools.train import main, parse_args
+from resilient.trainer.launch import ReplicaLaunch, torchrun_command
+from resilient.trainer.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
+from resilient.trainer.quiet import error_path
+from tests.procs import communicate_or_fail, kill_tree
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+JOIN = ["--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7"]
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_multinode_torchrun_command_joins_a_c10d_rendezvous() -> None:
+    args = parse_args(["--nnodes", "2", "--node-rank", "1", *JOIN, "--config", TINY])
+    args.nproc = 2  # what run_one_group puts there: ranks on this node
+    command = torchrun_command(args)
+    assert "--standalone" not in command and "--node-rank" not in command  # c10d ranks the nodes itself
+    assert (_flag(command, "--nnodes"), _flag(command, "--rdzv-backend")) == ("2", "c10d")
+    assert (_flag(command, "--rdzv-endpoint"), _flag(command, "--rdzv-id")) == ("node0:29400", "job7")
+    assert _flag(command, "--rdzv-conf") == "is_host=0"  # node 0 hosts the store, not whoever binds first
+    node0 = parse_args(["--nnodes", "2", "--node-rank", "0", *JOIN])
+    node0.nproc = 2
+    assert _flag(torchrun_command(node0), "--rdzv-conf") == "is_host=1"
+    assert _flag(command, "--nproc-per-node") == "2" and _flag(command, "--max-restarts") == "3"
+    assert command[command.index("-m", 3) :] == ["-m", "resilient.trainer", "--config", TINY]
+    env = rendezvous_of(args).env()
+    assert env["NODE_RANK"] == "1" and sorted(env) == ["NODE_RANK", "RESILIENT_LAUNCH_ID"]
+    elastic = parse_args(["--nnodes", "1:4", *JOIN, "--max-restarts", "7"])
+    elastic.nproc = 1
+    command = torchrun_command(elastic)
+    assert (_flag(command, "--nnodes"), _flag(command, "--max-restarts")) == ("1:4", "7")
+    assert "--rdzv-conf" not in command  # no node rank: torchrun finds the host from HOST
+    assert sorted(rendezvous_of(elastic).env()) == ["RESILIENT_LAUNCH_ID"]
+    assert parse_args(["--nproc-per-node", "4"]).nnodes is None  # one node: the same as --nproc 4
+
+
+def test_a_rerun_with_the_same_rdzv_id_is_not_silenced_by_the_last_ones_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The one-error-line claim is keyed by torchrun's run id, here the operator's --rdzv-id.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.delenv("RESILIENT_LAUNCH_ID", raising=False)
+    assert error_path(str(tmp_path)).endswith("error-job7")  # one node, standalone: as before
+    first, second = (Rendezvous(min_nodes=2, max_nodes=2, endpoint="h:1", rdzv_id="job7", launch_id=i) for i in "ab")
+    monkeypatch.setenv("RESILIENT_LAUNCH_ID", first.env()["RESILIENT_LAUNCH_ID"])
+    claimed = error_path(str(tmp_path))
+    monkeypatch.setenv("RESILIENT_LAUNCH_ID", second.env()["RESILIENT_LAUNCH_ID"])
+    assert (claimed, error_path(str(tmp_path))) == (
+        os.path.join(str(tmp_path), "logs", "error-job7-a"),
+        os.path.join(str(tmp_path), "logs", "error-job7-b"),
+    )
+
+
+def test_nnodes_and_ranks_per_node() -> None:
+    assert (parse_nnodes("3"), parse_nnodes("2:8")) == ((3, 3), (2, 8))
+    for bad in ("0", "4:2", "a", "1:2:3", "-1", ""):
+        with pytest.raises(ConfigError, match="--nnodes"):
+            parse_nnodes(bad)
+    assert split_ranks(8, 2, None, None) == 4 and split_ranks(8, 4, 2, 8) == 2
+    with pytest.raises(ConfigError, match="do not split evenly over 3 nodes"):
+        split_ranks(8, 3, None, None)
+    with pytest.raises(ConfigError, match="--nnodes 2 x --nproc-per-node 2 = 4 ranks"):
+        split_ranks(8, 2, 2, None)
+    with pytest.raises(ConfigError, match="--nproc 6"):
+        split_ranks(8, 2, None, 6)
+    with pytest.raises(ConfigError, match="--node-rank 2 must be in"):
+        Rendezvous(min_nodes=2, max_nodes=2, endpoint="h:1", rdzv_id="x", node_rank=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--node-rank", "0"], "--node-rank takes --nnodes N (or MIN:MAX) as well"),
+        (["--rdzv-endpoint", "h:1"], "--rdzv-endpoint takes --nnodes"),
+        (["--rdzv-id", "x"], "--rdzv-id takes --nnodes"),
+        (["--nproc", "2", "--nproc-per-node", "2"], "on one node --nproc and --nproc-per-node are the same"),
+        (["--nnodes", "2"], "--nnodes 2 takes --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:29400"], "--nnodes 2 takes --rdzv-id ID"),
+        (["--nnodes", "0", *JOIN], "--nnodes 0: need 1 <= MIN <= MAX"),
+        (["--nnodes", "4:2", *JOIN], "--nnodes 4:2: need 1 <= MIN <= MAX"),
+        (["--nnodes", "two", *JOIN], "--nnodes 'two' must be N or MIN:MAX"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h", "--rdzv-id", "x"], "--rdzv-endpoint 'h' must be HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:70000", "--rdzv-id", "x"], "port in 1..65535"),
+        (["--nnodes", "2", "--node-rank", "2", *JOIN], "--node-rank 2 must be in [0, 2) for --nnodes 2"),
+        (["--nnodes", "2:4", "--node-rank", "0", *JOIN], "elastic --nnodes 2:4 ranks the nodes at each rendezvous"),
+    ],
+)
+def test_bad_flag_combinations_are_one_line_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("resilient-train: error: ") and says in lines[0], lines[0]
+
+
+GROUPS = ["--replica-groups", "2", "--nproc-per-group", "1"]
+LIGHTHOUSE_AT = ["--rdzv-endpoint", "node0:29510"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([*GROUPS, "--nnodes", "1:2", "--node-rank", "0", *LIGHTHOUSE_AT], "takes a fixed --nnodes N, not 1:2"),
+        ([*GROUPS, "--nnodes", "3", "--node-rank", "0", *LIGHTHOUSE_AT], "--nnodes 3 but --replica-groups 2"),
+        ([*GROUPS, "--nnodes", "2", *LIGHTHOUSE_AT], "takes --node-rank R: node R runs groups R, R+2, ..."),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "2", *LIGHTHOUSE_AT], "--node-rank 2 must be in [0, 2)"),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "1", *JOIN], "--replica-groups takes no --rdzv-id"),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "1"], "take --rdzv-endpoint HOST:PORT (node 0 starts a lighthouse)"),
+        ([*GROUPS, "--nnodes", "2", "--node-rank", "1", *LIGHTHOUSE_AT, "--lighthouse", "http://h:1"], "not both"),
+    ],
+)
+def test_bad_replica_group_node_flags_are_one_line_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+def test_replica_groups_spread_over_nodes() -> None:
+    def launch(nnodes: int, node_rank: int, **kwargs: object) -> ReplicaLaunch:
+        values = {"groups": 5, "nproc_per_group": 1, "run_dir": "r", "trainer_args": [], **kwargs}
+        return ReplicaLaunch(nnodes=nnodes, node_rank=node_rank, **values)
+
+    assert [launch(2, rank).groups_here() for rank in (0, 1)] == [[0, 2, 4], [1, 3]]
+    assert launch(1, 0).groups_here() == [0, 1, 2, 3, 4]  # one machine: all of them, as before
+    with pytest.raises(ConfigError, match="--nnodes=6 is out of range"):
+        launch(6, 0)
+    with pytest.raises(ConfigError, match="--node-rank=2 is out of range"):
+        launch(2, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--nnodes", "3", *JOIN], "4 ranks do not split evenly over 3 nodes"),
+        (["--nnodes", "2", *JOIN, "--nproc-per-node", "4"], "--nnodes 2 x --nproc-per-node 4 = 8 ranks"),
+        (["--nnodes", "2", *JOIN, "--nproc", "8"], "--nproc 8 but parallel.dp_shard x tp = 4 ranks"),
+    ],
+)
+def test_recipe_that_does_not_fit_the_nodes_is_one_line_exit_2(
+    tmp_path: Path, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([*argv, "--config", TINY, "--set", f"run.dir={tmp_path / 'run'}"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def _node(rank: int, port: int, tmp_path: Path, *sets: str, hooks: tuple[str, ...] = ()) -> subprocess.Popen:
+    """One launcher of a two-node job of one rank per node; its output goes to ``node<rank>.log``
+    (files, not pipes: a launcher blocked on a full pipe would stall its peer in a collective)."""
+    command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
+    command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    command += ["--rdzv-id", f"two-nodes-{port}"]
+    keys = [
+        "parallel.dp_shard=2",
+        "parallel.tp=1",
+        f"run.dir={tmp_path / 'run'}",
+        f"checkpoint.url={tmp_path / 'ckpt'}",
+    ]
+    for key in [*keys, f"run.step_hooks={json.dumps([NODE_HOOK, *hooks])}", *sets]:
+        command += ["--set", key]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{'ab'[rank]}"}
+    env.pop("NODE_RANK", None)
+    env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # read by PACE only
+    with open(tmp_path / f"node{rank}.log", "a") as log:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_nodes(nodes: list[subprocess.Popen], tmp_path: Path, timeout_s: float) -> None:
+    try:
+        for rank, proc in enumerate(nodes):
+            communicate_or_fail(proc, timeout_s, f"node {rank}")
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    for rank, proc in enumerate(nodes):
+        assert proc.returncode == 0, (tmp_path / f"node{rank}.log").read_text()[-4000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) -> None:
+    # ~20 s here: two resilient-train processes, one rank each, one c10d rendezvous on 127.0.0.1.
+    port = free_port()
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    _wait_nodes([_node(rank, port, tmp_path, "run.steps=4") for rank in (0, 1)], tmp_path, 120)
+    assert Checkpointer(str(ckpt)).steps() == [4]  # persist_every 4 in tiny.toml
+    seen = [json.loads((run_dir / f"node-group0-rank{rank}.json").read_text()) for rank in (0, 1)]
+    # One rank per launcher, each told the node it runs on; together one world of two.
+    assert {s["RESILIENT_NODE_ID"] for s in seen} == {"host-a", "host-b"}
+    for s in seen:
+        assert s["NODE_RANK"] == str("ab".index(s["RESILIENT_NODE_ID"][-1]))  # from --node-rank
+        assert (s["LOCAL_WORLD_SIZE"], s["WORLD_SIZE"], s["TORCHELASTIC_RUN_ID"]) == ("1", "2", f"two-nodes-{port}")
+    assert sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"]
+    metrics = (run_dir / "group0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
+
+
+def _group_node(rank: int, port: int, tmp_path: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY, *GROUPS]
+    command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    for key in ("parallel.dp_shard=1", "parallel.tp=1", "run.steps=16", f"run.dir={tmp_path / 'run'}"):
+        command += ["--set", key]
+    hooks = json.dumps([PACE, NODE_HOOK])
+    command += ["--set", f"checkpoint.url={tmp_path / 'ckpt'}", "--set", f"run.step_hooks={hooks}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{rank}"}
+    env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # the groups' steps overlap: they meet in one quorum
+    with open(tmp_path / f"node{rank}.log", "a") as log:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+PACE = "tests.recovery.ram_hooks:pace"
+NODE_HOOK = "tests.trainer.node_hooks:record_node"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_replica_groups_on_two_launchers_share_node_0s_lighthouse(tmp_path: Path) -> None:
+    # ~40 s here. One run directory for both "nodes", as on a shared file system.
+    port = free_port()
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    nodes = [_group_node(0, port, tmp_path)]
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "lighthouse_started" for e in _events(run_dir)):
+            assert nodes[0].poll() is None and time.monotonic() < deadline, "node 0 started no lighthouse"
+            time.sleep(0.1)
+        nodes.append(_group_node(1, port, tmp_path))
+    except BaseException:
+        kill_tree(nodes[0])
+        raise
+    _wait_nodes(nodes, tmp_path, 150)
+    events = _events(run_dir)
+    (lighthouse,) = [e for e in events if e["event"] == "lighthouse_started"]  # node 0's only
+    assert lighthouse["url"] == f"http://127.0.0.1:{port}"
+    assert sorted(e["group"] for e in events if e["event"] == "group_started") == [0, 1]
+    assert {(e["group"], e["step"]) for e in events if e["event"] == "done"} == {(0, 16), (1, 16)}
+    together = [e for e in events if e["event"] == "step" and e["committed"] and e["participants"] == 2]
+    assert {e["group"] for e in together} == {0, 1}, [e for e in events if e["event"] == "step"][:4]
+    assert Checkpointer(str(ckpt)).steps()[-1] == 16
+    for group in (0, 1):  # group g ran on node g % 2, told so
+        seen = json.loads((run_dir / f"node-group{group}-rank0.json").read_text())
+        assert (seen["RESILIENT_NODE_ID"], seen["NODE_RANK"], seen["WORLD_SIZE"]) == (f"host-{group}", str(group), "1")
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "group0" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_node_killed_with_its_launcher_rejoins_and_the_job_resumes(tmp_path: Path) -> None:
+    # ~60-90 s here. Node 1's whole process tree (launcher, torchrun, worker) is SIGKILLed mid-run;
+    # node 0's torchrun restarts its worker into a new rendezvous round, which the relaunched node 1
+    # joins (same --rdzv-id); both resume from the newest step every rank has, and finish.
+    port = free_port()
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    sets = ("run.steps=14", "checkpoint.memory_every=2", f"recovery.store_dir={tmp_path / 'shm'}")
+    nodes = [_node(rank, port, tmp_path, *sets, hooks=(PACE,)) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 150
+        while _steps_done(run_dir) < 6:
+            assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "no step 6"
+            time.sleep(0.1)
+        kill_tree(nodes[1])
+        nodes[1].wait(timeout=30)
+        killed_after = _steps_done(run_dir)
+        nodes[1] = _node(1, port, tmp_path, *sets, hooks=(PACE,))
+    except BaseException:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+        raise
+    _wait_nodes(nodes, tmp_path, 200)
+    assert killed_after < 14 and Checkpointer(str(ckpt)).steps()[-1] == 14
+    restores = [e for e in _events(run_dir) if e["event"] == "restore"]
+    first, resumed = restores[:2], restores[2:]
+    assert {(e["rank"], e["source"]) for e in first} == {(0, "fresh"), (1, "fresh")}
+    # One decision for every rank: the same step, at most 2 steps (memory_every) before the kill.
+    assert len(resumed) == 2 and len({e["step"] for e in resumed}) == 1, resumed
+    assert killed_after - 2 <= resumed[0]["step"] <= killed_after, (killed_after, resumed)
+    assert {e["source"] for e in resumed} <= {"own", "buddy", "persistent"}, resumed

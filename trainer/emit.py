@@ -1,0 +1,287 @@
+"""``resilient-train --emit slurm|k8s``: the files that run one recipe across N nodes.
+
+Both start one ``resilient-train`` per node with the multi-node rendezvous flags
+(``resilient.trainer.multinode``): the rendezvous store on the first node, node identity for the RAM
+tier (``RESILIENT_NODE_ID``), ``/dev/shm`` big enough for the RAM tier's snapshots, and a restart
+policy. Plain text built by small functions: every line of the output is visible here.
+
+Kubernetes: a JobSet (``jobset.x-k8s.io``), not Kubeflow's PyTorchJob. JobSet is the Kubernetes
+SIG Apps API for multi-node training, what Kubeflow Trainer v2 (TrainJob) and Kueue's multi-node
+admission build on, and needs no framework operator: it gives indexed pods with stable DNS names
+(rendezvous address, node rank, node identity) and a whole-set restart policy, and leaves process
+launching to us. A PyTorchJob (Kubeflow training-operator v1, superseded by Trainer v2) would inject
+its own torchrun environment (``PET_*``, ``MASTER_ADDR``) around a launcher that already does the
+rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from resilient.errors import ConfigError
+from resilient.trainer.multinode import parse_nnodes
+
+EMIT_KINDS = ("slurm", "k8s")
+DEFAULT_IMAGE = "ghcr.io/your-org/resilient:latest"
+DEFAULT_SHM = "64Gi"
+DEFAULT_RDZV_PORT = 29400
+SHM_SIZE = re.compile(r"^([1-9][0-9]*)(Ki|Mi|Gi|Ti)$")
+JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+"""A DNS label short enough for the pod hostnames JobSet derives from it (``<name>-node-0-<i>``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EmitSpec:
+    """One recipe on N nodes: what both generators need."""
+
+    job_name: str = "resilient"
+    min_nodes: int = 2
+    max_nodes: int = 2
+    nproc_per_node: int = 1
+    gpus_per_node: int = 0
+    """GPUs to request per node; 0 for a CPU recipe (no GPU request)."""
+    image: str = DEFAULT_IMAGE
+    shm_size: str = DEFAULT_SHM
+    """Kubernetes quantity (``64Gi``): the RAM tier's ``/dev/shm`` per node."""
+    rdzv_port: int = DEFAULT_RDZV_PORT
+    max_restarts: int = 3
+    trainer_args: list[str] = field(default_factory=list)
+    """``--config`` / ``--set`` arguments every node passes on to its ranks."""
+    replica_groups: int = 0
+    """0: one group across all nodes. G: G torchft replica groups, G / nodes on each node, meeting at
+    the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.multinode``)."""
+    nproc_per_group: int = 0
+
+    def __post_init__(self) -> None:
+        if not JOB_NAME.match(self.job_name):
+            raise ConfigError(
+                f"--job-name {self.job_name!r} must be a lowercase DNS label of at most 40 characters "
+                "(letters, digits, '-'; starting with a letter): Kubernetes builds pod hostnames from it"
+            )
+        if not SHM_SIZE.match(self.shm_size):
+            raise ConfigError(f"--shm-size {self.shm_size!r} must be a number with Ki, Mi, Gi or Ti, e.g. 64Gi")
+        if not 1 <= self.rdzv_port <= 65535:
+            raise ConfigError(f"--rdzv-port {self.rdzv_port} must be in 1..65535")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node} must be >= 0 (0: a CPU recipe)")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0")
+        if self.replica_groups and (self.elastic or self.replica_groups % self.max_nodes):
+            raise ConfigError(
+                f"--replica-groups {self.replica_groups} over --nnodes {self.nnodes}: the emitted nodes are alike, "
+                "so give a fixed node count that divides the groups"
+            )
+
+    @property
+    def nnodes(self) -> str:
+        return str(self.max_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+
+def emit_flag_error(args: argparse.Namespace) -> str | None:
+    """The first flag that does not fit ``--emit`` (one line), None when they all do."""
+    if args.config is None:
+        return "--emit takes --config RECIPE (a path the nodes can read): the job runs that recipe"
+    for flag, value in (
+        ("--node-rank", args.node_rank),
+        ("--rdzv-endpoint", args.rdzv_endpoint),
+        ("--rdzv-id", args.rdzv_id),
+    ):
+        if value is not None:
+            return f"--emit writes {flag} for each node itself: drop {flag}"
+    if args.replica_groups is not None and args.nproc_per_node is not None:
+        return "--replica-groups takes --nproc-per-group N (ranks per group), not --nproc-per-node"
+    if args.nnodes is not None:
+        try:
+            parse_nnodes(args.nnodes)
+        except ConfigError as e:
+            return str(e)
+    return None
+
+
+def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str) -> str:
+    """The ``resilient-train`` line one node runs; the three strings are shell words (``"$VAR"``)."""
+    if spec.replica_groups:  # each group rendezvous on its own node: no --rdzv-id
+        words = ["resilient-train", "--replica-groups", str(spec.replica_groups)]
+        words += ["--nproc-per-group", str(spec.nproc_per_group), "--nnodes", spec.nnodes]
+        flags = ["--node-rank", node_rank, "--rdzv-endpoint", endpoint]
+    else:
+        words = ["resilient-train", "--nnodes", spec.nnodes, "--nproc-per-node", str(spec.nproc_per_node)]
+        flags = ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+        flags += [] if spec.elastic else ["--node-rank", node_rank]
+    tail = ["--max-restarts", str(spec.max_restarts), *spec.trainer_args]
+    return " ".join([*(shlex.quote(w) for w in words), *flags, *(shlex.quote(w) for w in tail)])
+
+
+# -- SLURM -----------------------------------------------------------------------------------
+
+
+def _kibibytes(quantity: str) -> int:
+    number, unit = SHM_SIZE.match(quantity).groups()
+    return int(number) * {"Ki": 1, "Mi": 1 << 10, "Gi": 1 << 20, "Ti": 1 << 30}[unit]
+
+
+def _slurm_header(spec: EmitSpec) -> list[str]:
+    nodes = str(spec.max_nodes) if not spec.elastic else f"{spec.min_nodes}-{spec.max_nodes}"
+    lines = [
+        "#!/bin/bash",
+        f"# resilient: one recipe on {spec.nnodes} nodes x {spec.nproc_per_node} ranks (resilient-train --emit slurm).",
+        "# Submit with: sbatch THIS_FILE",
+        f"#SBATCH --job-name={spec.job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",  # one launcher per node; it starts the node's ranks
+    ]
+    if spec.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    return lines + [
+        "#SBATCH --exclusive",
+        # Restart policy: a worker that fails is restarted by its node's torchrun (--max-restarts);
+        # a lost node makes SLURM requeue the job (same job id, SLURM_RESTART_COUNT + 1), which
+        # resumes from the newest step every rank has (RAM tier on surviving nodes, else storage).
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --output=%x-%j.out",
+        "",
+        "set -euo pipefail",
+    ]
+
+
+def _slurm_node_script(spec: EmitSpec) -> str:
+    need = _kibibytes(spec.shm_size)
+    command = node_command(spec, '"$SLURM_NODEID"', '"$RDZV_ENDPOINT"', '"$RDZV_ID"')
+    return "\n".join(
+        [
+            # SLURM_NODEID: this node's index in the allocation, the same for the whole job.
+            'export RESILIENT_NODE_ID="${RESILIENT_NODE_ID:-$SLURM_NODEID}"',
+            'shm_kib=$(df -P -k /dev/shm | tail -n 1 | tr -s " " | cut -d " " -f 2)',
+            f'if [ "$shm_kib" -lt {need} ]; then',
+            f'  echo "warning: /dev/shm on $(hostname) has $shm_kib KiB, the RAM tier wants {spec.shm_size}" >&2',
+            "fi",
+            f"exec {command}",
+        ]
+    )
+
+
+def slurm_script(spec: EmitSpec) -> str:
+    """An sbatch script: ``srun`` starts one ``resilient-train`` per node, all meeting on the first."""
+    lines = _slurm_header(spec) + [
+        "",
+        f"# The {_meeting_point(spec)} lives on the allocation's first node.",
+        # sed, not head: head would exit early and pipefail would fail on the writer's SIGPIPE.
+        'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        f'export RDZV_ENDPOINT="$RDZV_HOST:{spec.rdzv_port}"',
+        "# The same on every node, new for each (re)queued run of the job.",
+        'export RDZV_ID="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+        "",
+        "# The RAM tier keeps its snapshots in /dev/shm, a tmpfs SLURM does not size: it is the node's",
+        "# (by default half its RAM) and counts against the job's memory. Each node warns if its",
+        f"# /dev/shm is smaller than --shm-size {spec.shm_size}; set recovery.store_dir to use another tmpfs.",
+        # kill-on-bad-exit: a node whose launcher gave up must not leave the others waiting in a
+        # rendezvous that can no longer complete.
+        # Replica groups: 0, the other nodes' groups train on without the lost ones.
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit={0 if spec.replica_groups else 1} "
+        f"bash -c {shlex.quote(_slurm_node_script(spec))}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _meeting_point(spec: EmitSpec) -> str:
+    return "job's torchft lighthouse" if spec.replica_groups else "c10d rendezvous store"
+
+
+# -- Kubernetes (JobSet) ---------------------------------------------------------------------
+
+
+def _q(value: str) -> str:
+    """A YAML double-quoted scalar (JSON strings are valid YAML)."""
+    return json.dumps(value)
+
+
+def _k8s_container(spec: EmitSpec, endpoint: str) -> list[str]:
+    command = node_command(spec, '"$JOB_COMPLETION_INDEX"', f'"{endpoint}"', '"$RDZV_ID"')
+    lines = [
+        "            containers:",
+        "            - name: trainer",
+        f"              image: {_q(spec.image)}",
+        '              command: ["bash", "-c"]',
+        "              args:",
+        "              - |",
+        # The pod's hostname <name>-node-0-<i>: the stable part of its name, kept by a replacement pod.
+        '                export RESILIENT_NODE_ID="${RESILIENT_NODE_ID:-$(hostname)}"',
+        f"                exec {command}",
+        "              ports:",
+        f"              - containerPort: {spec.rdzv_port}",
+        "              env:",
+        "              # JOB_COMPLETION_INDEX (the node rank) is set by the Indexed Job itself.",
+        "              - name: RESTART_ATTEMPT",
+        "                valueFrom:",
+        "                  fieldRef:",
+        "                    fieldPath: metadata.annotations['jobset.sigs.k8s.io/restart-attempt']",
+        "              - name: RDZV_ID",
+        f"                value: {_q(spec.job_name + '-$(RESTART_ATTEMPT)')}",
+        "              - name: PYTHONUNBUFFERED",
+        '                value: "1"',
+        "              volumeMounts:",
+        "              - name: dshm",
+        "                mountPath: /dev/shm",
+    ]
+    if spec.gpus_per_node:
+        lines += [
+            "              resources:",
+            "                limits:",
+            f"                  nvidia.com/gpu: {spec.gpus_per_node}",
+        ]
+    return lines
+
+
+def k8s_manifest(spec: EmitSpec) -> str:
+    """A JobSet of one Indexed Job with N pods, one ``resilient-train`` each, meeting on pod 0."""
+    name = spec.job_name
+    endpoint = f"{name}-node-0-0.{name}:{spec.rdzv_port}"
+    lines = [
+        f"# resilient: one recipe on {spec.nnodes} nodes x {spec.nproc_per_node} ranks (resilient-train --emit k8s).",
+        "# A JobSet (https://jobset.sigs.k8s.io): kubectl apply -f THIS_FILE once the JobSet controller runs.",
+        "apiVersion: jobset.x-k8s.io/v1alpha2",
+        "kind: JobSet",
+        "metadata:",
+        f"  name: {name}",
+        "spec:",
+        "  # A Job that fails for good (a pod lost with its node, backoffLimit spent) restarts the whole",
+        "  # set: new pods, RESTART_ATTEMPT + 1, a new rendezvous, resume from the newest common step.",
+        "  failurePolicy:",
+        f"    maxRestarts: {spec.max_restarts}",
+        "  network:",
+        f"    # Stable pod DNS names <name>-node-0-<i>.<name>: pod 0 hosts the {_meeting_point(spec)}.",
+        "    enableDNSHostnames: true",
+        "  replicatedJobs:",
+        "  - name: node",
+        "    replicas: 1",
+        "    template:",
+        "      spec:",
+        f"        parallelism: {spec.max_nodes}",
+        f"        completions: {spec.max_nodes}",
+        "        completionMode: Indexed",
+        f"        backoffLimit: {spec.max_restarts}",
+        "        template:",
+        "          spec:",
+        "            # A crashed launcher restarts in the same pod: its memory-backed /dev/shm, and with",
+        "            # it the RAM tier's snapshots, survives a container restart (not a new pod).",
+        "            restartPolicy: OnFailure",
+        *_k8s_container(spec, endpoint),
+        "            volumes:",
+        "            - name: dshm",
+        "              # RAM tier snapshots; counts against the pod's memory: leave room for it.",
+        "              emptyDir:",
+        "                medium: Memory",
+        f"                sizeLimit: {spec.shm_size}",
+        "",
+    ]
+    return "\n".join(lines)
