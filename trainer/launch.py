@@ -229,17 +229,24 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
 
 
 def start_lighthouse(
-    port: int, log: IO[str], *, join_timeout_ms: int, heartbeat_timeout_ms: int, bind: str = "127.0.0.1"
+    port: int,
+    log: IO[str],
+    *,
+    join_timeout_ms: int,
+    heartbeat_timeout_ms: int,
+    bind: str = "127.0.0.1",
+    min_replicas: int = 1,
 ) -> subprocess.Popen:
-    """A lighthouse on bind:port, listening when this returns. ``--min_replicas 1``: a group
-    trains alone while the others are down (that is the point); the lighthouse's majority rule
-    (participants > half of the heartbeating groups) keeps two disjoint quorums from forming."""
+    """A lighthouse on bind:port, listening when this returns. ``min_replicas`` 1: a group trains
+    alone while the others are down (that is the point); the lighthouse's majority rule
+    (participants > half of the heartbeating groups) keeps two disjoint quorums from forming, as
+    long as it has heard every live group. A restarted lighthouse has not (``ReplicaJob``)."""
     command = [
         lighthouse_binary(),
         "--bind",
         f"{bind}:{port}",
         "--min_replicas",
-        "1",
+        str(min_replicas),
         "--join_timeout_ms",
         str(join_timeout_ms),
         "--heartbeat_timeout_ms",
@@ -295,6 +302,7 @@ class ReplicaJob:
         self.lighthouse_url = launch.lighthouse
         self.lighthouse_port = 0
         self.groups: dict[int, subprocess.Popen] = {}
+        self.lighthouse_min_replicas = 1
         self._logs: list[IO[str]] = []
         self.events = EventLog(self.run_dir, enabled=True)
 
@@ -339,24 +347,37 @@ class ReplicaJob:
             )
             self.events.write("group_started", group=group, pid=self.groups[group].pid)
 
-    def _start_lighthouse(self) -> None:
+    def _start_lighthouse(self, min_replicas: int = 1) -> None:
         self.lighthouse = start_lighthouse(
             self.lighthouse_port,
             self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms,
             heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
             bind="0.0.0.0" if self.launch.lighthouse_at else "127.0.0.1",  # other nodes' groups reach it
+            min_replicas=min_replicas,
         )
+        self.lighthouse_min_replicas = min_replicas
         write_pid_file(lighthouse_pid_path(self.run_dir), self.lighthouse.pid)
 
     def _supervise_lighthouse(self) -> None:
-        """Start our lighthouse again, on the same port, if it died."""
+        """Start our lighthouse again, on the same port, if it died.
+
+        A new lighthouse knows no heartbeats: the first group to ask gets a quorum of itself at
+        once (every group it has heard of joined), and a second group asking a moment later, while
+        the first trains, can get one of its own: two groups commit the same step apart and never
+        heal (seen in test_lighthouse_killed_and_restarted_no_split_brain). So when this launcher
+        runs every group, the new lighthouse needs as many replicas as there are healthy groups,
+        until one of them loses a worker (``_relax_lighthouse``)."""
         if self.lighthouse is None or self.lighthouse.poll() is None:
+            self._relax_lighthouse()
             return
         self.events.write("lighthouse_exited", pid=self.lighthouse.pid, code=_shell_code(self.lighthouse.returncode))
+        self._restart_lighthouse(len(self._healthy_groups()) if self.launch.nnodes == 1 else 1)
+
+    def _restart_lighthouse(self, min_replicas: int) -> None:
         start = time.monotonic()
         try:
-            self._start_lighthouse()
+            self._start_lighthouse(max(1, min_replicas))
         except (OSError, RuntimeError, TimeoutError) as e:
             self.events.write("lighthouse_restart_failed", error=str(e))
             return  # the dead Popen stays: tried again on the next poll
@@ -365,7 +386,35 @@ class ReplicaJob:
             url=self.lighthouse_url,
             pid=self.lighthouse.pid,
             startup_s=round(time.monotonic() - start, 2),
+            min_replicas=self.lighthouse_min_replicas,
         )
+
+    def _relax_lighthouse(self) -> None:
+        """A lighthouse that needs N groups stalls the others while one of them restarts: once a
+        group loses a worker, start it again needing one. That group cannot ask for a quorum
+        meanwhile, so the survivors alone can (no split), and by the time it rejoins, the
+        lighthouse has heard the survivors for seconds."""
+        if self.lighthouse is None or self.lighthouse_min_replicas <= 1:
+            return
+        if len(self._healthy_groups()) >= self.lighthouse_min_replicas:
+            return
+        self.events.write("lighthouse_relaxed", pid=self.lighthouse.pid, min_replicas=1)
+        _kill_group(self.lighthouse)
+        self._restart_lighthouse(1)
+
+    def _healthy_groups(self) -> list[int]:
+        """Groups whose torchrun runs and whose recorded workers are all alive."""
+        return [g for g, proc in self.groups.items() if proc.poll() is None and self._workers_alive(g)]
+
+    def _workers_alive(self, group: int) -> bool:
+        folder = pids_dir(self.run_dir)
+        prefix = f"group{group}-rank"
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.startswith(prefix) and ".tmp" not in name:
+                pid = read_pid_file(os.path.join(folder, name))
+                if pid is not None and not os.path.exists(f"/proc/{pid}"):
+                    return False
+        return True
 
     def wait(self, poll_s: float = 0.2) -> int:
         """Until every group's torchrun exits; 0 if all finished, else the first failure's code."""
