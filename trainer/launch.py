@@ -228,6 +228,11 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s (lighthouse start)")
 
 
+RELAX_AFTER_S = 2.0
+"""How long a group must have lost a worker, its torchrun still running, before a lighthouse that
+needs every group is restarted needing one (``ReplicaJob._relax_lighthouse``)."""
+
+
 def start_lighthouse(
     port: int,
     log: IO[str],
@@ -303,6 +308,7 @@ class ReplicaJob:
         self.lighthouse_port = 0
         self.groups: dict[int, subprocess.Popen] = {}
         self.lighthouse_min_replicas = 1
+        self._worker_lost_since: dict[int, float] = {}  # group -> when a worker of it was first seen dead
         self._logs: list[IO[str]] = []
         self.events = EventLog(self.run_dir, enabled=True)
 
@@ -391,12 +397,20 @@ class ReplicaJob:
 
     def _relax_lighthouse(self) -> None:
         """A lighthouse that needs N groups stalls the others while one of them restarts: once a
-        group loses a worker, start it again needing one. That group cannot ask for a quorum
-        meanwhile, so the survivors alone can (no split), and by the time it rejoins, the
-        lighthouse has heard the survivors for seconds."""
+        group has lost a worker for ``RELAX_AFTER_S`` (its torchrun still running: a restart, not
+        the run's end, when workers exit and their torchrun follows within a second), start it
+        again needing one. That group cannot ask for a quorum meanwhile, so the survivors alone
+        can (no split), and by the time it rejoins the lighthouse has heard them for seconds."""
         if self.lighthouse is None or self.lighthouse_min_replicas <= 1:
             return
-        if len(self._healthy_groups()) >= self.lighthouse_min_replicas:
+        now = time.monotonic()
+        for group in list(self._worker_lost_since):
+            if self.groups[group].poll() is not None or self._workers_alive(group):
+                del self._worker_lost_since[group]  # the group ended, or its workers are back
+        for group, proc in self.groups.items():
+            if proc.poll() is None and not self._workers_alive(group):
+                self._worker_lost_since.setdefault(group, now)
+        if not any(now - since >= RELAX_AFTER_S for since in self._worker_lost_since.values()):
             return
         self.events.write("lighthouse_relaxed", pid=self.lighthouse.pid, min_replicas=1)
         _kill_group(self.lighthouse)

@@ -11,12 +11,20 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 
 from resilient.runfiles import pid_path, write_pid_file
-from resilient.trainer.launch import ReplicaJob, ReplicaLaunch, _free_port, _kill_group, start_lighthouse
+from resilient.trainer.launch import (
+    RELAX_AFTER_S,
+    ReplicaJob,
+    ReplicaLaunch,
+    _free_port,
+    _kill_group,
+    start_lighthouse,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,8 +100,22 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
         assert [e["min_replicas"] for e in restarted] == [2]
         job._supervise_lighthouse()  # both groups healthy: nothing changes
         assert job.lighthouse_min_replicas == 2
-        workers[1].kill()  # group 1 loses its worker: the survivor must not wait for it
+        # The run's end: group 1's worker exits, then its torchrun. Not a restart: nothing changes.
+        workers[1].kill()
         workers[1].wait(timeout=10)
+        job._supervise_lighthouse()
+        groups[1].kill()
+        groups[1].wait(timeout=10)
+        time.sleep(RELAX_AFTER_S + 0.2)
+        job._supervise_lighthouse()
+        assert job.lighthouse_min_replicas == 2
+        # A restart: group 0 loses its worker and its torchrun stays to start another. The survivors
+        # must not wait for it: after RELAX_AFTER_S the lighthouse needs one group again.
+        workers[0].kill()
+        workers[0].wait(timeout=10)
+        job._supervise_lighthouse()
+        assert job.lighthouse_min_replicas == 2
+        time.sleep(RELAX_AFTER_S + 0.2)
         job._supervise_lighthouse()
         assert job.lighthouse.poll() is None and job.lighthouse_min_replicas == 1
         kinds = [e["event"] for e in _events(run_dir) if e["event"].startswith("lighthouse")]
