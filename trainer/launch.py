@@ -32,11 +32,8 @@ finished the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,11 +56,9 @@ from resilient.runfiles import (
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
+from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, signal_group, start_lighthouse
 from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
 from resilient.validate import check_int
-
-LIGHTHOUSE_START_TIMEOUT_S = 60.0
-"""torchft_lighthouse is a Python console script: it imports torch before it listens (1.5-6.5 s)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,64 +203,6 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
 # -- replica groups --------------------------------------------------------------------------
 
 
-def lighthouse_binary() -> str:
-    found = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    if not os.path.exists(found):
-        raise ConfigError("torchft_lighthouse is not next to the Python interpreter nor on PATH: pip install torchft")
-    return found
-
-
-def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the lighthouse exited with {proc.returncode} before listening on {host}:{port}")
-        try:
-            socket.create_connection((host, port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s (lighthouse start)")
-
-
-RELAX_AFTER_S = 2.0
-"""How long a group must have lost a worker, its torchrun still running, before a lighthouse that
-needs every group is restarted needing one (``ReplicaJob._relax_lighthouse``)."""
-
-
-def start_lighthouse(
-    port: int,
-    log: IO[str],
-    *,
-    join_timeout_ms: int,
-    heartbeat_timeout_ms: int,
-    bind: str = "127.0.0.1",
-    min_replicas: int = 1,
-) -> subprocess.Popen:
-    """A lighthouse on bind:port, listening when this returns. ``min_replicas`` 1: a group trains
-    alone while the others are down (that is the point); the lighthouse's majority rule
-    (participants > half of the heartbeating groups) keeps two disjoint quorums from forming, as
-    long as it has heard every live group. A restarted lighthouse has not (``ReplicaJob``)."""
-    command = [
-        lighthouse_binary(),
-        "--bind",
-        f"{bind}:{port}",
-        "--min_replicas",
-        str(min_replicas),
-        "--join_timeout_ms",
-        str(join_timeout_ms),
-        "--heartbeat_timeout_ms",
-        str(heartbeat_timeout_ms),
-    ]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for_port("127.0.0.1", port, LIGHTHOUSE_START_TIMEOUT_S, proc)
-    except BaseException:
-        _kill_group(proc)
-        raise
-    return proc
-
-
 def group_command(launch: ReplicaLaunch, group: int) -> list[str]:
     command = [
         sys.executable,
@@ -278,7 +215,7 @@ def group_command(launch: ReplicaLaunch, group: int) -> list[str]:
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
+        f"127.0.0.1:{free_port()}",
         "--rdzv-id",
         f"group{group}-{launch.launch_id}",
         "--max-restarts",
@@ -321,7 +258,7 @@ class ReplicaJob:
         os.makedirs(self.log_dir, exist_ok=True)
         os.makedirs(pids_dir(self.run_dir), exist_ok=True)
         if not self.lighthouse_url:
-            host, port = ("127.0.0.1", _free_port())
+            host, port = ("127.0.0.1", free_port())
             if self.launch.lighthouse_at:
                 host, _, given = self.launch.lighthouse_at.rpartition(":")
                 port = int(given)
@@ -413,7 +350,7 @@ class ReplicaJob:
         if not any(now - since >= RELAX_AFTER_S for since in self._worker_lost_since.values()):
             return
         self.events.write("lighthouse_relaxed", pid=self.lighthouse.pid, min_replicas=1)
-        _kill_group(self.lighthouse)
+        kill_group(self.lighthouse)
         self._restart_lighthouse(1)
 
     def _healthy_groups(self) -> list[int]:
@@ -444,16 +381,16 @@ class ReplicaJob:
         """SIGTERM every torchrun, kill what is left after the grace period, then the lighthouse."""
         for proc in self.groups.values():
             if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + self.launch.grace_s
         for proc in self.groups.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
         self._kill_stray_workers()
         if self.lighthouse is not None:
-            _kill_group(self.lighthouse)
+            kill_group(self.lighthouse)
         self.events.close()
         for f in self._logs:
             f.close()
@@ -482,17 +419,6 @@ def _shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    _signal_group(proc, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
 def run_replicated(launch: ReplicaLaunch) -> int:
     """Start the job, wait for it, and stop everything on return, on error or on SIGINT/SIGTERM."""
     job = ReplicaJob(launch)
@@ -514,9 +440,3 @@ def run_replicated(launch: ReplicaLaunch) -> int:
         job.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _free_port() -> int:
-    from resilient.dist import free_port  # deferred: resilient.dist imports torch
-
-    return free_port()

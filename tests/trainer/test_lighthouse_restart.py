@@ -17,14 +17,8 @@ from datetime import timedelta
 import pytest
 
 from resilient.runfiles import pid_path, write_pid_file
-from resilient.trainer.launch import (
-    RELAX_AFTER_S,
-    ReplicaJob,
-    ReplicaLaunch,
-    _free_port,
-    _kill_group,
-    start_lighthouse,
-)
+from resilient.trainer.launch import ReplicaJob, ReplicaLaunch
+from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, start_lighthouse
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +36,7 @@ def _ask(url: str, replica: str, timeout_s: float, out: dict) -> None:
 
 def test_a_fresh_lighthouse_needing_one_replica_grants_a_lone_group_its_own_quorum(tmp_path):
     # The hazard, shown on the real binary: nobody else has heartbeated yet, so "g0" alone is a quorum.
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "lh.log", "w") as log:
         proc = start_lighthouse(port, log, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
     try:
@@ -50,11 +44,11 @@ def test_a_fresh_lighthouse_needing_one_replica_grants_a_lone_group_its_own_quor
         _ask(f"http://127.0.0.1:{port}", "g0", 10, got)
         assert got == {"g0": ["g0"]}
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 def test_a_lighthouse_needing_two_replicas_never_grants_one_alone(tmp_path):
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "lh.log", "w") as log:
         proc = start_lighthouse(port, log, join_timeout_ms=2000, heartbeat_timeout_ms=2000, min_replicas=2)
     try:
@@ -69,7 +63,7 @@ def test_a_lighthouse_needing_two_replicas_never_grants_one_alone(tmp_path):
             t.join(timeout=60)
         assert both == {"g0": ["g0", "g1"], "g1": ["g0", "g1"]}
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 def _events(run_dir) -> list[dict]:
@@ -90,10 +84,10 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
         job.groups = groups
         for g, worker in workers.items():
             write_pid_file(pid_path(run_dir, g, 0), worker.pid)
-        job.lighthouse_port = _free_port()
+        job.lighthouse_port = free_port()
         job._start_lighthouse()
         assert job.lighthouse_min_replicas == 1
-        _kill_group(job.lighthouse)  # the lighthouse dies
+        kill_group(job.lighthouse)  # the lighthouse dies
         job._supervise_lighthouse()
         assert job.lighthouse.poll() is None and job.lighthouse_min_replicas == 2
         restarted = [e for e in _events(run_dir) if e["event"] == "lighthouse_restarted"]
