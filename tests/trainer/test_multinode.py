@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from resilient import Checkpointer
 from resilient.dist import free_port
 from resilient.errors import ConfigError
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ram.store import node_store_dir
+from resilient.runfiles import iter_jsonl
 from resilient.tools.train import main, parse_args
 from resilient.trainer.launch import ReplicaLaunch, torchrun_command
 from resilient.trainer.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
 from resilient.trainer.quiet import error_path
 from tests.procs import communicate_or_fail, kill_tree
+from tests.recovery.test_replica_e2e import _check_exactly_once
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -315,3 +321,91 @@ def test_a_node_killed_with_its_launcher_rejoins_and_the_job_resumes(tmp_path: P
     assert len(resumed) == 2 and len({e["step"] for e in resumed}) == 1, resumed
     assert killed_after - 2 <= resumed[0]["step"] <= killed_after, (killed_after, resumed)
     assert {e["source"] for e in resumed} <= {"own", "buddy", "persistent"}, resumed
+
+
+def _published(store: Path, node: str, kind: str) -> set[int]:
+    """Steps with a published (renamed, so complete) snapshot index under ``<node>/<kind>/rank*``
+    (one rank per node here: its own snapshots, or the copies it keeps for the other node's rank)."""
+    directory = Path(node_store_dir(RecoveryConfig(store_dir=str(store)), "", 0, node))
+    return {int(p.stem.split("-")[1]) for p in directory.glob(f"{kind}/rank*/step-*.json")}
+
+
+def _replicated_past(store: Path, persisted: list[int]) -> int | None:
+    """The newest step newer than every persistent checkpoint (and there is one) whose snapshot both
+    nodes hold as their own AND as the other's buddy copy."""
+    both = set.intersection(
+        *(_published(store, node, kind) for node in ("host-a", "host-b") for kind in ("own", "buddy"))
+    )
+    return max((s for s in both if persisted and s > max(persisted)), default=None)
+
+
+def _persisted(ckpt: Path) -> list[int]:
+    return Checkpointer(str(ckpt)).steps() if ckpt.is_dir() else []  # none before the first commit
+
+
+def _kill_node_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher, its torchrun and the workers, and wait until none of them is left (a
+    worker still alive could write into the store the test is about to wipe)."""
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    kill_tree(proc)
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, alive
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_node_lost_with_its_memory_resumes_from_the_buddy_copies(tmp_path: Path) -> None:
+    # Issue 14's acceptance test, ~55-75 s here. Node 1 (host-b) loses its whole process tree AND its RAM store, as a
+    # machine that reboots would; node 0's torchrun restarts its worker into a new rendezvous round,
+    # the relaunched node 1 joins it, and both resume from RAM: host-a's rank from its own snapshot,
+    # host-b's from the copy host-a keeps for it. Persistent checkpoints every 5 steps only, so a
+    # fallback to storage would show as an older step with storage reads.
+    port = free_port()
+    run_dir, ckpt, store = tmp_path / "run", tmp_path / "ckpt", tmp_path / "shm"
+    sets = (
+        "run.steps=12",
+        "checkpoint.memory_every=2",
+        "checkpoint.persist_every=5",
+        "recovery.replication=true",
+        "data.log_samples=true",
+        f"recovery.store_dir={store}",
+    )
+    nodes = [_node(rank, port, tmp_path, *sets, hooks=(PACE,)) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while (replicated := _replicated_past(store, _persisted(ckpt))) is None:
+            assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "no replicated snapshot"
+            time.sleep(0.05)
+        # One step past the snapshot: the resumed job must redo it, on the very same samples.
+        while _steps_done(run_dir) <= replicated:
+            assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "no step past the snapshot"
+            time.sleep(0.05)
+        _kill_node_tree(nodes[1])
+        shutil.rmtree(node_store_dir(RecoveryConfig(store_dir=str(store)), "", 0, "host-b"))
+        persisted, killed_after = _persisted(ckpt), _steps_done(run_dir)
+        nodes[1] = _node(1, port, tmp_path, *sets, hooks=(PACE,))
+    except BaseException:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+        raise
+    _wait_nodes(nodes, tmp_path, 150)
+
+    restores = [e for e in _events(run_dir) if e["event"] == "restore"]
+    assert {(e["rank"], e["source"]) for e in restores[:2]} == {(0, "fresh"), (1, "fresh")}, restores
+    resumed = restores[2:]
+    # Which machine each rank ran on after the restart (node_hooks rewrites it at every start).
+    node_of = {r: json.loads((run_dir / f"node-group0-rank{r}.json").read_text())["RESILIENT_NODE_ID"] for r in (0, 1)}
+    sources = {node_of[e["rank"]]: e["source"] for e in resumed}
+    assert len(resumed) == 2 and sources == {"host-a": "own", "host-b": "buddy"}, (node_of, resumed)
+    assert [e["storage_reads"] for e in resumed] == [0, 0] and all(e["bytes"] > 0 for e in resumed), resumed
+    (step,) = {e["step"] for e in resumed}  # one decision for every rank
+    assert max(persisted) < step <= killed_after, (persisted, killed_after, resumed)
+    assert Checkpointer(str(ckpt)).steps()[-1] == 12
+    _check_exactly_once(run_dir, 12, groups=1)
+    # A step redone after the restore consumed the very samples it had before the kill.
+    redone: dict[int, list[list[str]]] = {}
+    for record in iter_jsonl(str(run_dir / "group0" / "samples.jsonl")):
+        redone.setdefault(record["step"], []).append(record["sample_ids"])
+    assert all(len({json.dumps(ids) for ids in runs}) == 1 for runs in redone.values()), redone
