@@ -21,7 +21,8 @@ appends per-step quorum events to ``<run.dir>/events.jsonl``.
 The lighthouse this launcher started is supervised: its pid is in ``<run.dir>/pids/lighthouse``,
 and if it dies the launcher starts it again on the same port (events ``lighthouse_exited`` /
 ``lighthouse_restarted``). Meanwhile the groups block in ``start_quorum`` (``quorum_retries`` > 0,
-up to ``quorum_timeout_s``) and then carry on; the lighthouse keeps no state worth losing.
+up to ``quorum_timeout_s``) and then carry on. A new lighthouse has heard no heartbeats, so it
+needs a majority of the groups before it grants a quorum (``ReplicaJob._supervise_lighthouse``).
 
 SIGINT / SIGTERM stop everything this launcher started: each torchrun gets SIGTERM (it stops its
 workers), then after ``--grace-s`` whatever is left is killed (torchrun's process group, and the
@@ -308,19 +309,22 @@ class ReplicaJob:
         A new lighthouse knows no heartbeats: the first group to ask gets a quorum of itself at
         once (every group it has heard of joined), and a second group asking a moment later, while
         the first trains, can get one of its own: two groups commit the same step apart and never
-        heal (seen in test_lighthouse_killed_and_restarted_no_split_brain). So when this launcher
-        runs every group, the new lighthouse needs as many replicas as there are healthy groups,
-        until one of them loses a worker (``_relax_lighthouse``)."""
+        heal (seen in test_lighthouse_killed_and_restarted_no_split_brain). So a new lighthouse
+        needs a majority of the groups that can ask: two disjoint quorums cannot both hold one.
+        On one machine that is a majority of the healthy groups (``_relax_lighthouse`` lowers it
+        when one is lost); across nodes this launcher sees only its own groups, so a majority of
+        all of them, held until the run ends."""
         if self.lighthouse is None or self.lighthouse.poll() is None:
             self._relax_lighthouse()
             return
         self.events.write("lighthouse_exited", pid=self.lighthouse.pid, code=_shell_code(self.lighthouse.returncode))
-        self._restart_lighthouse(len(self._healthy_groups()) if self.launch.nnodes == 1 else 1)
+        askers = len(self._healthy_groups()) if self.launch.nnodes == 1 else self.launch.groups
+        self._restart_lighthouse(majority(askers))
 
     def _restart_lighthouse(self, min_replicas: int) -> None:
         start = time.monotonic()
         try:
-            self._start_lighthouse(max(1, min_replicas))
+            self._start_lighthouse(min_replicas)
         except (OSError, RuntimeError, TimeoutError) as e:
             self.events.write("lighthouse_restart_failed", error=str(e))
             return  # the dead Popen stays: tried again on the next poll
@@ -333,25 +337,35 @@ class ReplicaJob:
         )
 
     def _relax_lighthouse(self) -> None:
-        """A lighthouse that needs N groups stalls the others while one of them restarts: once a
-        group has lost a worker for ``RELAX_AFTER_S`` (its torchrun still running: a restart, not
-        the run's end, when workers exit and their torchrun follows within a second), start it
-        again needing one. That group cannot ask for a quorum meanwhile, so the survivors alone
-        can (no split), and by the time it rejoins the lighthouse has heard them for seconds."""
-        if self.lighthouse is None or self.lighthouse_min_replicas <= 1:
+        """A lighthouse needing a majority of N groups stalls the survivors while lost groups cannot
+        ask: once a group is lost (its torchrun failed, or it has lost a worker for
+        ``RELAX_AFTER_S`` with its torchrun still running: a restart, not a run's end, when workers
+        exit and their torchrun follows with 0), start it again needing a majority of the healthy
+        groups. The lost groups cannot ask for a quorum meanwhile, so no split, and by the time
+        they rejoin the lighthouse has heard the survivors for seconds. Only on one machine."""
+        if self.lighthouse is None or self.lighthouse_min_replicas <= 1 or self.launch.nnodes > 1:
             return
         now = time.monotonic()
-        for group in list(self._worker_lost_since):
-            if self.groups[group].poll() is not None or self._workers_alive(group):
-                del self._worker_lost_since[group]  # the group ended, or its workers are back
+        lost = []
         for group, proc in self.groups.items():
             if proc.poll() is None and not self._workers_alive(group):
-                self._worker_lost_since.setdefault(group, now)
-        if not any(now - since >= RELAX_AFTER_S for since in self._worker_lost_since.values()):
+                since = self._worker_lost_since.setdefault(group, now)
+            else:
+                self._worker_lost_since.pop(group, None)  # back, or its torchrun ended
+                since = None
+            if (proc.poll() is not None and proc.returncode != 0) or (
+                since is not None and now - since >= RELAX_AFTER_S
+            ):
+                lost.append(group)
+        if not lost:
             return
-        self.events.write("lighthouse_relaxed", pid=self.lighthouse.pid, min_replicas=1)
+        healthy = [g for g in self._healthy_groups() if g not in lost]
+        needed = majority(len(healthy))
+        if needed >= self.lighthouse_min_replicas:
+            return
+        self.events.write("lighthouse_relaxed", pid=self.lighthouse.pid, min_replicas=needed, lost=lost)
         kill_group(self.lighthouse)
-        self._restart_lighthouse(1)
+        self._restart_lighthouse(needed)
 
     def _healthy_groups(self) -> list[int]:
         """Groups whose torchrun runs and whose recorded workers are all alive."""
@@ -413,6 +427,11 @@ class ReplicaJob:
                 os.kill(pid, signal.SIGKILL)
             except (OSError, ValueError):
                 continue
+
+
+def majority(groups: int) -> int:
+    """Fewest replicas a quorum must hold so that no two disjoint quorums of ``groups`` exist (>= 1)."""
+    return groups // 2 + 1
 
 
 def _shell_code(code: int) -> int:

@@ -77,8 +77,10 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
     launch = ReplicaLaunch(groups=2, nproc_per_group=1, run_dir=run_dir, trainer_args=[])
     job = ReplicaJob(launch)
     os.makedirs(job.log_dir, exist_ok=True)
-    # Two stand-in groups (torchrun processes) with one recorded worker each.
-    groups = {g: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for g in (0, 1)}
+    # Two stand-in groups (torchrun processes: SIGTERM ends one with 0, as a finished run) with one
+    # recorded worker each.
+    finishes = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(120)"
+    groups = {g: subprocess.Popen([sys.executable, "-c", finishes]) for g in (0, 1)}
     workers = {g: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for g in (0, 1)}
     try:
         job.groups = groups
@@ -98,8 +100,8 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
         workers[1].kill()
         workers[1].wait(timeout=10)
         job._supervise_lighthouse()
-        groups[1].kill()
-        groups[1].wait(timeout=10)
+        groups[1].terminate()
+        assert groups[1].wait(timeout=10) == 0
         time.sleep(RELAX_AFTER_S + 0.2)
         job._supervise_lighthouse()
         assert job.lighthouse_min_replicas == 2
@@ -114,6 +116,42 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
         assert job.lighthouse.poll() is None and job.lighthouse_min_replicas == 1
         kinds = [e["event"] for e in _events(run_dir) if e["event"].startswith("lighthouse")]
         assert kinds == ["lighthouse_exited", "lighthouse_restarted", "lighthouse_relaxed", "lighthouse_restarted"]
+    finally:
+        for proc in [*groups.values(), *workers.values()]:
+            proc.kill()
+        job.stop()
+
+
+def test_with_three_groups_a_restarted_lighthouse_needs_a_majority_of_the_healthy_ones(tmp_path):
+    # Relaxing to one would let two survivors each get a quorum of itself from a lighthouse that
+    # has heard nobody; a majority of the healthy groups never allows two disjoint quorums.
+    run_dir = str(tmp_path / "run")
+    job = ReplicaJob(ReplicaLaunch(groups=3, nproc_per_group=1, run_dir=run_dir, trainer_args=[]))
+    os.makedirs(job.log_dir, exist_ok=True)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    groups = {g: subprocess.Popen(sleeper) for g in range(3)}
+    workers = {g: subprocess.Popen(sleeper) for g in range(3)}
+    try:
+        job.groups = groups
+        for g, worker in workers.items():
+            write_pid_file(pid_path(run_dir, g, 0), worker.pid)
+        job.lighthouse_port = free_port()
+        job._start_lighthouse()
+        kill_group(job.lighthouse)
+        job._supervise_lighthouse()
+        assert job.lighthouse_min_replicas == 2  # a majority of 3 healthy groups
+        workers[2].kill()  # group 2 restarts: 2 healthy, a majority of them is still 2
+        workers[2].wait(timeout=10)
+        job._supervise_lighthouse()
+        time.sleep(RELAX_AFTER_S + 0.2)
+        job._supervise_lighthouse()
+        assert job.lighthouse_min_replicas == 2
+        groups[1].kill()  # group 1's torchrun fails: group 0 alone may go on, at once
+        groups[1].wait(timeout=10)
+        job._supervise_lighthouse()
+        assert job.lighthouse.poll() is None and job.lighthouse_min_replicas == 1
+        relaxed = [e for e in _events(run_dir) if e["event"] == "lighthouse_relaxed"]
+        assert [(e["min_replicas"], sorted(e["lost"])) for e in relaxed] == [(1, [1, 2])]
     finally:
         for proc in [*groups.values(), *workers.values()]:
             proc.kill()
