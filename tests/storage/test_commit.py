@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import crc32c
 import pytest
 import torch
 
@@ -56,6 +59,8 @@ def test_coverage_check_of_a_one_shard_tensor():
         check_coverage(plans, [_receipt(0)], step=3)
     with pytest.raises(CommitError, match="'w' has 1 shard.s. never written"):
         check_coverage(plans, [_receipt(0, Box((0, 0), (0, 2)))], step=3)  # an empty box covers nothing
+    with pytest.raises(CommitError, match="'w' has 1 shard.s. never written"):
+        check_coverage(plans, [_receipt(0, Box((8, 0), (8, 2)))], step=3)  # a box outside the tensor
     with pytest.raises(CommitError, match="0 shard.s. never written and 1 written more than once"):
         check_coverage(plans, [_receipt(0, whole), _receipt(1, whole)], step=3)
 
@@ -184,3 +189,53 @@ def test_coordinator_failing_after_its_manifest_landed_settles_as_committed():
     with pytest.raises(StorageError, match="writer process died"):  # another attempt's manifest: still failed
         settle_failure(other, store, StorageError("writer process died"))
     assert store.read(failure_key(other.attempt_key, COMMIT_RANK)) is not None
+
+
+def _crc32c_twin(original: bytes, other: bytes, start: int, width: int) -> bytes:
+    """``other`` with bit 0 of some of its ``width`` bytes from ``start`` flipped so that its crc32c
+    equals ``original``'s (crc32c is affine in the flipped bits at a fixed length: GF(2) elimination)."""
+    zero = bytes(len(other))
+
+    def lin(i: int) -> int:
+        d = bytearray(len(other))
+        d[start + i] = 1
+        return crc32c.crc32c(bytes(d)) ^ crc32c.crc32c(zero)
+
+    basis: dict[int, tuple[int, int]] = {}
+    for value, mask in ((lin(i), 1 << i) for i in range(width)):
+        for bit in reversed(range(32)):
+            if (value >> bit) & 1:
+                if bit not in basis:
+                    basis[bit] = (value, mask)
+                    break
+                value, mask = value ^ basis[bit][0], mask ^ basis[bit][1]
+    target, flips = crc32c.crc32c(original) ^ crc32c.crc32c(other), 0
+    for bit in reversed(range(32)):
+        if (target >> bit) & 1:
+            target, flips = target ^ basis[bit][0], flips ^ basis[bit][1]
+    assert target == 0
+    twin = bytearray(other)
+    for i in range(width):
+        if flips >> i & 1:
+            twin[start + i] ^= 1
+    return bytes(twin)
+
+
+def test_retention_never_takes_one_manifest_for_another_with_the_same_crc32c():
+    # The attempt cache was keyed by (length, crc32c): a step whose manifest collided with an
+    # earlier one was told the earlier attempt, and retention would delete its committed data.
+    from types import SimpleNamespace
+
+    from resilient.storage import retention
+
+    def manifest(attempt: str) -> bytes:
+        return json.dumps({"step": 6, "attempt": attempt, "note": "b" * 64}).encode()
+
+    first, second = manifest("attempt-aaaaaaaa"), manifest("attempt-bbbbbbbb")
+    second = _crc32c_twin(first, second, second.index(b"b" * 64), 64)
+    assert len(first) == len(second) and crc32c.crc32c(first) == crc32c.crc32c(second)
+    files = {"step-000000006/manifest.json": first}
+    store = SimpleNamespace(read=files.get, location=SimpleNamespace(url="file:///r"))
+    assert retention.committed_attempt(store, 6) == "attempt-aaaaaaaa"
+    files["step-000000006/manifest.json"] = second
+    assert retention.committed_attempt(store, 6) == "attempt-bbbbbbbb"
