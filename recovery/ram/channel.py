@@ -352,8 +352,13 @@ class _Landing:
             return None
         try:
             target = reserve(self._rank, key, meta, nbytes)
-            buffer = _byte_view(target.buffer, key)
         except Exception as e:  # the reply names it; the stream stays in step by reading the payload
+            self.refused = e
+            return DISCARD
+        try:
+            buffer = _byte_view(target.buffer, key)
+        except Exception as e:  # a reservation made but unusable: give it back, then refuse as above
+            target.abort()
             self.refused = e
             return DISCARD
         self.target = target

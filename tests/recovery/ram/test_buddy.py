@@ -55,6 +55,12 @@ def test_a_copy_received_in_place_is_published_only_on_commit(tmp_path):
     target.commit()
     copy = kept.indexes()[5]
     assert first_corruption(copy, kept.data(copy)) is None and copy.values == {"v": 5.0}
+    damaged = handler.reserve_put(0, key, header, index.nbytes)  # the MAC held, the sender's bytes did not
+    damaged.buffer[:] = payload
+    damaged.buffer[0] ^= 0xFF
+    with pytest.raises(ResilientError, match="crc32c"):
+        damaged.commit()
+    assert sorted(kept.indexes()) == [5]  # the good copy stays, the damaged one is not published
     with pytest.raises(ResilientError, match="does not keep rank 1's snapshots"):
         handler.reserve_put(1, "rank1/step-000000005", header, index.nbytes)
     with pytest.raises(ResilientError, match="does not match its index"):

@@ -26,6 +26,7 @@ class SlotHandler:
         self.aborted: list[str] = []
         self.plain_puts = 0
         self.refuse: str | None = None
+        self.short_buffer = False  # a reservation whose buffer does not fit the payload
 
     def reserve_put(self, sender_rank: int, key: str, header: dict, nbytes: int) -> PutTarget:
         if self.refuse:
@@ -34,7 +35,8 @@ class SlotHandler:
         def commit() -> None:
             self.committed.append((sender_rank, key, header, nbytes))
 
-        return PutTarget(memoryview(self.slot)[:nbytes], commit, lambda: self.aborted.append(key))
+        size = nbytes - 1 if self.short_buffer else nbytes
+        return PutTarget(memoryview(self.slot)[:size], commit, lambda: self.aborted.append(key))
 
     def put(self, sender_rank: int, key: str, header: dict, payload: memoryview) -> None:
         self.plain_puts += 1
@@ -116,6 +118,21 @@ def test_refused_reservation_is_an_error_reply_and_the_connection_stays_in_step(
         assert server.stored == 1
     assert handler.committed == [(2, "rank2/step-000000002", {}, 1000)]
     assert handler.aborted == [] and bytes(handler.slot[:1000]) == b"\x07" * 1000
+
+
+def test_a_reservation_whose_buffer_does_not_fit_is_given_back(secret):
+    # It was reserved, then refused: without abort() the handler's slot stayed leased forever.
+    handler = SlotHandler(4096)
+    handler.short_buffer = True
+    with ReplicationServer(secret, handler, host="127.0.0.1", timeout_s=10.0) as server:
+        with ReplicationClient(secret, server.address, rank=2, timeout_s=10.0) as client:
+            with pytest.raises(ChannelError):
+                client.put("rank2/step-000000001", {}, b"\x01" * 1000)
+            handler.short_buffer = False
+            client.put("rank2/step-000000002", {}, b"\x02" * 1000)  # the stream stayed in step
+        assert server.stored == 1
+    assert handler.aborted == ["rank2/step-000000001"]
+    assert handler.committed == [(2, "rank2/step-000000002", {}, 1000)]
 
 
 def test_get_whose_into_raises_drops_the_connection_and_the_next_get_works(secret):
