@@ -96,6 +96,17 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
     ):
         if value is not None:
             return f"--emit writes {flag} for each node itself: drop {flag}"
+    for flag, value, default in (
+        ("--lighthouse", args.lighthouse, ""),
+        ("--join-timeout-ms", args.join_timeout_ms, 2000),
+        ("--heartbeat-timeout-ms", args.heartbeat_timeout_ms, 2000),
+        ("--grace-s", args.grace_s, 30.0),
+    ):
+        if value != default:
+            return f"--emit does not write {flag} into the job file: drop it (or edit the emitted file)"
+    for word in [args.config, *args.overrides]:
+        if any(ord(c) < 32 or ord(c) == 127 for c in word):
+            return f"--emit: {word!r} holds a control character (a newline would break the job file): drop it"
     if args.replica_groups is not None and args.nproc_per_node is not None:
         return "--replica-groups takes --nproc-per-group N (ranks per group), not --nproc-per-node"
     if args.nnodes is not None:
@@ -158,8 +169,9 @@ def _slurm_node_script(spec: EmitSpec) -> str:
     command = node_command(spec, '"$SLURM_NODEID"', '"$RDZV_ENDPOINT"', '"$RDZV_ID"')
     return "\n".join(
         [
-            # SLURM_NODEID: this node's index in the allocation, the same for the whole job.
-            'export RESILIENT_NODE_ID="${RESILIENT_NODE_ID:-$SLURM_NODEID}"',
+            # The machine's name, not SLURM_NODEID: that is a position in the allocation, and a
+            # requeue onto other hosts would give a node another node's snapshots' directory.
+            'export RESILIENT_NODE_ID="${RESILIENT_NODE_ID:-${SLURMD_NODENAME:-$(hostname)}}"',
             'shm_kib=$(df -P -k /dev/shm | tail -n 1 | tr -s " " | cut -d " " -f 2)',
             f'if [ "$shm_kib" -lt {need} ]; then',
             f'  echo "warning: /dev/shm on $(hostname) has $shm_kib KiB, the RAM tier wants {spec.shm_size}" >&2',

@@ -26,8 +26,9 @@ from resilient.errors import ConfigError
 from resilient.trainer.quiet import LAUNCH_ENV
 
 NODE_RANK_ENV = "NODE_RANK"
-"""Set for the ranks when ``--node-rank`` is given: the operator's stable name for this machine (a
-fallback of node identity for the RAM tier; torchrun's own ``GROUP_RANK`` may change at a re-rendezvous)."""
+"""Set for the ranks when ``--node-rank`` is given (torchrun's own ``GROUP_RANK`` may change at a
+re-rendezvous). Never a node identity for the RAM tier: a requeue can give it to another machine
+(``recovery/ram/node_id.py``)."""
 
 MULTINODE_RESTARTS = 3
 """Default ``--max-restarts`` across nodes: a node that comes back (or its replacement) makes every

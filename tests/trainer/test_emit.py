@@ -39,7 +39,10 @@ def _stubs(tmp_path: Path) -> dict[str, str]:
     # A long host list: the script must read the first name without killing the writer by SIGPIPE
     # (pipefail would turn that into a failed job).
     _stub(bin_dir, "scontrol", 'printf "gpu-a17\\ngpu-a18\\n"\nseq 1 200000 | sed s/^/gpu-b/\n')
-    each_node = 'while [[ $1 == --* ]]; do shift; done\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n'
+    each_node = (
+        "while [[ $1 == --* ]]; do shift; done\n"
+        'for n in 0 1; do SLURM_NODEID=$n SLURMD_NODENAME=gpu-a1$((7 + n)) "$@" || exit; done\n'
+    )
     _stub(bin_dir, "srun", each_node)
     record = 'out="$OUT/node-$RESILIENT_NODE_ID"\nprintf "%s\\n" "$RESILIENT_NODE_ID" "$@" > "$out"\n'
     _stub(bin_dir, "resilient-train", record)
@@ -49,6 +52,15 @@ def _stubs(tmp_path: Path) -> dict[str, str]:
 def _recorded(tmp_path: Path, node: str) -> tuple[str, list[str]]:
     node_id, *argv = (tmp_path / f"node-{node}").read_text().splitlines()
     return node_id, argv
+
+
+def _recorded_by_rank(tmp_path: Path, node_rank: str) -> tuple[str, list[str]]:
+    """The launcher line recorded for ``--node-rank node_rank`` (files are named by node id)."""
+    for path in tmp_path.glob("node-*"):
+        node_id, *argv = path.read_text().splitlines()
+        if "--node-rank" in argv and _flag(argv, "--node-rank") == node_rank:
+            return node_id, argv
+    raise AssertionError(f"no launcher recorded --node-rank {node_rank}")
 
 
 def _flag(argv: list[str], flag: str) -> str:
@@ -67,9 +79,9 @@ def test_sbatch_script_parses_and_starts_one_launcher_per_node(tmp_path: Path) -
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
     done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    for node in ("0", "1"):
-        node_id, argv = _recorded(tmp_path, node)
-        assert node_id == node  # RESILIENT_NODE_ID from SLURM_NODEID
+    for node, host in (("0", "gpu-a17"), ("1", "gpu-a18")):
+        node_id, argv = _recorded_by_rank(tmp_path, node)
+        assert node_id == host  # the machine's name (SLURMD_NODENAME), never its position SLURM_NODEID
         assert _flag(argv, "--node-rank") == node and _flag(argv, "--nnodes") == "2"
         assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # the allocation's first node
         assert _flag(argv, "--rdzv-id") == "4242-1"  # new for each requeue of the job
@@ -85,7 +97,7 @@ def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
     path.write_text(script)
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
     assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
-    _, argv = _recorded(tmp_path, "1")
+    _, argv = _recorded(tmp_path, "gpu-a18")  # the second node's machine name (the srun stub's)
     assert _flag(argv, "--nnodes") == "2:4" and "--node-rank" not in argv  # elastic: ranked at rendezvous
     assert _flag(argv, "--rdzv-id") == "7-0"
 
@@ -100,7 +112,7 @@ def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: 
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
     assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
     for node in ("0", "1"):
-        _, argv = _recorded(tmp_path, node)
+        _, argv = _recorded_by_rank(tmp_path, node)
         assert (_flag(argv, "--replica-groups"), _flag(argv, "--nproc-per-group")) == ("4", "4")
         assert (_flag(argv, "--nnodes"), _flag(argv, "--node-rank")) == ("2", node)
         assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # node 0 starts the lighthouse there
@@ -229,6 +241,10 @@ EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
         (["--emit", "k8s", "--config", TINY, "--shm-size", "1GB"], "error: --shm-size '1GB'"),
         ([*EMIT_GROUPS, "--nproc-per-group", "2"], "error: --nproc-per-group 2 but parallel.dp_shard x tp = 4 ranks"),
         ([*EMIT_GROUPS, "--nproc-per-group", "4", "--nproc-per-node", "8"], "not --nproc-per-node"),
+        # Flags the job file would silently drop, and a value that would break out of it.
+        (["--emit", "k8s", "--config", TINY, "--lighthouse", "http://h:1"], "does not write --lighthouse"),
+        (["--emit", "slurm", "--config", TINY, "--grace-s", "5"], "does not write --grace-s"),
+        (["--emit", "k8s", "--config", TINY, "--set", "run.dir=a\n  hostNetwork: true"], "control character"),
     ],
 )
 def test_bad_emit_flags_are_one_line_exit_2(argv: list[str], says: str) -> None:
