@@ -326,7 +326,10 @@ def _block(loop: dict, every: int, steps: int) -> tuple[float, float, int, int]:
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if tier is not None and loop["step"] % every == 0:
+        # A snapshot on the first step of each period (1, 6, 11, ... at every 5), not the last: a
+        # block's last snapshot would otherwise be drained after the clock stops, and the in-loop
+        # times would never meet the background copy it overlaps in a long run.
+        if tier is not None and loop["step"] % every == 1 % every:
             attempted += 1
             taken += tier.snapshot(loop["step"], {"model": model.state_dict(), "optim": opt.state_dict()["state"]})
         times.append(time.perf_counter() - start)
