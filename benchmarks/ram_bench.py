@@ -8,6 +8,8 @@ moments) and measures, side by side:
   local disk; the files were just written, so the page cache is warm: the most favourable case for
   storage), from its own node store, and (rank 1, its node store wiped) from its buddy over the
   replication channel; plus the memcpy floor (copying the same bytes into allocated buffers);
+  with ``--s3`` (the default when the venv has ``moto_server``), also from ``s3://`` on a
+  ``moto_server`` this run starts on 127.0.0.1 and kills at its end (``persistent_s3_load_s``);
 - ``replication``: bytes/s of the buddy copy of one snapshot, both ranks copying at once (the
   ``ram_replication`` lines); ``--replication-repeats N`` more snapshots give the median of N copies
   (the ``replication_mib_per_s`` line);
@@ -15,10 +17,12 @@ moments) and measures, side by side:
   core, per frame size (the ``ram_mac`` lines), and the channel alone over loopback, one process, no
   tier or store (the ``ram_channel`` line);
 - ``overhead``: the mean step time of a small training loop (an MLP, AdamW) with no snapshots,
-  with a RAM snapshot every 5 steps and every step (publish and buddy copy in the background).
+  with a RAM snapshot every 5 steps and every step (publish and buddy copy in the background),
+  the variants interleaved in blocks of steps, round after round (see ``overhead_bench``).
 
-    python benchmarks/ram_bench.py [--state-mib 256] [--loop-mib 64] [--steps 40] [--batch 1024]
-                                   [--parts restore,overhead,mac] [--replication-repeats 5]
+    python benchmarks/ram_bench.py [--state-mib 256] [--loop-mib 64] [--rounds 5] [--block-steps 10]
+                                   [--batch 1024] [--parts restore,overhead,mac]
+                                   [--replication-repeats 5] [--s3 | --no-s3]
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from bench_s3 import moto_available, moto_path, moto_server
 
 WORLD = 2
+VARIANTS = ((0, True), (5, True), (1, True), (5, False))
+"""(snapshot_every, buddy_replication) of the loop's variants; (0, True) is the baseline: no tier."""
+S3_BUCKET = "ram-bench"
 
 
 def _state(mib: float, value: float) -> dict:
@@ -86,7 +94,7 @@ def _drop_page_cache(directory: str) -> None:
     dist.barrier()
 
 
-def restore_bench(rank: int, mib: float, root: str) -> dict:
+def restore_bench(rank: int, mib: float, root: str, s3_url: str | None) -> dict:
     from resilient import Checkpointer
     from resilient.recovery.config import RecoveryConfig
     from resilient.recovery.ram.store import node_store_dir
@@ -100,6 +108,8 @@ def restore_bench(rank: int, mib: float, root: str) -> dict:
     assert torch.equal(target["model"]["layer0"], state["model"]["layer0"])
     _drop_page_cache(os.path.join(root, "ckpt"))
     out["persistent_cold_s"] = _timed(lambda: ckpt.load(target, step=1))
+    if s3_url is not None:
+        out["persistent_s3_s"] = _s3_restore(s3_url, state, mib)
     dests = {k: torch.empty_like(v) for k, v in state["model"].items()}
     for _ in range(2):  # the second copy is the floor: pages already resident
         out["memcpy_s"] = _timed(lambda: [dests[k].copy_(v) for k, v in state["model"].items()])
@@ -129,6 +139,19 @@ def restore_bench(rank: int, mib: float, root: str) -> dict:
     buddy.close()
     ckpt.close()
     return out
+
+
+def _s3_restore(url: str, state: dict, mib: float) -> float:
+    """Save ``state`` to ``url`` (the loopback moto_server the parent started) and time both ranks
+    loading it back at once, as a job restarting from the persistent tier would."""
+    from resilient import Checkpointer
+
+    with Checkpointer(url) as ckpt:
+        ckpt.save(1, state).wait()
+        target = _state(mib, -1.0)
+        seconds = _timed(lambda: ckpt.load(target, step=1))
+    assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
+    return seconds
 
 
 def replication_bench(
@@ -234,41 +257,97 @@ def _hmac_sha256(key: bytes, view: memoryview, chunk: int = 1 << 20) -> bytes:
     return mac.digest()
 
 
-def overhead_bench(rank: int, mib: float, steps: int, batch: int, root: str) -> dict:
+def _rotated(items: tuple, round_: int) -> list:
+    """Round r starts with item r mod n: no variant always runs first, or always after the same one
+    (whose leftovers, dirty pages and a draining background copy, it would meet)."""
+    shift = round_ % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def overhead_bench(rank: int, mib: float, rounds: int, block_steps: int, batch: int, root: str) -> dict:
+    """Step times of every variant in interleaved blocks: each round runs ``block_steps`` steps of
+    each variant in turn (both ranks the same variant at once), so a baseline and a variant are
+    measured seconds apart, never in different phases of a noisy neighbour's run. Round 0 is an
+    untimed warm-up of at least 10 steps: two snapshots at every 5, which create both of the tier's
+    slot files (``keep=2``; tmpfs page faults a long run pays once). Each variant keeps its model,
+    optimizer and tier across rounds, so its step counter (and its snapshot cadence) runs on.
+
+    A block ends by draining its tier (``wait``) before the next variant starts, so no variant pays
+    for another's background copy; per block we keep the mean in-loop step time (what training
+    sees while the copy overlaps) and the block's wall time including that drain, divided by the
+    steps (the whole cost of the block when, as here, no core is idle to absorb background work)."""
     from resilient.recovery.ram.tier import RamTier  # noqa: F401  (import cost outside the loop)
 
     width = int((mib * 2**20 / 3 / 4 / 4) ** 0.5)
-    results = {}
-    for every, replication in ((0, True), (5, True), (1, True), (5, False)):
+    loops = {}
+    for every, replication in VARIANTS:
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(4)))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x = torch.randn(batch, width)
         store = os.path.join(root, f"loop{every}{replication}")
-        tier = _tier(rank, store, root, replication) if every else None
-        times = []
-        for step in range(1, steps + 1):
-            start = time.perf_counter()
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if tier is not None and step % every == 0:
-                tier.snapshot(step, {"model": model.state_dict(), "optim": opt.state_dict()["state"]})
-            times.append(time.perf_counter() - start)
-        if tier is not None:
-            tier.close()
-        results[every, replication] = statistics.mean(times[10:])  # the first steps pay one-time costs
-        dist.barrier()
+        loops[every, replication] = {
+            "model": model,
+            "opt": torch.optim.AdamW(model.parameters(), lr=1e-4),
+            "x": torch.randn(batch, width),
+            "tier": _tier(rank, store, root, replication) if every else None,
+            "step": 0,
+            "taken": 0,
+            "attempted": 0,
+        }
+    results: dict = {key: {"step_s": [], "drained_step_s": []} for key in VARIANTS}
+    for round_ in range(rounds + 1):
+        for key in _rotated(VARIANTS, round_):
+            step_s, drained_s, taken, attempted = _block(
+                loops[key], key[0], block_steps if round_ else max(block_steps, 10)
+            )
+            if round_ > 0:
+                results[key]["step_s"].append(step_s)
+                results[key]["drained_step_s"].append(drained_s)
+                loops[key]["taken"] += taken
+                loops[key]["attempted"] += attempted
+    for key, loop in loops.items():
+        if loop["tier"] is not None:
+            loop["tier"].close()
+        results[key]["snapshots_taken"] = loop["taken"]
+        results[key]["snapshots_attempted"] = loop["attempted"]
+    dist.barrier()
     return results
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue) -> None:
+def _block(loop: dict, every: int, steps: int) -> tuple[float, float, int, int]:
+    """Run ``steps`` steps of one variant; returns (mean in-loop step s, wall s per step including
+    the drain of its background work, snapshots taken, snapshots attempted)."""
+    model, opt, x, tier = loop["model"], loop["opt"], loop["x"], loop["tier"]
+    times, taken, attempted = [], 0, 0
+    dist.barrier()
+    block_start = time.perf_counter()
+    for _ in range(steps):
+        loop["step"] += 1
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # A snapshot on the first step of each period (1, 6, 11, ... at every 5), not the last: a
+        # block's last snapshot would otherwise be drained after the clock stops, and the in-loop
+        # times would never meet the background copy it overlaps in a long run.
+        if tier is not None and loop["step"] % every == 1 % every:
+            attempted += 1
+            taken += tier.snapshot(loop["step"], {"model": model.state_dict(), "optim": opt.state_dict()["state"]})
+        times.append(time.perf_counter() - start)
+    if tier is not None:
+        tier.wait(600)
+    drained = (time.perf_counter() - block_start) / steps
+    return statistics.mean(times), drained, taken, attempted
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue, s3_url: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=1200))
     parts = args.parts.split(",")
     try:
-        restore = restore_bench(rank, args.state_mib, os.path.join(root, "restore")) if "restore" in parts else None
+        restore = (
+            restore_bench(rank, args.state_mib, os.path.join(root, "restore"), s3_url) if "restore" in parts else None
+        )
         rates = (
             replication_bench(
                 rank, args.state_mib, args.replication_repeats, os.path.join(root, "replication"), args.background_nice
@@ -277,7 +356,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue) -> N
             else []
         )
         overhead = (
-            overhead_bench(rank, args.loop_mib, args.steps, args.batch, os.path.join(root, "loop"))
+            overhead_bench(rank, args.loop_mib, args.rounds, args.block_steps, args.batch, os.path.join(root, "loop"))
             if "overhead" in parts
             else None
         )
@@ -290,7 +369,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mib", type=float, default=256, help="state per rank for the restore comparison")
     parser.add_argument("--loop-mib", type=float, default=64, help="model + AdamW state per rank in the loop")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timed rounds of the loop after a warm-up; each runs every variant once"
+    )
+    parser.add_argument(
+        "--block-steps", type=int, default=10, help="steps of one variant per round (a multiple of 5 keeps the cadence)"
+    )
     parser.add_argument(
         "--batch",
         type=int,
@@ -304,17 +388,47 @@ def main() -> None:
     parser.add_argument(
         "--replication-repeats", type=int, default=5, help="buddy copies timed for replication_mib_per_s (0: none)"
     )
+    parser.add_argument(
+        "--s3",
+        action=argparse.BooleanOptionalAction,
+        default=moto_available(),
+        help="also restore from S3 on a loopback moto_server (default: on when the venv has moto_server)",
+    )
     args = parser.parse_args()
+    if args.s3 and not moto_available():
+        raise SystemExit(f"--s3 needs moto_server at {moto_path()} and boto3: pip install 'moto[server]' boto3")
+    if args.rounds < 1 or args.block_steps < 1:
+        raise SystemExit(f"--rounds and --block-steps must be >= 1, got {args.rounds} and {args.block_steps}")
     if "mac" in args.parts.split(","):
         for line in [*mac_bench(), channel_bench()]:
             print(json.dumps(line), flush=True)
+    if args.s3 and "restore" in args.parts.split(","):
+        # The ranks inherit the AWS_* environment pointing at the endpoint; it is killed on leaving.
+        with moto_server() as endpoint:
+            import boto3
+
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+            results = _run_ranks(args, f"s3://{S3_BUCKET}/restore")
+    else:
+        results = _run_ranks(args, None)
+    for rank, restore, rates, overhead in results:
+        if rates:
+            _print_replication(rank, rates, args)
+        if restore is not None:
+            _print_restore(rank, restore, args)
+        if overhead is not None:
+            _print_overhead(rank, overhead, args)
+
+
+def _run_ranks(args: argparse.Namespace, s3_url: str | None) -> list[tuple]:
+    """Spawn the two ranks, collect their results (sorted by rank); scratch removed on the way out."""
     root = tempfile.mkdtemp(prefix="ram_bench-")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     from resilient.dist import free_port
 
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args, port, root, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, args, port, root, queue, s3_url)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
@@ -332,28 +446,26 @@ def main() -> None:
             if p.is_alive():
                 p.kill()
         shutil.rmtree(root, ignore_errors=True)
-    for rank, restore, rates, overhead in results:
-        if rates:
-            print(
-                json.dumps(
-                    {
-                        "bench": "replication_mib_per_s",
-                        "rank": rank,
-                        "state_mib": args.state_mib,
-                        "copies": len(rates),
-                        "median": round(statistics.median(rates) / 2**20, 1),
-                        "min": round(min(rates) / 2**20, 1),
-                        "max": round(max(rates) / 2**20, 1),
-                        "each": [round(rate / 2**20, 1) for rate in rates],
-                        "background_nice": args.background_nice,
-                    }
-                ),
-                flush=True,
-            )
-        if restore is not None:
-            _print_restore(rank, restore, args)
-        if overhead is not None:
-            _print_overhead(rank, overhead, args)
+    return results
+
+
+def _print_replication(rank: int, rates: list[float], args: argparse.Namespace) -> None:
+    print(
+        json.dumps(
+            {
+                "bench": "replication_mib_per_s",
+                "rank": rank,
+                "state_mib": args.state_mib,
+                "copies": len(rates),
+                "median": round(statistics.median(rates) / 2**20, 1),
+                "min": round(min(rates) / 2**20, 1),
+                "max": round(max(rates) / 2**20, 1),
+                "each": [round(rate / 2**20, 1) for rate in rates],
+                "background_nice": args.background_nice,
+            }
+        ),
+        flush=True,
+    )
 
 
 def _print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
@@ -374,6 +486,7 @@ def _print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
                 "persistent_cold_over_ram_buddy": round(restore["persistent_cold_s"] / restore["ram_buddy_s"], 2),
                 "ram_own_over_memcpy": round(restore["ram_own_s"] / restore["memcpy_s"], 2),
                 "buddy_source": "buddy" if rank == 1 else "own",
+                **_s3_fields(restore),
             }
         ),
         flush=True,
@@ -396,9 +509,27 @@ def _print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
     )
 
 
+def _s3_fields(restore: dict) -> dict:
+    """The persistent restore from the loopback S3 endpoint, when it ran (``--s3``)."""
+    if "persistent_s3_s" not in restore:
+        return {}
+    s3 = restore["persistent_s3_s"]
+    return {
+        "persistent_s3_load_s": round(s3, 4),
+        "persistent_s3_over_ram_own": round(s3 / restore["ram_own_s"], 2),
+        "persistent_s3_over_ram_buddy": round(s3 / restore["ram_buddy_s"], 2),
+    }
+
+
 def _print_overhead(rank: int, overhead: dict, args: argparse.Namespace) -> None:
+    """One line per variant. ``overhead`` is the median over rounds of (variant / baseline of the
+    same round) - 1: each ratio compares blocks run back to back; ``mean_step_s`` and
+    ``baseline_step_s`` are the medians of the per-round means (kept for older readers)."""
     base = overhead[0, True]
-    for every, replication in ((5, True), (1, True), (5, False)):
+    for every, replication in VARIANTS[1:]:
+        variant = overhead[every, replication]
+        ratios = [v / b - 1 for v, b in zip(variant["step_s"], base["step_s"], strict=True)]
+        drained = [v / b - 1 for v, b in zip(variant["drained_step_s"], base["drained_step_s"], strict=True)]
         print(
             json.dumps(
                 {
@@ -408,9 +539,21 @@ def _print_overhead(rank: int, overhead: dict, args: argparse.Namespace) -> None
                     "batch": args.batch,
                     "snapshot_every": every,
                     "buddy_replication": replication,
-                    "mean_step_s": round(overhead[every, replication], 5),
-                    "baseline_step_s": round(base, 5),
-                    "overhead": round(overhead[every, replication] / base - 1, 4),
+                    "mean_step_s": round(statistics.median(variant["step_s"]), 5),
+                    "baseline_step_s": round(statistics.median(base["step_s"]), 5),
+                    "overhead": round(statistics.median(ratios), 4),
+                    "overhead_each": [round(r, 4) for r in ratios],
+                    "overhead_min": round(min(ratios), 4),
+                    "overhead_max": round(max(ratios), 4),
+                    "step_s_each": [round(t, 5) for t in variant["step_s"]],
+                    "baseline_step_s_each": [round(t, 5) for t in base["step_s"]],
+                    "overhead_drained": round(statistics.median(drained), 4),
+                    "overhead_drained_each": [round(r, 4) for r in drained],
+                    "rounds": len(ratios),
+                    "block_steps": args.block_steps,
+                    "snapshots_taken": variant["snapshots_taken"],
+                    "snapshots_attempted": variant["snapshots_attempted"],
+                    "interleaved": True,
                 }
             ),
             flush=True,
