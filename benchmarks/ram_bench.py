@@ -28,8 +28,6 @@ moments) and measures, side by side:
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import os
 import shutil
@@ -37,13 +35,13 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from bench_s3 import moto_available, moto_path, moto_server
+from ram_wire_bench import channel_bench, mac_bench
 
 WORLD = 2
 VARIANTS = ((0, True), (5, True), (1, True), (5, False))
@@ -177,84 +175,6 @@ def replication_bench(
     dist.barrier()  # the peer may still be copying to this rank's channel
     tier.close()
     return rates
-
-
-def mac_bench(frame_mib: tuple[int, ...] = (4, 16, 64), repeats: int = 5) -> list[dict]:
-    """MiB/s of the wire's GMAC, of HMAC-SHA256 (what it replaced) and of memcpy over one frame, one
-    core, 1 MiB updates as on the wire; interleaved, so a noisy neighbour hits every kind alike."""
-    import numpy as np
-
-    from resilient.recovery.ram.wire import Session
-
-    key = os.urandom(32)
-    session = Session(None, key, send_tag=b"c2s\0", recv_tag=b"s2c\0")  # type: ignore[arg-type]  # seal() only
-    lines = []
-    for mib in frame_mib:
-        source = np.random.default_rng(0).integers(0, 256, mib << 20, dtype=np.uint8)
-        target = np.empty_like(source)
-        kinds = {
-            "memcpy": partial(np.copyto, target, source),
-            "gmac": partial(session.seal, "put", "k", {}, memoryview(source)),
-            "hmac_sha256": partial(_hmac_sha256, key, memoryview(source)),
-        }
-        times: dict[str, list[float]] = {name: [] for name in kinds}
-        for _ in range(repeats):
-            for name, fn in kinds.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-        rates = {f"{name}_mib_per_s": round(mib / statistics.median(t), 1) for name, t in times.items()}
-        lines.append({"bench": "ram_mac", "frame_mib": mib, **rates})
-    return lines
-
-
-def channel_bench(mib: int = 256, repeats: int = 5) -> dict:
-    """MiB/s of one put over loopback through the channel alone (one process, no tier, no store):
-    sent from the caller's memory, received straight into a preallocated buffer (``reserve_put``)."""
-    import secrets
-
-    import numpy as np
-
-    from resilient.recovery.ram.channel import PutTarget, ReplicationClient, ReplicationServer
-
-    source = np.random.default_rng(0).integers(0, 256, mib << 20, dtype=np.uint8)
-
-    class _Slot:
-        def __init__(self) -> None:
-            self.slot = np.zeros_like(source)
-
-        def reserve_put(self, sender_rank: int, key: str, header: dict, nbytes: int) -> PutTarget:
-            return PutTarget(memoryview(self.slot)[:nbytes], lambda: None, lambda: None)
-
-        def put(self, sender_rank: int, key: str, header: dict, payload: memoryview) -> None:
-            raise AssertionError("reserve_put is used")
-
-        def get(self, requester_rank: int, key: str) -> None:
-            return None
-
-    secret, handler, rates = secrets.token_bytes(32), _Slot(), []
-    with (
-        ReplicationServer(secret, handler, host="127.0.0.1") as server,
-        ReplicationClient(secret, server.address, rank=0) as client,
-    ):
-        for step in range(repeats):
-            start = time.perf_counter()
-            client.put(f"rank0/step-{step:09d}", {}, memoryview(source))
-            rates.append(mib / (time.perf_counter() - start))
-    assert np.array_equal(handler.slot, source)
-    return {
-        "bench": "ram_channel",
-        "mib": mib,
-        "median_mib_per_s": round(statistics.median(rates), 1),
-        "each": [round(r, 1) for r in rates],
-    }
-
-
-def _hmac_sha256(key: bytes, view: memoryview, chunk: int = 1 << 20) -> bytes:
-    mac = hmac.new(key, b"", hashlib.sha256)
-    for offset in range(0, view.nbytes, chunk):
-        mac.update(view[offset : offset + chunk])
-    return mac.digest()
 
 
 def _rotated(items: tuple, round_: int) -> list:
