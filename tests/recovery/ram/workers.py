@@ -82,6 +82,9 @@ def take_snapshots(rank: int, world: int, store_dir: str, steps: list[int]) -> d
     for step in steps:
         ram.snapshot(step, state_of(rank, step))
         ram.wait(30)
+    # Every rank's copies have landed before any rank stops its server: a rank done first closed it
+    # under its peer's last copy ("Broken pipe", the copy "failed"; seen twice in make test).
+    torch.distributed.barrier()
     ram.close()
     return {"stats": ram.stats.records, "secret": ram._secret.hex()}
 
