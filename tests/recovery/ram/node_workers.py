@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.ram.timeline import Timeline
@@ -35,6 +37,7 @@ def snapshot_on(rank: int, world: int, base: str, machines: list[str], steps: li
     for step in steps:
         ram.snapshot(step, state_of(rank, step))
         ram.wait(30)
+    torch.distributed.barrier()  # every copy landed before any rank stops its server (workers.take_snapshots)
     ram.close()
     replicated = [r["replication"]["outcome"] for r in ram.stats.records]
     return {"node_dir": ram.node_dir, "node_id": ram.node_id, "buddy": ram.pairing.buddy_of(rank), "copies": replicated}
