@@ -22,7 +22,7 @@ from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.channel import PutTarget
-from resilient.recovery.ram.store import SnapshotIndex, first_corruption
+from resilient.recovery.ram.store import RankStore, SnapshotIndex, first_corruption
 
 if TYPE_CHECKING:
     from resilient.recovery.ram.tier import RamTier
@@ -57,13 +57,10 @@ class BuddyHandler:
         slot, data = store.reserve(index.nbytes)
         try:
             data.numpy()[:] = payload
-            reason = first_corruption(index, data)
-            if reason is not None:
-                raise ResilientError(f"copy {key} from rank {sender_rank}: {reason}")
-            index.slot = slot  # where the bytes are HERE (to_json re-computes the index checksum)
-            store.publish(index)
-        finally:
+        except BaseException:
             store.release(slot)
+            raise
+        _publish_verified(store, index, slot, data, f"copy {key} from rank {sender_rank}")
 
     def reserve_put(self, sender_rank: int, key: str, header: dict, nbytes: int) -> PutTarget:
         """Receive the copy straight into a slot of the buddy store (no bounce buffer, no memcpy) and
@@ -76,14 +73,7 @@ class BuddyHandler:
         slot, data = store.reserve(index.nbytes)
 
         def commit() -> None:
-            try:
-                reason = first_corruption(index, data)
-                if reason is not None:
-                    raise ResilientError(f"copy {key} from rank {sender_rank}: {reason}")
-                index.slot = slot  # where the bytes are HERE (to_json re-computes the index checksum)
-                store.publish(index)
-            finally:
-                store.release(slot)
+            _publish_verified(store, index, slot, data, f"copy {key} from rank {sender_rank}")
 
         return PutTarget(memoryview(data.numpy())[: index.nbytes], commit, lambda: store.release(slot))
 
@@ -99,6 +89,18 @@ class BuddyHandler:
             if index is not None and index.rank == requester_rank:
                 return {"index": index.to_json()}, memoryview(store.data(index).numpy())
         return None
+
+
+def _publish_verified(store: RankStore, index: SnapshotIndex, slot: str, data: torch.Tensor, what: str) -> None:
+    """Publish the copy in ``slot`` if every tensor's crc32c verifies; the slot is released either way."""
+    try:
+        reason = first_corruption(index, data)
+        if reason is not None:
+            raise ResilientError(f"{what}: {reason}")
+        index.slot = slot  # where the bytes are HERE (to_json re-computes the index checksum)
+        store.publish(index)
+    finally:
+        store.release(slot)
 
 
 def shared_secret() -> bytes:
