@@ -66,6 +66,15 @@ def test_a_lighthouse_needing_two_replicas_never_grants_one_alone(tmp_path):
         kill_group(proc)
 
 
+def _supervise_stand_ins(job: ReplicaJob, groups: dict, workers: dict) -> None:
+    """Hand the stand-in groups and their recorded workers to ``job`` and start its lighthouse."""
+    job.groups = groups
+    for g, worker in workers.items():
+        write_pid_file(pid_path(job.run_dir, g, 0), worker.pid)
+    job.lighthouse_port = free_port()
+    job._start_lighthouse()
+
+
 def _events(run_dir) -> list[dict]:
     path = os.path.join(run_dir, "events.jsonl")
     with open(path) as f:
@@ -83,11 +92,7 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
     groups = {g: subprocess.Popen([sys.executable, "-c", finishes]) for g in (0, 1)}
     workers = {g: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for g in (0, 1)}
     try:
-        job.groups = groups
-        for g, worker in workers.items():
-            write_pid_file(pid_path(run_dir, g, 0), worker.pid)
-        job.lighthouse_port = free_port()
-        job._start_lighthouse()
+        _supervise_stand_ins(job, groups, workers)
         assert job.lighthouse_min_replicas == 1
         kill_group(job.lighthouse)  # the lighthouse dies
         job._supervise_lighthouse()
@@ -132,11 +137,7 @@ def test_with_three_groups_a_restarted_lighthouse_needs_a_majority_of_the_health
     groups = {g: subprocess.Popen(sleeper) for g in range(3)}
     workers = {g: subprocess.Popen(sleeper) for g in range(3)}
     try:
-        job.groups = groups
-        for g, worker in workers.items():
-            write_pid_file(pid_path(run_dir, g, 0), worker.pid)
-        job.lighthouse_port = free_port()
-        job._start_lighthouse()
+        _supervise_stand_ins(job, groups, workers)
         kill_group(job.lighthouse)
         job._supervise_lighthouse()
         assert job.lighthouse_min_replicas == 2  # a majority of 3 healthy groups

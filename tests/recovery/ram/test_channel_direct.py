@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import secrets
 import socket
-import time
 
 import numpy as np
 import pytest
 
 from resilient.recovery.ram import wire
 from resilient.recovery.ram.channel import ChannelError, PutTarget, ReplicationClient, ReplicationServer
+from tests.recovery.ram.test_channel import _wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,14 +51,6 @@ class SlotHandler:
 @pytest.fixture
 def secret() -> bytes:
     return secrets.token_bytes(32)
-
-
-def _wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def test_put_lands_in_the_handlers_slot_and_get_lands_in_the_callers_buffer(secret):
