@@ -14,7 +14,7 @@ import pytest
 
 from resilient.recovery.ram import wire
 from resilient.recovery.ram.channel import ChannelError, PutTarget, ReplicationClient, ReplicationServer
-from tests.recovery.ram.test_channel import _wait_for  # noqa: E402
+from tests.recovery.ram.test_channel import _wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
