@@ -17,6 +17,8 @@ with real gradients, and the state callbacks never race the training thread.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torchft.manager import Manager, WorldSizeMode
 from torchft.process_group import ProcessGroupGloo, ReduceOp
 
-from resilient.errors import QuorumTimeout
+from resilient.errors import QuorumError, QuorumTimeout
 from resilient.recovery.config import QuorumConfig, check_rows_divisible
 from resilient.recovery.heal_codec import adopt_shards, has_shards
 from resilient.recovery.transport import HealTransport
@@ -63,20 +65,45 @@ class QuorumInfo:
     quorum_s: float = 0.0
 
 
-class _RecordingClient:
-    """Passes calls through to the Manager's gRPC client and keeps the last quorum's member list
-    (the Manager keeps it in a local only)."""
+class _QuorumClient:
+    """The Manager's gRPC client, passed through, with two changes to what ``_quorum`` returns.
+
+    It keeps the last quorum (the Manager keeps it in a local only). And it gives every new quorum
+    a ``quorum_id`` no earlier one had: the Manager rebuilds the cross-group process group under the
+    store prefix ``torchft/<quorum_id>/<group rank>``, and a RESTARTED lighthouse counts quorum ids
+    from 1 again. A rebuilt group under a prefix an earlier group used reads that group's stale
+    addresses: gloo's connectFullMesh is refused on one side and hangs well past its timeout on
+    the other (reproduced; seen as a CI timeout of test_lighthouse_killed_and_restarted_no_split_brain).
+    The id given is a hash of the lighthouse's id, the members (their uuids change on every
+    restart) and the step at which this rank first saw them: every member sees a new quorum first
+    in the same round, at the same max step, so all derive the same id."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.last_quorum: Any = None
+        self.lighthouse_quorum_id = -1
+        self._first_seen: tuple[int, tuple[str, ...]] | None = None
+        self._store_generation = -1
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        self.last_quorum = self._client._quorum(*args, **kwargs)
-        return self.last_quorum
+        quorum = self._client._quorum(*args, **kwargs)
+        self.lighthouse_quorum_id = int(quorum.quorum_id)
+        seen = (self.lighthouse_quorum_id, tuple(sorted(quorum.replica_ids)))
+        if seen != self._first_seen:
+            self._first_seen = seen
+            self._store_generation = store_generation(*seen, int(quorum.max_step))
+        quorum.quorum_id = self._store_generation
+        self.last_quorum = quorum
+        return quorum
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def store_generation(quorum_id: int, members: tuple[str, ...], max_step: int) -> int:
+    """A positive 62-bit id for one quorum of one lighthouse lifetime (``_QuorumClient``)."""
+    text = json.dumps([quorum_id, list(members), max_step]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
 
 
 class ReplicaGroupSync:
@@ -133,7 +160,7 @@ class ReplicaGroupSync:
             init_sync=True,
             quorum_retries=config.quorum_retries,
         )
-        self._client = _RecordingClient(self._manager._client)
+        self._client = _QuorumClient(self._manager._client)
         self._manager._client = self._client
 
     # -- per step ----------------------------------------------------------------------------
@@ -150,6 +177,7 @@ class ReplicaGroupSync:
                 f"{self.config.lighthouse_url()} within replica.quorum_timeout_s={self.config.quorum_timeout_s}: "
                 "is it running and reachable?"
             ) from e
+        self._check_configured()
         prank = self._manager.participating_rank()
         npart = self._manager.num_participants()
         quorum = self._client.last_quorum
@@ -158,13 +186,28 @@ class ReplicaGroupSync:
             # Sync mode: every group in the quorum participates (None only under async/spares).
             participating_rank=int(prank if prank is not None else 0),
             num_participants=int(npart),
-            quorum_id=int(quorum.quorum_id) if quorum is not None else -1,
+            quorum_id=self._client.lighthouse_quorum_id,
             members=sorted(quorum.replica_ids) if quorum is not None else [],
             healed=self._healed_now,
             heal_bytes=self.transport.last_recv_bytes if self._healed_now else 0,
             heal_s=self.transport.last_recv_s if self._healed_now else 0.0,
             quorum_s=time.perf_counter() - start,
         )
+
+    def _check_configured(self) -> None:
+        """torchft records a quorum's id BEFORE it builds that quorum's process group, so a build
+        that failed is never retried while the quorum stays the same: every later step would fail
+        its vote, forever. A restart gives this group new member ids, hence a new quorum that every
+        group rebuilds for; torchrun restarts the group when this raises."""
+        if getattr(self._manager._pg, "_pg", True) is not None:
+            return
+        error = self._manager.errored()
+        cause = error.original_exception if error is not None else None
+        raise QuorumError(
+            f"[group {self.group} rank {self.rank}] the cross-group process group of quorum "
+            f"{self._client.lighthouse_quorum_id} could not be built ({cause}); "
+            "restarting this group so that the quorum changes"
+        ) from cause
 
     def allreduce_sum(self, tensor: torch.Tensor) -> bool:
         """Sum ``tensor`` (in place) over the participating groups' same-rank peers.

@@ -39,6 +39,10 @@ class QuorumTimeout(ResilientError, TimeoutError):
     """A quorum or collective decision did not complete within its timeout."""
 
 
+class QuorumError(ResilientError):
+    """A quorum was granted but this group cannot take part in it (its process group failed)."""
+
+
 class RemoteError(ResilientError):
     """Stands as the ``__cause__`` of an error re-raised from another rank or process: its message
     is the remote traceback, so the place that failed is not lost in the hop."""

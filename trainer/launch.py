@@ -52,6 +52,7 @@ from resilient.runfiles import (
     lighthouse_pid_path,
     logs_dir,
     pids_dir,
+    read_events,
     read_jsonl_by_step,
     read_pid_file,
     write_pid_file,
@@ -247,6 +248,7 @@ class ReplicaJob:
         self.groups: dict[int, subprocess.Popen] = {}
         self.lighthouse_min_replicas = 1
         self._worker_lost_since: dict[int, float] = {}  # group -> when a worker of it was first seen dead
+        self._started_t = time.time()  # events.jsonl also holds earlier runs' events
         self._logs: list[IO[str]] = []
         self.events = EventLog(self.run_dir, enabled=True)
 
@@ -348,7 +350,7 @@ class ReplicaJob:
         now = time.monotonic()
         lost = []
         for group, proc in self.groups.items():
-            if proc.poll() is None and not self._workers_alive(group):
+            if proc.poll() is None and not self._workers_alive(group) and not self._finished(group):
                 since = self._worker_lost_since.setdefault(group, now)
             else:
                 self._worker_lost_since.pop(group, None)  # back, or its torchrun ended
@@ -366,6 +368,14 @@ class ReplicaJob:
         self.events.write("lighthouse_relaxed", pid=self.lighthouse.pid, min_replicas=needed, lost=lost)
         kill_group(self.lighthouse)
         self._restart_lighthouse(needed)
+
+    def _finished(self, group: int) -> bool:
+        """The group's workers ended the run (its torchrun exits 0 a moment later): not a loss,
+        and restarting the lighthouse then would stall a group still training."""
+        return any(
+            e["event"] == "done" and e.get("group") == group and e["t"] >= self._started_t
+            for e in read_events(self.run_dir)
+        )
 
     def _healthy_groups(self) -> list[int]:
         """Groups whose torchrun runs and whose recorded workers are all alive."""

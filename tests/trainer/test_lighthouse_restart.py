@@ -101,10 +101,15 @@ def test_launcher_restarts_the_lighthouse_needing_every_healthy_group_then_relax
         assert [e["min_replicas"] for e in restarted] == [2]
         job._supervise_lighthouse()  # both groups healthy: nothing changes
         assert job.lighthouse_min_replicas == 2
-        # The run's end: group 1's worker exits, then its torchrun. Not a restart: nothing changes.
+        # The run's end: group 1's worker records "done" and exits; its torchrun lingers past
+        # RELAX_AFTER_S, then exits 0. Not a restart: nothing changes.
+        job.events.write("done", group=1, step=14)
         workers[1].kill()
         workers[1].wait(timeout=10)
         job._supervise_lighthouse()
+        time.sleep(RELAX_AFTER_S + 0.2)
+        job._supervise_lighthouse()
+        assert job.lighthouse_min_replicas == 2
         groups[1].terminate()
         assert groups[1].wait(timeout=10) == 0
         time.sleep(RELAX_AFTER_S + 0.2)
