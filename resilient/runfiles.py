@@ -7,7 +7,7 @@ and the tools all ask here.
     <run.dir>/
       events.jsonl            typed events of the whole job (every group's rank 0 appends)
       pids/group<G>-rank<R>   pid files; pids/lighthouse
-      group<G>/metrics.jsonl  samples.jsonl  saves.jsonl  ram.jsonl  config.json  final.json
+      group<G>/metrics.jsonl  samples.jsonl  skipped.jsonl  saves.jsonl  ram.jsonl  config.json  final.json
       group<G>/timeline.json  the RAM tier's current timeline (recovery/ram/timeline.py)
       ckpt/                   default checkpoint.url
 
@@ -40,6 +40,8 @@ CHAOS_DIR = "chaos"
 CKPT_DIR = "ckpt"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+SKIPPED_FILE = "skipped.jsonl"
+"""Documents the data could not build (a real media file that does not decode): step, rank, id, reason."""
 SAVES_FILE = "saves.jsonl"
 RAM_FILE = "ram.jsonl"
 CONFIG_FILE = "config.json"

@@ -301,6 +301,11 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     if unknown:
         raise ConfigError(f"unknown config section(s) {unknown}; allowed: {list(_SECTIONS)}")
     data = _build_section("data", raw.get("data", {}))
+    if data.pipeline.source == "shards":  # the build is read here: a wrong DEST fails before any worker
+        from resilient.trainer.data.shard_source import resolve_build
+
+        given = raw.get("data", {}) if isinstance(raw.get("data"), dict) else {}
+        data.pipeline = resolve_build(data.pipeline, vocab_given="vocab_size" in given)
     sections = {name: _build_section(name, raw.get(name, {}), data.pipeline) for name in _SECTIONS if name != "data"}
     return TrainConfig(data=data, **sections)
 

@@ -50,6 +50,8 @@ class StepResult:
     lr: float
     committed: bool
     """The sync committed the step: the optimizer stepped (else it is retried on the same batch)."""
+    data_skipped: int = 0
+    """Documents of the global batch that could not be built (their slots were padding)."""
 
 
 class Trainer:
@@ -171,6 +173,7 @@ class Trainer:
         ckpt_stall = time.perf_counter() - stall_start
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
+        self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.
             self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))
@@ -202,7 +205,10 @@ class Trainer:
         self.sync.allreduce_gradients(self.parts.model.parameters())
         grad_norm = self._clip_gradients()
         # Each rank's loss is its summed loss over the GLOBAL token count: the sum is the global mean.
-        sums = torch.stack([out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double()])
+        skipped = torch.tensor(float(len(batch.get("skipped", ()))), dtype=torch.float64)
+        sums = torch.stack(
+            [out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double(), skipped]
+        )
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
         self.sync.allreduce_sum(sums)
         lr = self.parts.optimizer.param_groups[0]["lr"]
@@ -215,7 +221,7 @@ class Trainer:
             self.parts.optimizer.step()
             self.parts.scheduler.step()
         self.parts.optimizer.zero_grad(set_to_none=True)
-        loss, text_sum, text_tokens = sums.tolist()
+        loss, text_sum, text_tokens, data_skipped = sums.tolist()
         return StepResult(
             loss=loss,
             text_loss=text_sum / max(text_tokens, 1.0),
@@ -223,6 +229,7 @@ class Trainer:
             grad_norm=grad_norm,
             lr=lr,
             committed=committed,
+            data_skipped=int(data_skipped),
         )
 
     def _clip_gradients(self) -> float:
@@ -245,6 +252,7 @@ class Trainer:
             step_time_s=step_time,
             data_wait_s=data_wait,
             ckpt_stall_s=ckpt_stall,
+            data_skipped=result.data_skipped,
             tokens_per_s=self.tokens_per_step / step_time,
             mfu=self._flops_per_step / step_time / self._peak_flops,
         )

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from resilient.runfiles import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, append_jsonl
+from resilient.runfiles import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, SKIPPED_FILE, append_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class StepStats:
     """Time spent waiting for this step's batch (0 when the loader kept ahead)."""
     ckpt_stall_s: float
     """Time the step was blocked by checkpointing (save snapshot, or waiting for an earlier save)."""
+    data_skipped: int
+    """Documents of the global batch that could not be built (``skipped.jsonl`` names them)."""
     tokens_per_s: float
     mfu: float
     """Model FLOPs utilization: flops_per_token x tokens / step_time / (peak_flops x ranks)."""
@@ -103,6 +105,13 @@ class RunOutputs:
             with self._side_effect(SAMPLES_FILE):
                 append_jsonl(self.samples_path, {"step": step, "sample_ids": sample_ids})
 
+    def skipped(self, step: int, entries: list[dict[str, str]], *, rank: int) -> None:
+        """``skipped.jsonl``: the documents of THIS rank's rows that could not be built. Every rank
+        writes its own (one line each, one write: appends do not interleave)."""
+        for entry in entries:
+            with self._side_effect(SKIPPED_FILE):
+                append_jsonl(os.path.join(self.directory, SKIPPED_FILE), {"step": step, "rank": rank, **entry})
+
     def message(self, text: str) -> None:
         if self.enabled:
             print(text, flush=True)
@@ -123,5 +132,16 @@ class RunOutputs:
 
 
 def sort_sample_ids(ids: set[str]) -> list[str]:
-    """'<epoch>:<index>' ids in (epoch, index) order."""
-    return sorted(ids, key=lambda s: tuple(int(p) for p in s.split(":")))
+    """'<epoch>:<index>' ids in (epoch, index) order; '<epoch>:<key>[#<window>]' ids of a shard
+    build in (epoch, key, window) order."""
+    return sorted(ids, key=_sample_order)
+
+
+def _sample_order(sample_id: str) -> tuple[int, int, str, int]:
+    epoch, _, name = sample_id.partition(":")
+    if name.isdigit():
+        return int(epoch), int(name), "", 0
+    key, _, window = name.rpartition("#")
+    if not window.isdigit():  # a sample that was not cut (its key may hold a '#')
+        return int(epoch), -1, name, 0
+    return int(epoch), -1, key, int(window)

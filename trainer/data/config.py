@@ -15,7 +15,7 @@ import numpy as np
 
 from resilient.errors import ConfigError
 from resilient.trainer.data.vocab import TEXT_TOKENS_PER_SAMPLE, VOCAB
-from resilient.validate import check_int, check_number
+from resilient.validate import check_choice, check_int, check_number
 
 SAMPLE_RATE = 16_000
 """Audio samples per second."""
@@ -25,6 +25,7 @@ FRAMES_PER_SECOND = 25
 """Audio tokens (and temporal positions) per second: one per 40 ms."""
 CHUNK_FRAMES = 50
 """Temporal positions per interleaving chunk: 2 seconds."""
+SOURCES = ("synthetic", "shards")
 SPECTRUM_BINS = AUDIO_FRAME_SAMPLES // 2
 """rfft bins of one frame kept for the audio feature (the Nyquist bin is dropped): 25 Hz each."""
 
@@ -37,6 +38,14 @@ class DataConfig:
     ``worker_timeout_s`` changes the row stream and is hashed into the data-state fingerprint.
     """
 
+    source: str = "synthetic"
+    """Where samples come from: "synthetic" (the generator of source.py) or "shards" (real media
+    built by ``resilient-data build``, read from ``shards``)."""
+    shards: str = ""
+    """The build's DEST (a folder or s3://bucket/prefix) when source is "shards"."""
+    shards_fingerprint: str = ""
+    """The build's fingerprint (manifest.json); filled in when the config is loaded. Set it to pin
+    a run to one build: another build at the same place is then refused."""
     seed: int = 0
     """Seeds sample content and the per-epoch order; [0, 2**63)."""
     row_len: int = 512
@@ -44,13 +53,15 @@ class DataConfig:
     global_rows: int = 8
     """Rows in one global batch (all data-parallel shares together); [1, 65536]."""
     num_samples: int = 1024
-    """Samples per epoch: sample ids are 0 .. num_samples-1; [1, 2**31)."""
+    """Synthetic samples per epoch: sample ids are 0 .. num_samples-1; [1, 2**31). (Shards: every
+    window of every sample of the build, once per epoch.)"""
     packing_window: int = 64
     """Samples (consecutive in the epoch's permutation) that first-fit packs together; [1, 2**20]."""
     min_clip_seconds: float = 1.0
     """Shortest clip; clip lengths are uniform in [min, max], rounded to 40 ms; [0.04, 60]."""
     max_clip_seconds: float = 8.0
-    """Longest clip; [min_clip_seconds, 60]."""
+    """Longest clip; [min_clip_seconds, 60]. Real media longer than this is cut into windows of at
+    most this length, each a document of its own."""
     video_fps: int = 2
     """Video frames per second; [1, 25] (at most one frame per 40 ms position)."""
     frame_size: int = 16
@@ -69,6 +80,11 @@ class DataConfig:
     """Longest wait for one batch from a worker before the loader raises; [1, 86400]."""
 
     def __post_init__(self) -> None:
+        check_choice("data.source", self.source, SOURCES)
+        if self.source == "shards" and (not isinstance(self.shards, str) or not self.shards):
+            raise ConfigError(
+                'data.source="shards" needs data.shards: the DEST of `resilient-data build SRC --out DEST`'
+            )
         check_int("DataConfig.seed", self.seed, 0, 2**63 - 1)
         check_int("DataConfig.row_len", self.row_len, 64, 2**20)
         check_int("DataConfig.global_rows", self.global_rows, 1, 65536)
@@ -130,8 +146,10 @@ class DataConfig:
 
     @property
     def max_positions(self) -> int:
-        """Largest temporal position + 1 in any batch (prompt + one per 40 ms + caption), for RoPE."""
-        return TEXT_TOKENS_PER_SAMPLE + self.max_audio_frames
+        """Largest temporal position + 1 in any batch (prompt + one per 40 ms + caption), for RoPE.
+        Real media: untimed text (at most a row of it) + one per 40 ms."""
+        lead = self.row_len if self.source == "shards" else TEXT_TOKENS_PER_SAMPLE
+        return lead + self.max_audio_frames
 
     def video_frames(self, audio_frames: np.ndarray) -> np.ndarray:
         """Video frames of clips with these audio frame counts.

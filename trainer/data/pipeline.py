@@ -42,11 +42,12 @@ class OmniPipeline:
         self._stream = RowStream(config)
         self._cursor = RowKey(0, 0)
         self._loader = PrefetchLoader(self._stream, share, num_shares)
-        if config.max_sample_tokens > config.row_len:
+        longest = self._stream.longest_item()
+        if longest > config.row_len:
             logger.warning(
                 "[share %d] samples of up to %d tokens exceed row_len=%d and will be truncated",
                 share,
-                config.max_sample_tokens,
+                longest,
                 config.row_len,
                 extra={"event": "data_truncation", "row_len": config.row_len},
             )
@@ -101,7 +102,8 @@ class OmniPipeline:
         """Ids of every sample in the whole global batch at ``cursor`` (no tensors are built): what a
         replica group logs for a step whatever share of it the group trained."""
         keys = self._stream.rows_for_step(cursor, 0, 1)
-        return [sample_id(key.epoch, int(i)) for key in keys for i in self._stream.plan(key.epoch).row_samples(key.row)]
+        source, plan = self._stream.source, self._stream.plan
+        return [sample_id(key.epoch, source.name(int(i))) for key in keys for i in plan(key.epoch).row_samples(key.row)]
 
     def next_batch(self) -> Batch:
         """This share's batch of the step at the cursor; the same batch until commit_step()."""

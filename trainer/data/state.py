@@ -26,9 +26,17 @@ _NOT_IN_STREAM = ("global_rows", "num_workers", "prefetch_factor", "worker_timeo
 them (global_rows included: the cursor counts rows, not steps)."""
 
 
+_SHARDS_ONLY = ("source", "shards_fingerprint")
+"""Hashed for real media only, so a synthetic run's fingerprint is what it was before they existed."""
+_SYNTHETIC_ONLY = ("num_samples", "min_clip_seconds")
+"""The generator's sizes: a build's samples and durations are in its fingerprint."""
+
+
 def stream_settings(config: DataConfig) -> dict[str, Any]:
-    """The settings the fingerprint hashes, with the state version."""
-    settings = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _NOT_IN_STREAM}
+    """The settings the fingerprint hashes, with the state version. The build's location is not one
+    of them (a copy of it elsewhere is the same stream); its fingerprint is."""
+    skip = {*_NOT_IN_STREAM, "shards", *(_SYNTHETIC_ONLY if config.source == "shards" else _SHARDS_ONLY)}
+    settings = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
     return {"version": DATA_STATE_VERSION, **settings}
 
 

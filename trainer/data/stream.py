@@ -9,7 +9,7 @@ once per epoch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -21,8 +21,8 @@ from resilient.trainer.data.source import OmniSource
 from resilient.trainer.data.tokens import PAD, TokenizedSample, tokenize
 
 Batch = dict[str, Any]
-"""text_tokens, audio_frames, video_patches, modality, positions, doc_ids (tensors [B, L, ...])
-and sample_ids (list[list[str]]); see ``RowStream.batch``."""
+"""text_tokens, audio_frames, video_patches, modality, positions, doc_ids (tensors [B, L, ...]),
+sample_ids (list[list[str]]) and skipped (list of {sample_id, reason}); see ``RowStream.batch``."""
 
 _CACHED_PLANS = 4
 """Epoch plans kept per process: the current epoch, the next, and a little slack."""
@@ -35,9 +35,51 @@ class RowKey(NamedTuple):
     row: int
 
 
-def sample_id(epoch: int, index: int) -> str:
-    """The id logged for a sample seen in an epoch (``samples.jsonl``)."""
-    return f"{epoch}:{index}"
+def sample_id(epoch: int, name: str | int) -> str:
+    """The id logged for a sample seen in an epoch (``samples.jsonl``): ``<epoch>:<name>``, the
+    name being the synthetic index or a build's ``<key>[#<window>]``."""
+    return f"{epoch}:{name}"
+
+
+class ItemSource(Protocol):
+    """What the stream reads: items (documents) sized without building them, built on demand."""
+
+    @property
+    def num_items(self) -> int: ...
+    def token_counts(self, indices: np.ndarray) -> np.ndarray: ...
+    def name(self, index: int) -> str: ...
+    def sample(self, index: int) -> TokenizedSample:
+        """The item's tokens; raises SampleError for an item that cannot be built (skipped)."""
+        ...
+
+
+class SyntheticItems:
+    """The generator's clips (source.py) as items."""
+
+    def __init__(self, config: DataConfig) -> None:
+        self.config = config
+        self.clips = OmniSource(config)
+
+    @property
+    def num_items(self) -> int:
+        return self.config.num_samples
+
+    def token_counts(self, indices: np.ndarray) -> np.ndarray:
+        return self.clips.token_counts(indices)
+
+    def name(self, index: int) -> str:
+        return str(index)
+
+    def sample(self, index: int) -> TokenizedSample:
+        return tokenize(self.clips.clip(index), self.config)
+
+
+def make_source(config: DataConfig) -> ItemSource:
+    if config.source == "shards":
+        from resilient.trainer.data.shard_source import ShardSource  # deferred: media libraries
+
+        return ShardSource(config)
+    return SyntheticItems(config)
 
 
 class RowStream:
@@ -45,7 +87,7 @@ class RowStream:
 
     def __init__(self, config: DataConfig) -> None:
         self.config = config
-        self.source = OmniSource(config)
+        self.source = make_source(config)
         self._token_counts: np.ndarray | None = None
         self._plans: OrderedDict[int, EpochPlan] = OrderedDict()
 
@@ -54,11 +96,9 @@ class RowStream:
         if epoch in self._plans:
             self._plans.move_to_end(epoch)
             return self._plans[epoch]
-        if self._token_counts is None:
-            self._token_counts = self.source.token_counts(np.arange(self.config.num_samples))
         cfg = self.config
         plan = plan_epoch(
-            self._token_counts,
+            self.token_counts(),
             seed=cfg.seed,
             epoch=epoch,
             row_len=cfg.row_len,
@@ -68,6 +108,18 @@ class RowStream:
         if len(self._plans) > _CACHED_PLANS:
             self._plans.popitem(last=False)
         return plan
+
+    def token_counts(self) -> np.ndarray:
+        """Tokens of every item (computed once per process, no item is built)."""
+        if self._token_counts is None:
+            self._token_counts = self.source.token_counts(np.arange(self.source.num_items))
+        return self._token_counts
+
+    def longest_item(self) -> int:
+        """Tokens of the longest item: more than row_len means truncation."""
+        if isinstance(self.source, SyntheticItems):  # known without sizing every item
+            return self.config.max_sample_tokens
+        return int(self.token_counts().max(initial=0))
 
     def rows_in_epoch(self, epoch: int) -> int:
         return self.plan(epoch).num_rows
@@ -113,23 +165,35 @@ class RowStream:
             "positions": np.zeros(shape, dtype=np.int64),
             "doc_ids": np.full(shape, -1, dtype=np.int64),
         }
-        sample_ids = []
+        sample_ids, skipped = [], []
         for b, key in enumerate(keys):
             indices = self.plan(key.epoch).row_samples(key.row)
-            self._fill_row({name: array[b] for name, array in arrays.items()}, indices)
-            sample_ids.append([sample_id(key.epoch, int(index)) for index in indices])
+            names = [sample_id(key.epoch, self.source.name(int(index))) for index in indices]
+            failed = self._fill_row({name: array[b] for name, array in arrays.items()}, indices)
+            sample_ids.append(names)
+            skipped += [{"sample_id": names[doc], "reason": reason} for doc, reason in failed]
         batch: Batch = {name: torch.from_numpy(array) for name, array in arrays.items()}
         batch["sample_ids"] = sample_ids
+        batch["skipped"] = skipped
         return batch
 
-    def _fill_row(self, row: dict[str, np.ndarray], indices: np.ndarray) -> None:
-        offset = 0
+    def _fill_row(self, row: dict[str, np.ndarray], indices: np.ndarray) -> list[tuple[int, str]]:
+        """Writes the row's documents; returns (doc, reason) of those that could not be built.
+        Their slot stays padding: the documents after them move up, the plan stays the same."""
+        from resilient.trainer.data.shard_source import SampleError
+
+        offset, failed = 0, []
         for doc, index in enumerate(indices):
-            sample = tokenize(self.source.clip(int(index)), self.config)
+            try:
+                sample = self.source.sample(int(index))
+            except SampleError as e:
+                failed.append((doc, str(e)))
+                continue
             # Truncation: only a sample longer than the whole row can overflow (packing.py).
             kept = min(len(sample), self.config.row_len - offset)
             _write_document(row, sample, offset, kept, doc)
             offset += kept
+        return failed
 
 
 def _write_document(row: dict[str, np.ndarray], sample: TokenizedSample, offset: int, kept: int, doc: int) -> None:

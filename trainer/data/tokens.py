@@ -79,51 +79,98 @@ def video_patches(video: np.ndarray, patch: int) -> np.ndarray:
     return grid.transpose(0, 1, 3, 2, 4, 5).reshape(frames, -1, patch * patch * channels)
 
 
-def _media_order(audio_frames: int, video_frames: int, config: DataConfig) -> tuple[np.ndarray, ...]:
-    """Token order of the media: (is_audio, item, temporal position), each [Ta + Tv].
+@dataclass(frozen=True, slots=True)
+class TimedText:
+    """Text tokens said or shown at one instant: they sit in the stream at that time."""
 
-    item is the audio frame index for audio, frame * patches_per_frame + patch for video.
+    position: int
+    """Temporal position (40 ms steps from the media's start) every token of it takes."""
+    ids: np.ndarray
+    """int64 token ids."""
+
+
+_VIDEO_KIND, _AUDIO_KIND, _TEXT_KIND = 0, 1, 2
+"""Order within a 2-second chunk: what is seen, what is heard, then what is said of it."""
+
+
+def _media_order(
+    audio_frames: int, video_frames: int, timed: list[TimedText], config: DataConfig
+) -> tuple[np.ndarray, ...]:
+    """Token order of the media and timed text: (kind, item, temporal position), each [Ta + Tv + Tt].
+
+    item is the audio frame index for audio, frame * patches_per_frame + patch for video, and the
+    token's index in the concatenated timed texts for text.
     """
     per_frame = config.patches_per_frame
-    audio_time = np.arange(audio_frames)
     video_item = np.arange(video_frames * per_frame)
     video_time = (FRAMES_PER_SECOND * (video_item // per_frame)) // config.video_fps
-    is_audio = np.concatenate([np.zeros(len(video_item), np.int64), np.ones(audio_frames, np.int64)])
-    item = np.concatenate([video_item, audio_time])
-    time = np.concatenate([video_time, audio_time])
-    # Sort by chunk, then video before audio, then item (frames and patches keep their order).
-    order = np.lexsort((item, is_audio, time // CHUNK_FRAMES))
-    return is_audio[order], item[order], time[order]
-
-
-def tokenize(clip: Clip, config: DataConfig) -> TokenizedSample:
-    """The tokens of one clip (see the module docstring for the layout)."""
-    prompt = np.asarray(encode(PROMPT_WORDS), dtype=np.int64)
-    caption = np.asarray(encode(clip.caption), dtype=np.int64)
-    audio = audio_features(clip.audio, config.audio_bands)
-    video = video_patches(clip.video, config.patch_size).reshape(-1, config.video_dim)
-    is_audio, item, time = _media_order(len(audio), len(clip.video), config)
-
-    media_start = len(prompt)
-    caption_start = media_start + len(is_audio)
-    modality = np.concatenate(
-        [np.full(len(prompt), TEXT), np.where(is_audio == 1, AUDIO, VIDEO), np.full(len(caption), TEXT)]
+    text_time = np.concatenate([np.full(len(t.ids), t.position) for t in timed] or [np.zeros(0, np.int64)])
+    kind = np.concatenate(
+        [
+            np.full(len(video_item), _VIDEO_KIND),
+            np.full(audio_frames, _AUDIO_KIND),
+            np.full(len(text_time), _TEXT_KIND),
+        ]
     ).astype(np.int64)
-    caption_positions = media_start + len(audio) + np.arange(len(caption))
-    positions = np.concatenate([np.arange(len(prompt)), media_start + time, caption_positions])
-    text_tokens = np.zeros(len(modality), dtype=np.int64)
-    text_tokens[: len(prompt)] = prompt
-    text_tokens[caption_start:] = caption
+    item = np.concatenate([video_item, np.arange(audio_frames), np.arange(len(text_time))])
+    time = np.concatenate([video_time, np.arange(audio_frames), text_time]).astype(np.int64)
+    # Sort by chunk, then kind, then item (frames, patches and words keep their order).
+    order = np.lexsort((item, kind, time // CHUNK_FRAMES))
+    return kind[order], item[order], time[order]
 
-    media_slots = media_start + np.arange(len(is_audio))
-    audio_mask = is_audio == 1
+
+def assemble(
+    index: int,
+    *,
+    lead: np.ndarray,
+    audio: np.ndarray,
+    video: np.ndarray,
+    timed: list[TimedText],
+    tail: np.ndarray,
+    span: int,
+    config: DataConfig,
+) -> TokenizedSample:
+    """One document: ``lead`` text, the media interleaved by 2-second chunk with the timed text,
+    then ``tail`` text. ``audio`` [Ta, audio_dim] (one row per 40 ms position), ``video``
+    [frames, patches_per_frame, video_dim]; ``span``: the media's length in 40 ms positions (the
+    tail continues after it)."""
+    kind, item, time = _media_order(len(audio), len(video), timed, config)
+    media_start = len(lead)
+    tail_start = media_start + len(kind)
+    modality = np.concatenate(
+        [np.full(len(lead), TEXT), np.array([VIDEO, AUDIO, TEXT])[kind], np.full(len(tail), TEXT)]
+    ).astype(np.int64)
+    positions = np.concatenate([np.arange(len(lead)), media_start + time, media_start + span + np.arange(len(tail))])
+    text_tokens = np.zeros(len(modality), dtype=np.int64)
+    text_tokens[: len(lead)] = lead
+    text_tokens[tail_start:] = tail
+    media_slots = media_start + np.arange(len(kind))
+    is_text = kind == _TEXT_KIND
+    if is_text.any():
+        text_tokens[media_slots[is_text]] = np.concatenate([t.ids for t in timed])[item[is_text]]
+    is_audio, is_video = kind == _AUDIO_KIND, kind == _VIDEO_KIND
     return TokenizedSample(
-        index=clip.params.index,
+        index=index,
         modality=modality,
         positions=positions.astype(np.int64),
         text_tokens=text_tokens,
-        audio_slots=media_slots[audio_mask],
-        audio_frames=audio[item[audio_mask]],
-        video_slots=media_slots[~audio_mask],
-        video_patches=video[item[~audio_mask]],
+        audio_slots=media_slots[is_audio],
+        audio_frames=audio[item[is_audio]],
+        video_slots=media_slots[is_video],
+        video_patches=video.reshape(-1, config.video_dim)[item[is_video]],
+    )
+
+
+def tokenize(clip: Clip, config: DataConfig) -> TokenizedSample:
+    """The tokens of one synthetic clip: prompt, media, caption (see the module docstring)."""
+    audio = audio_features(clip.audio, config.audio_bands)
+    return assemble(
+        clip.params.index,
+        lead=np.asarray(encode(PROMPT_WORDS), dtype=np.int64),
+        audio=audio,
+        video=video_patches(clip.video, config.patch_size),
+        timed=[],
+        tail=np.asarray(encode(clip.caption), dtype=np.int64),
+        span=len(audio),
+        config=config,
     )

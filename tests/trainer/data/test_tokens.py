@@ -53,7 +53,7 @@ def test_chunks_are_time_aligned_by_content(fps: int) -> None:
     """
     config = DataConfig(video_fps=fps)
     stream = RowStream(config)
-    source = stream.source
+    source = OmniSource(config)
     batch = stream.batch(stream.rows_for_step(RowKey(0, 0), 0, 1))
     checked = 0
     for b, ids in enumerate(batch["sample_ids"]):
