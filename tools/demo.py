@@ -15,7 +15,9 @@ group's rank mid-run and heal it live, on CPU.
    non-zero if they differ. (Group 0 waits at step ``HOLD_STEP`` for group 1 to be back, at most
    ``HOLD_S`` seconds, so that a slow restart on a busy machine still shows a heal.)
 5. the RAM tier (``resilient.tools.demo_ram``): a node lost mid-run, its rank restored from its
-   buddy's RAM and the other from its own, with no storage read.
+   buddy's RAM and the other from its own, with no storage read;
+6. real media (``resilient.tools.demo_media``): a corpus of real containers built into WebDataset
+   shards, trained on 2 ranks and resumed on 1, exactly once, with what was skipped.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from resilient.runfiles import (
     read_jsonl_by_step,
     read_pid,
 )
+from resilient.tools.demo_media import run_media_phase
 from resilient.tools.demo_ram import run_ram_phase
 from resilient.trainer.config import load_config
 from resilient.trainer.launch import ReplicaJob, ReplicaLaunch, run, torchrun_command
@@ -50,6 +53,8 @@ RUN_DIR = os.path.abspath(os.environ.get("RESILIENT_DEMO_DIR", "runs/demo"))
 FIRST_STEPS, MORE_STEPS = 60, 20
 REPLICA_DIR = os.path.join(RUN_DIR, "replicas")
 RAM_DIR = os.path.join(RUN_DIR, "ram")
+MEDIA_DIR = os.path.join(RUN_DIR, "media")
+TINY_RECIPE = os.path.join(os.path.dirname(RECIPE), "tiny.toml")
 REPLICA_STEPS, KILL_STEP, HOLD_STEP, HOLD_S = 40, 10, 32, 90.0
 
 
@@ -225,16 +230,18 @@ def _replica_summary() -> None:
 
 def main() -> None:
     shutil.rmtree(RUN_DIR, ignore_errors=True)
-    print(f"[demo] 1/4: {FIRST_STEPS} steps on 4 ranks (dp_shard=2 x tp=2) -> {RUN_DIR}", flush=True)
+    print(f"[demo] 1/5: {FIRST_STEPS} steps on 4 ranks (dp_shard=2 x tp=2) -> {RUN_DIR}", flush=True)
     _train(4, f"run.steps={FIRST_STEPS}")
-    print(f"[demo] 2/4: resume on 2 ranks (dp_shard=2 x tp=1) for {MORE_STEPS} more steps", flush=True)
+    print(f"[demo] 2/5: resume on 2 ranks (dp_shard=2 x tp=1) for {MORE_STEPS} more steps", flush=True)
     _train(2, "parallel.tp=1", f"run.steps={FIRST_STEPS + MORE_STEPS}")
     _summary()
-    print(f"\n[demo] 3/4: 2 replica groups x 2 ranks, {REPLICA_STEPS} steps -> {REPLICA_DIR}", flush=True)
+    print(f"\n[demo] 3/5: 2 replica groups x 2 ranks, {REPLICA_STEPS} steps -> {REPLICA_DIR}", flush=True)
     _replicas()
     _replica_summary()
-    print(f"\n[demo] 4/4: RAM tier, 2 ranks on 2 simulated nodes, snapshot every 2 steps -> {RAM_DIR}", flush=True)
+    print(f"\n[demo] 4/5: RAM tier, 2 ranks on 2 simulated nodes, snapshot every 2 steps -> {RAM_DIR}", flush=True)
     run_ram_phase(RECIPE, RAM_DIR)
+    print(f"\n[demo] 5/5: real media: corpus -> WebDataset shards -> 2 ranks -> resume on 1 -> {MEDIA_DIR}", flush=True)
+    run_media_phase(TINY_RECIPE, MEDIA_DIR)
 
 
 if __name__ == "__main__":
