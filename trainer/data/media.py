@@ -177,10 +177,8 @@ def _decode_audio_soundfile(
         resampling = native_rate != sample_rate
         margin = round(_RESAMPLE_MARGIN_S * native_rate) if resampling else 0
         first = max(round(start_s * native_rate) - margin, 0)
-        if duration_s is None:
-            last = total
-        else:
-            last = min(math.ceil((start_s + duration_s) * native_rate) + margin, total)
+        wanted_end = total if duration_s is None else math.ceil((start_s + duration_s) * native_rate) + margin
+        last = min(wanted_end, total)
         if first >= last:
             return np.zeros(_window_samples(duration_s, sample_rate) or 0, dtype=np.float32)
         f.seek(first)
@@ -349,16 +347,19 @@ class _FrameSampler:
 
     def offer(self, frame: av.VideoFrame) -> bool:
         """Takes the next decoded frame; False once every target is filled."""
-        if frame.time is not None:
-            time = frame.time - self.origin
-        else:  # no timestamp: assume it follows the previous frame at the stream's pace
-            time = self.held_time + (self.frame_duration or 0.0)
+        time = self._time_of(frame)
         if self.held is not None:
             if time > self.held_time:
                 self.frame_duration = time - self.held_time
             self._emit_until(time)
         self.held, self.held_time = frame, time
         return not self._done()
+
+    def _time_of(self, frame: av.VideoFrame) -> float:
+        if frame.time is not None:
+            return frame.time - self.origin
+        # No timestamp (rare, broken muxers): assume it follows the previous frame at the stream's pace.
+        return self.held_time + (self.frame_duration or 0.0)
 
     def finish(self, fallback_duration: float) -> list[np.ndarray]:
         """The last frame covers its own duration; targets past it are beyond the stream's end."""
