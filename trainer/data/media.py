@@ -145,24 +145,68 @@ def _packet_budget(data: bytes) -> int:
     return max(_MIN_PACKET_BUDGET, len(data))
 
 
-def _window_samples(duration_s: float | None, sample_rate: int) -> int | None:
-    return None if duration_s is None else round(duration_s * sample_rate)
+# ---------------------------------------------------------------------------------------------
+# audio: both decoders produce mono samples at the file's own rate over a span of the native
+# timeline; one function resamples and cuts the window out of it.
+#
+# The span starts on the "phase grid": instants that are whole samples at both the native and the
+# target rate (every 441 samples = 20 ms for 22.05 kHz -> 16 kHz, every 3 for 48 kHz). A resampler
+# fed from such an instant produces output samples exactly on k / 16000 s; fed from anywhere else,
+# its output is shifted by a fraction of a sample, and a window would differ from the same span of
+# a full decode by up to half a sample (~0.07 rms on a 1.5 kHz tone at 16 kHz).
 
 
-def _place(pieces: list[tuple[float, np.ndarray]], start_s: float, length: int | None, rate: int) -> np.ndarray:
-    """Lays timestamped runs of samples (start time in seconds, samples at ``rate``) onto the
-    window that begins at ``start_s``: the sample of instant t goes to index round((t - start_s) * rate).
-    Without ``length`` the window ends where the last run does. Gaps stay zero."""
-    offsets = [(round((t - start_s) * rate), samples) for t, samples in pieces]
+def _native_span(
+    start_s: float, duration_s: float | None, native_rate: int, sample_rate: int
+) -> tuple[int, int | None]:
+    """[first, last) native sample indices to decode: the window, widened by the resampler margin,
+    its start moved back onto the phase grid; last is None for "to the end"."""
+    grid = native_rate // math.gcd(native_rate, sample_rate)
+    margin = round(_RESAMPLE_MARGIN_S * native_rate) if native_rate != sample_rate else 0
+    first = max(round(start_s * native_rate) - margin, 0) // grid * grid
+    last = None if duration_s is None else math.ceil((start_s + duration_s) * native_rate) + margin
+    return first, last
+
+
+def _window_from_native(
+    mono: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
+) -> np.ndarray:
+    """The output window from native samples whose sample 0 is native index ``first`` (on the grid)."""
+    if native_rate != sample_rate:
+        mono = _resample(mono, native_rate, sample_rate)
+    # first * sample_rate / native_rate is a whole number: the grid guarantees it.
+    offset = first * sample_rate // native_rate - round(start_s * sample_rate)
+    length = None if duration_s is None else round(duration_s * sample_rate)
+    return _place([(offset, mono)], length)
+
+
+def _place(pieces: list[tuple[int, np.ndarray]], length: int | None) -> np.ndarray:
+    """Lays runs of samples, each with the index of its first sample, onto [0, length) (to the
+    last run's end when length is None). Gaps stay zero; what falls outside is dropped."""
     if length is None:
-        length = max([offset + len(samples) for offset, samples in offsets], default=0)
-        length = max(length, 0)
+        length = max([offset + len(samples) for offset, samples in pieces] + [0])
     out = np.zeros(length, dtype=np.float32)
-    for offset, samples in offsets:
+    for offset, samples in pieces:
         lo, hi = max(offset, 0), min(offset + len(samples), length)
         if lo < hi:
             out[lo:hi] = samples[lo - offset : hi - offset]
     return out
+
+
+def _resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
+    so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
+    interpolation would; its output starts aligned with its input (the filter delay is compensated),
+    so output sample 0 is the input's first instant."""
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono[None, :]), format="flt", layout="mono")
+    frame.sample_rate = from_rate
+    frame.pts = 0
+    frame.time_base = Fraction(1, from_rate)
+    out = resampler.resample(frame) + resampler.resample(None)
+    if not out:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in out]).astype(np.float32, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,42 +218,17 @@ def _decode_audio_soundfile(
 ) -> np.ndarray:
     with soundfile.SoundFile(io.BytesIO(data)) as f:
         native_rate, total = f.samplerate, f.frames
-        resampling = native_rate != sample_rate
-        margin = round(_RESAMPLE_MARGIN_S * native_rate) if resampling else 0
-        first = max(round(start_s * native_rate) - margin, 0)
-        wanted_end = total if duration_s is None else math.ceil((start_s + duration_s) * native_rate) + margin
-        last = min(wanted_end, total)
-        if first >= last:
-            return np.zeros(_window_samples(duration_s, sample_rate) or 0, dtype=np.float32)
-        f.seek(first)
-        samples = f.read(frames=last - first, dtype="float32", always_2d=True)
-    if len(samples) < last - first and duration_s is None:
-        raise MediaError(f"cannot decode audio from .{ext}: truncated, read {len(samples)} of {last - first} frames")
-    mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
-    first_time = first / native_rate
-    if resampling:
-        mono = _resample(mono, native_rate, sample_rate)
-    return _place([(first_time, mono)], start_s, _window_samples(duration_s, sample_rate), sample_rate)
-
-
-def _resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """libswresample through PyAV, the same filter the PyAV path uses: a windowed-sinc polyphase
-    resampler (band-limited, so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the
-    speech band as linear interpolation would), whose output starts aligned with its input (the
-    filter delay is compensated), so sample 0 stays at the input's first instant."""
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono[None, :]), format="flt", layout="mono")
-    frame.sample_rate = from_rate
-    frame.pts = 0
-    frame.time_base = Fraction(1, from_rate)
-    out = resampler.resample(frame) + resampler.resample(None)
-    return _concat_mono(out)
-
-
-def _concat_mono(frames: list[av.AudioFrame]) -> np.ndarray:
-    if not frames:
-        return np.zeros(0, dtype=np.float32)
-    return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.float32, copy=False)
+        first, last = _native_span(start_s, duration_s, native_rate, sample_rate)
+        last = total if last is None else min(last, total)
+        wanted = max(last - first, 0)
+        if wanted:
+            f.seek(first)
+        samples = f.read(frames=wanted, dtype="float32", always_2d=True)
+    if len(samples) < wanted:
+        raise MediaError(f"cannot decode audio from .{ext}: truncated, read {len(samples)} of {wanted} frames")
+    # Downmix by averaging channels: keeps a full-scale mono file full scale and never clips.
+    mono = samples.mean(axis=1, dtype=np.float32)
+    return _window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,63 +236,73 @@ def _concat_mono(frames: list[av.AudioFrame]) -> np.ndarray:
 
 
 def _decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
-    end_s = None if duration_s is None else start_s + duration_s
     with av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.audio:
             raise MediaError(f"cannot decode audio from .{ext}: the file has no audio stream")
         stream = container.streams.audio[0]
+        native_rate = stream.codec_context.sample_rate
+        if not native_rate:
+            raise MediaError(f"cannot decode audio from .{ext}: the audio stream has no sample rate")
+        first, last = _native_span(start_s, duration_s, native_rate, sample_rate)
         origin = _timeline_origin(container)
-        seek_s = start_s - _AUDIO_PREROLL_S
-        if seek_s > 0:
-            # backward=True lands on the last packet at or before seek_s, so nothing of the window is missed.
+        seek_s = first / native_rate - _AUDIO_PREROLL_S
+        if seek_s > 0 and _sample_exact_timestamps(stream, native_rate):
+            # backward=True lands on the last packet at or before seek_s, so nothing of the span is missed.
             container.seek(_to_pts(seek_s + origin, stream.time_base), stream=stream, backward=True)
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
-        timeline = _AudioTimeline(origin=origin, rate=sample_rate)
+        timeline = _AudioTimeline(origin=origin, rate=native_rate)
         for frame in _decoded_frames(container, stream, _packet_budget(data)):
             if frame.pts is None:
                 raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
-            timeline.add(resampler.resample(frame))
-            frame_end = float(frame.pts * frame.time_base) - origin + frame.samples / frame.sample_rate
-            if end_s is not None and frame_end >= end_s + _RESAMPLE_MARGIN_S:
+            timeline.add(frame)
+            if last is not None and timeline.end >= last:
                 break
-        timeline.add(resampler.resample(None))
-    pieces = timeline.pieces
-    if duration_s is None:
-        pieces = [(t, s) for t, s in pieces if t + len(s) / sample_rate > start_s]
-    return _place(pieces, start_s, _window_samples(duration_s, sample_rate), sample_rate)
+    if last is None:
+        last = max(timeline.end, first)
+    mono = _place([(offset - first, samples) for offset, samples in timeline.pieces], last - first)
+    return _window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
+
+
+def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: int) -> bool:
+    """Whether a packet's pts names its first sample exactly. Matroska/WebM store milliseconds: the
+    first frame after a seek would be placed up to 0.5 ms (8 samples at 16 kHz) off, so for them
+    the decode runs from the file's start, where time 0 is exact and the frames after it follow
+    contiguously. Costs decode time proportional to start_s (AAC decodes at ~500x realtime)."""
+    return stream.time_base is not None and stream.time_base <= Fraction(1, native_rate)
 
 
 def _timeline_origin(container: av.container.InputContainer) -> float:
     """Seconds of the file's first presented instant, which becomes time 0. MP3 reports its first
     frame at the encoder+decoder delay (~25 ms) after skipping those samples; AAC in mp4 reports 0
-    after its edit list. Subtracting the container's start (not a stream's) keeps audio and video
-    of one file on one clock, as ffmpeg does when it rebases timestamps."""
+    after its edit list trims the priming. Subtracting the container's start (not a stream's) keeps
+    audio and video of one file on one clock, as ffmpeg does when it rebases timestamps."""
     return container.start_time / av.time_base if container.start_time is not None else 0.0
 
 
 class _AudioTimeline:
-    """Resampled audio as (start time, samples) runs. Runs follow each other contiguously from the
-    first one's timestamp: matroska stores pts in milliseconds, and placing every 21 ms AAC frame by
-    its rounded pts would open or overlap ~0.5 ms at each seam. Only a jump larger than _GAP_S
-    (a real hole in the stream) is placed by its timestamp."""
+    """Decoded frames as mono float32 runs at the native rate, each with the native sample index of
+    its first sample (pts * time_base, less the origin). Runs follow each other contiguously from
+    the first one's timestamp: matroska stores pts in milliseconds, and placing every 21 ms AAC
+    frame by its rounded pts would open or overlap a few samples at each seam. Only a jump larger
+    than _GAP_S (a real hole in the stream) is placed by its timestamp."""
 
     _GAP_S = 0.02
 
     def __init__(self, *, origin: float, rate: int) -> None:
         self.origin, self.rate = origin, rate
-        self.pieces: list[tuple[float, np.ndarray]] = []
-        self.next_time: float | None = None
+        self.pieces: list[tuple[int, np.ndarray]] = []
+        self.end = 0
+        # Converts any sample format and channel layout to float planes at the native rate (no rate
+        # change, so no filter delay); the channels are then averaged like the soundfile path does.
+        self._to_float = av.AudioResampler(format="fltp", rate=rate)
 
-    def add(self, frames: list[av.AudioFrame]) -> None:
-        for out in frames:
-            if out.pts is None:
-                raise MediaError("resampled audio lost its timestamp")
-            stamped = float(out.pts * out.time_base) - self.origin
-            contiguous = self.next_time is None or abs(stamped - self.next_time) <= self._GAP_S
-            start = stamped if self.next_time is None or not contiguous else self.next_time
-            samples = out.to_ndarray().reshape(-1).astype(np.float32, copy=False)
-            self.pieces.append((start, samples))
-            self.next_time = start + len(samples) / self.rate
+    def add(self, frame: av.AudioFrame) -> None:
+        stamped = round((float(frame.pts * frame.time_base) - self.origin) * self.rate)
+        start = stamped if not self.pieces or abs(stamped - self.end) > self._GAP_S * self.rate else self.end
+        for converted in self._to_float.resample(frame):
+            mono = converted.to_ndarray().mean(axis=0, dtype=np.float32)
+            self.pieces.append((start, mono))
+            start += len(mono)
+        self.end = start
 
 
 def _decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
