@@ -1,0 +1,276 @@
+"""Reading a media shard build (docs/shards.md, version 1): the manifest, the shard indexes, and
+one member of one sample with one range read.
+
+A ``ShardSet`` holds the whole catalogue (every sample's member offsets and token counts) in
+memory, so the trainer can plan packing without touching a tar. It pickles without its open
+file descriptors or boto3 client: a DataLoader worker process gets a copy and opens its own on
+first use (a boto3 client or an fd shared across ``fork`` is not safe to use from both sides).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from resilient.errors import ConfigError, IntegrityError, StorageError
+from resilient.storage.url import Location, parse_url
+
+if TYPE_CHECKING:
+    import tokenizers
+
+FORMAT = "resilient-media-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+SKIPPED = "skipped.jsonl"
+TEXT_EXT = "json"
+"""The member holding a sample's normalized text."""
+
+S3_READ_TRIES = 3
+"""Range reads of one member before a StorageError (on top of botocore's own retries)."""
+S3_BACKOFF_S = 0.2
+"""First wait between two tries of a range read (doubling)."""
+
+
+def shard_tar_name(shard: int) -> str:
+    return f"shard-{shard:06d}.tar"
+
+
+def shard_index_name(shard: int) -> str:
+    return f"shard-{shard:06d}.json"
+
+
+def fingerprint_of(index_files: list[bytes], tokenizer_json: bytes) -> str:
+    """sha256 over the shard index files (in shard order), then tokenizer.json: it changes iff
+    what a trainer would read (sample set, offsets, token counts, vocabulary) changes."""
+    digest = hashlib.sha256()
+    for data in index_files:
+        digest.update(data)
+    digest.update(tokenizer_json)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class SampleEntry:
+    """One sample as its shard index describes it."""
+
+    key: str
+    shard: int
+    """Position of its shard in the manifest's ``shards`` list."""
+    members: dict[str, tuple[int, int]]
+    """Member extension -> (byte offset of its data in the tar, size)."""
+    video: str | None
+    """Extension of the member holding the video stream, or None."""
+    audio: str | None
+    """Extension of the member holding the audio stream, or None."""
+    duration_s: float
+    lead_tokens: int
+    """Tokens of the untimed text."""
+    segments: tuple[tuple[float, float, int], ...]
+    """(start s, end s, tokens) of each timed text segment, sorted by start."""
+
+
+def _entry(raw: dict, shard: int) -> SampleEntry:
+    text = raw["text"]
+    return SampleEntry(
+        key=raw["key"],
+        shard=shard,
+        members={ext: (int(where[0]), int(where[1])) for ext, where in raw["members"].items()},
+        video=raw["video"],
+        audio=raw["audio"],
+        duration_s=float(raw["duration_s"]),
+        lead_tokens=int(text["lead_tokens"]),
+        segments=tuple((float(s), float(e), int(n)) for s, e, n in text["segments"]),
+    )
+
+
+class ShardSet:
+    """A finished build under a local folder or ``s3://bucket/prefix``. Open it with ``open``."""
+
+    def __init__(self, location: Location, manifest: dict, samples: list[SampleEntry]) -> None:
+        self.location = location
+        self.manifest = manifest
+        self.fingerprint: str = manifest["fingerprint"]
+        self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
+        self.samples = samples
+        self._tars: list[str] = [s["tar"] for s in manifest["shards"]]
+        self._reset_handles()
+
+    # -- opening --------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, dest: str) -> ShardSet:
+        """Read the manifest and every shard index; ConfigError if DEST holds no finished build,
+        IntegrityError if the indexes or tokenizer do not match the manifest's fingerprint."""
+        location = parse_url(dest)
+        if location.scheme not in ("file", "s3"):
+            raise ConfigError(f"shard set {dest!r}: only a local folder or s3://bucket/prefix can hold shards")
+        reader = cls(location, {"fingerprint": "", "tokenizer": {"vocab_size": 0}, "shards": []}, [])
+        manifest = reader._read_manifest(dest)
+        indexes = [reader._read_whole(s["index"]) for s in manifest["shards"]]
+        tokenizer_json = reader._read_whole(manifest["tokenizer"]["file"])
+        if fingerprint_of(indexes, tokenizer_json) != manifest["fingerprint"]:
+            raise IntegrityError(
+                f"shard set {location.url}: the shard indexes or tokenizer.json do not match the manifest's "
+                "fingerprint (files replaced or damaged after the build); rebuild it with resilient-data build"
+            )
+        samples = [_entry(raw, shard) for shard, data in enumerate(indexes) for raw in json.loads(data)["samples"]]
+        opened = cls(location, manifest, samples)
+        opened._tokenizer_json = tokenizer_json
+        return opened
+
+    def _read_manifest(self, dest: str) -> dict:
+        try:
+            data = self._read_whole(MANIFEST)
+            manifest = json.loads(data)
+        except (StorageError, ValueError) as e:
+            raise ConfigError(
+                f"shard set {dest!r}: no readable {MANIFEST} ({_one_line(e)}); point at the --out of a finished "
+                "`resilient-data build` (a build writes its manifest last)"
+            ) from e
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ConfigError(f"shard set {dest!r}: {MANIFEST} is not a {FORMAT} manifest; point at a shard build")
+        if manifest.get("version") != VERSION:
+            raise ConfigError(
+                f"shard set {dest!r}: format version {manifest.get('version')!r}, this reader knows {VERSION}; "
+                "rebuild the shards with this resilient-data or update resilient"
+            )
+        return manifest
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def read_member(self, sample: SampleEntry, ext: str) -> bytes:
+        """The bytes of ``<key>.<ext>``, fetched with one range read."""
+        if ext not in sample.members:
+            raise KeyError(f"sample {sample.key!r} has no member .{ext} (it has: {', '.join(sample.members)})")
+        offset, size = sample.members[ext]
+        if size == 0:
+            return b""
+        tar = self._tars[sample.shard]
+        if self.location.scheme == "s3":
+            return self._s3_range(tar, sample.key, offset, size)
+        return self._local_range(tar, sample.key, offset, size)
+
+    def text(self, sample: SampleEntry) -> dict:
+        """``{"text": str, "segments": [{"start", "end", "text"}]}`` of the sample."""
+        return json.loads(self.read_member(sample, TEXT_EXT))
+
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        from tokenizers import Tokenizer
+
+        if self._tokenizer_json is None:
+            self._tokenizer_json = self._read_whole(self.manifest["tokenizer"]["file"])
+        return Tokenizer.from_str(self._tokenizer_json.decode())
+
+    def close(self) -> None:
+        """Close this process's file descriptors (the S3 client needs no closing)."""
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._reset_handles()
+
+    # -- pickling: handles are per process --------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("_fds", "_client", "_pid"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_handles()
+
+    def _reset_handles(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._client = None
+        self._pid = os.getpid()
+        if not hasattr(self, "_tokenizer_json"):
+            self._tokenizer_json: bytes | None = None
+
+    def _own_handles(self) -> None:
+        """A forked child inherits the parent's handles: start afresh rather than share them."""
+        if self._pid != os.getpid():
+            self._reset_handles()
+
+    # -- storage ------------------------------------------------------------------------------------
+
+    def _path(self, name: str) -> str:
+        return "/" + self.location.join(name)
+
+    def _read_whole(self, name: str) -> bytes:
+        if self.location.scheme == "s3":
+            return self._s3_get(name, None, f"reading {name}")
+        try:
+            with open(self._path(name), "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise StorageError(f"reading {self._path(name)} failed: {e.strerror or e}") from e
+
+    def _local_range(self, tar: str, key: str, offset: int, size: int) -> bytes:
+        self._own_handles()
+        try:
+            fd = self._fds.get(tar)
+            if fd is None:
+                fd = self._fds[tar] = os.open(self._path(tar), os.O_RDONLY)
+            data = os.pread(fd, size, offset)
+        except OSError as e:
+            raise StorageError(f"reading {key!r} from {self._path(tar)} failed: {e.strerror or e}") from e
+        if len(data) != size:
+            raise StorageError(
+                f"reading {key!r} from {self._path(tar)}: {len(data)} of {size} bytes at offset {offset} "
+                "(the tar is shorter than its index says: truncated?); rebuild the shards"
+            )
+        return data
+
+    def _s3_range(self, tar: str, key: str, offset: int, size: int) -> bytes:
+        data = self._s3_get(tar, (offset, offset + size - 1), f"reading sample {key!r} from {tar}")
+        if len(data) != size:
+            raise StorageError(
+                f"reading sample {key!r} from {self.location.url}/{tar}: {len(data)} of {size} bytes at offset "
+                f"{offset} (the tar is shorter than its index says); rebuild the shards"
+            )
+        return data
+
+    def _s3_get(self, name: str, byte_range: tuple[int, int] | None, what: str) -> bytes:
+        """One GetObject, tried S3_READ_TRIES times with doubling waits (botocore bounds each try
+        with its connect/read timeouts)."""
+        self._own_handles()
+        if self._client is None:
+            from resilient.storage.s3 import s3_client
+
+            self._client = s3_client(self.location)
+        extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
+        delay, last = S3_BACKOFF_S, None
+        for attempt in range(S3_READ_TRIES):
+            if attempt:
+                time.sleep(delay)
+                delay *= 2
+            try:
+                reply = self._client.get_object(Bucket=self.location.bucket, Key=self.location.join(name), **extra)
+                return reply["Body"].read()
+            except Exception as e:  # botocore's ClientError, connection and read-timeout errors alike
+                last = e
+                if _error_code(e) in _FINAL_CODES:
+                    break
+        raise StorageError(
+            f"{what} at {self.location.url}/{name} failed after {S3_READ_TRIES} tries: {_one_line(last)}; "
+            "check the endpoint, credentials and that the build finished"
+        ) from last
+
+
+_FINAL_CODES = {"NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidRange", "403", "404", "416"}
+"""S3 answers a retry cannot change."""
+
+
+def _error_code(err: Exception) -> str:
+    response = getattr(err, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _one_line(err: BaseException | None) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
