@@ -24,8 +24,8 @@ from resilient.trainer.launch import run, torchrun_command
 FIRST_STEPS, MORE_STEPS = 4, 5
 SETTINGS = [
     'data.source="shards"',
-    "data.row_len=256",
-    "data.global_rows=4",
+    "data.row_len=128",
+    "data.global_rows=2",
     "data.max_clip_seconds=2.0",
     "data.num_workers=1",
     "data.log_samples=true",

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
 SETTINGS = [
     'data.source="shards"',
-    "data.row_len=256",
-    "data.global_rows=4",
+    "data.row_len=128",
+    "data.global_rows=2",
     "data.max_clip_seconds=2.0",
     "data.num_workers=1",
     "data.log_samples=true",
@@ -84,7 +84,7 @@ def test_train_on_real_media_resumes_on_other_world_sizes_exactly_once(tmp_path:
     damaged = _damage_first_member(shards, "flac")
 
     _train(run_dir, shards, 2, 3)  # 2 ranks, then 1, then 2 again: both directions mid-epoch
-    _train(run_dir, shards, 1, 6)
+    _train(run_dir, shards, 1, 5)
     _train(run_dir, shards, 2, 9)
 
     config = load_config(TINY, [f"run.dir={run_dir}", f"data.shards={shards}", *SETTINGS])
