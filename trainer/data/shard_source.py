@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,9 @@ import numpy as np
 from resilient.errors import ConfigError, ResilientError
 from resilient.trainer.data.config import FRAMES_PER_SECOND, DataConfig
 from resilient.trainer.data.tokens import TimedText, TokenizedSample, assemble, audio_features, video_patches
+
+READ_AHEAD = 8
+"""Member reads in flight while a batch is built (``ShardSource.read_ahead``)."""
 
 
 class SampleError(ResilientError):
@@ -93,6 +97,8 @@ class ShardSource:
         self.config = config
         self.shards = ShardSet.open(config.shards)
         self._loaded_tokenizer = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: dict[tuple[int, str], bytes] = {}
         self.windows: list[Window] = []
         counts = []
         for index, entry in enumerate(self.shards.samples):
@@ -134,7 +140,7 @@ class ShardSource:
         entry = self.shards.samples[window.sample]
         try:
             lead, timed = self._text(entry, window)
-            blobs = {ext: self.shards.read_member(entry, ext) for ext in {entry.audio, entry.video} - {None}}
+            blobs = {ext: self._member(window.sample, ext) for ext in {entry.audio, entry.video} - {None}}
             audio = self._audio(media, entry, blobs, window)
             video = self._video(media, entry, blobs, window)
         except media.MediaError as e:
@@ -200,14 +206,33 @@ class ShardSource:
             frames = np.concatenate([frames, np.repeat(frames[-1:], wanted - len(frames), axis=0)])
         return video_patches(frames[:wanted], cfg.patch_size)
 
+    def read_ahead(self, indices: list[int]) -> None:
+        """Fetch the media of these items at once, READ_AHEAD requests in flight (a batch's worth:
+        on S3 each member is a ranged GET, and a row's dozen of them one after the other would cost
+        a dozen round trips). Held until ``sample`` takes them; replaces what an earlier call left."""
+        wanted = {
+            (w.sample, ext)
+            for w in (self.windows[i] for i in indices)
+            for ext in {self.shards.samples[w.sample].audio, self.shards.samples[w.sample].video} - {None}
+        }
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-read")
+        ordered = sorted(wanted)
+        blobs = self._pool.map(lambda key: self.shards.read_member(self.shards.samples[key[0]], key[1]), ordered)
+        self._ahead = dict(zip(ordered, blobs, strict=True))
+
+    def _member(self, sample: int, ext: str) -> bytes:
+        blob = self._ahead.get((sample, ext))
+        return blob if blob is not None else self.shards.read_member(self.shards.samples[sample], ext)
+
     def _tokenizer(self):
         if self._loaded_tokenizer is None:
             self._loaded_tokenizer = self.shards.tokenizer()
         return self._loaded_tokenizer
 
     def __getstate__(self) -> dict:
-        # DataLoader workers get a copy: each loads the tokenizer itself (a Rust object).
-        return {**self.__dict__, "_loaded_tokenizer": None}
+        # DataLoader workers get a copy: each loads its tokenizer (a Rust object) and starts its pool.
+        return {**self.__dict__, "_loaded_tokenizer": None, "_pool": None, "_ahead": {}}
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)

@@ -166,6 +166,9 @@ class RowStream:
             "doc_ids": np.full(shape, -1, dtype=np.int64),
         }
         sample_ids, skipped = [], []
+        read_ahead = getattr(self.source, "read_ahead", None)
+        if read_ahead is not None:  # a shard source: fetch the batch's media at once
+            read_ahead([int(i) for key in keys for i in self.plan(key.epoch).row_samples(key.row)])
         for b, key in enumerate(keys):
             indices = self.plan(key.epoch).row_samples(key.row)
             names = [sample_id(key.epoch, self.source.name(int(index))) for index in indices]
