@@ -305,11 +305,18 @@ class _AudioTimeline:
         self.end = start
 
 
-def _decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
-    """Decoded frames of one stream, at most ``budget`` packets' worth (see _MIN_PACKET_BUDGET)."""
+def _packets(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator[av.Packet]:
+    """Packets of one stream, at most ``budget`` of them (see _MIN_PACKET_BUDGET), then the empty
+    packet that flushes the decoder's delayed frames."""
     for count, packet in enumerate(container.demux(stream)):
         if count >= budget:
             raise MediaError(f"gave up after {budget} packets: the stream does not end")
+        yield packet
+
+
+def _decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
+    """Decoded frames of one stream, at most ``budget`` packets' worth."""
+    for packet in _packets(container, stream, budget):
         yield from packet.decode()
 
 
@@ -340,10 +347,16 @@ def _decode_video_av(
             # decoded (they are needed as references) but never resized.
             container.seek(_to_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
         sampler = _FrameSampler(fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin)
-        for frame in _decoded_frames(container, stream, _packet_budget(data)):
-            if not sampler.offer(frame):
+        frame_duration = _fallback_frame_duration(stream)
+        for packet in _packets(container, stream, _packet_budget(data)):
+            # A frame no target shows is only decoded if later frames reference it: at fps=2 from a
+            # 25 fps source most non-reference (B) frames are never shown, and skipping them is
+            # exact. FFmpeg reads skip_frame per packet sent, so it can change packet by packet.
+            shown = sampler.may_show(packet, frame_duration)
+            stream.codec_context.skip_frame = "DEFAULT" if shown else "NONREF"
+            if not all(sampler.offer(frame) for frame in packet.decode()):
                 break
-        frames = sampler.finish(_fallback_frame_duration(stream))
+        frames = sampler.finish(frame_duration)
     if not frames:
         return np.zeros((0, size, size, 3), dtype=np.float32)
     return np.stack(frames).astype(np.float32) / np.float32(255.0)
@@ -373,6 +386,18 @@ class _FrameSampler:
 
     def _done(self) -> bool:
         return self.limit is not None and len(self.frames) >= self.limit
+
+    def may_show(self, packet: av.Packet, fallback_duration: float) -> bool:
+        """Whether the frame in ``packet`` can be on screen at a pending target: the targets in
+        [pts, pts + duration). Unknown timing answers yes (decoding a frame is never wrong)."""
+        if packet.pts is None or packet.time_base is None:
+            return True
+        shown_from = float(packet.pts * packet.time_base) - self.origin
+        duration = float(packet.duration * packet.time_base) if packet.duration else fallback_duration
+        j = max(len(self.frames), _count_before((shown_from - self.start_s) * self.fps))
+        if self.limit is not None and j >= self.limit:
+            return False
+        return self._target(j) < shown_from + duration + 1e-6
 
     def offer(self, frame: av.VideoFrame) -> bool:
         """Takes the next decoded frame; False once every target is filled."""
