@@ -5,7 +5,10 @@ which source frame each sampled video frame shows, and MediaError for every file
 from __future__ import annotations
 
 import functools
+import io
+import math
 
+import av
 import numpy as np
 import pytest
 
@@ -182,3 +185,22 @@ def test_missing_stream_or_unknown_ext_raises_media_error() -> None:
         decode_audio(_audio_file("wav", "tone"), "xyz")
     with pytest.raises(MediaError, match="unknown extension"):
         decode_video(_video_file("mpeg4"), "wav", fps=2, size=16)
+
+
+@pytest.mark.timeout(30)
+def test_video_sampling_equals_a_decode_of_every_frame() -> None:
+    """Skipped non-reference frames never change the answer: for many windows and rates, each
+    sampled frame is the latest frame with pts <= its instant among ALL frames (brute force)."""
+    data = samples.encode_av(container="mp4", video=samples.ramp_frames(48, 16), fps=12)  # x264, B-frames
+    with av.open(io.BytesIO(data)) as container:
+        every = [
+            (frame.time, samples.ramp_index(frame.to_ndarray(format="rgb24") / 255.0))
+            for frame in container.decode(video=0)
+        ]
+    for start_s in (0.0, 0.37, 1.0, 2.9):
+        for fps in (1, 2, 5, 7):
+            video = decode_video(data, "mp4", fps=fps, size=8, start_s=start_s, duration_s=1.3)
+            shown = [samples.ramp_index(frame) for frame in video]
+            instants = [start_s + j / fps for j in range(len(shown))]
+            assert shown == [max(i for t, i in every if t <= instant + 1e-9) for instant in instants]
+            assert len(shown) == min(math.ceil(1.3 * fps), math.ceil((4.0 - start_s) * fps))
