@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Iterator
 from fractions import Fraction
 
@@ -42,6 +43,8 @@ _RESAMPLE_MARGIN_S = 0.01
 # A bound on the decode loops whatever the demuxer believes: no real file in a shard packs more
 # packets than bytes, so a broken file that keeps yielding is stopped instead of spinning.
 _MIN_PACKET_BUDGET = 10_000
+# How much shorter than declared a decoded stream may end before it counts as truncated.
+_TRUNCATION_SLACK_S = 0.1
 
 
 class MediaError(ResilientError):
@@ -217,6 +220,7 @@ def _decode_audio_soundfile(
     data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int
 ) -> np.ndarray:
     with soundfile.SoundFile(io.BytesIO(data)) as f:
+        _check_wav_complete(ext, f)
         native_rate, total = f.samplerate, f.frames
         first, last = _native_span(start_s, duration_s, native_rate, sample_rate)
         last = total if last is None else min(last, total)
@@ -229,6 +233,18 @@ def _decode_audio_soundfile(
     # Downmix by averaging channels: keeps a full-scale mono file full scale and never clips.
     mono = samples.mean(axis=1, dtype=np.float32)
     return _window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
+
+
+def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
+    """A WAV cut short still opens (libsndfile reads what is there); its header's data size gives it
+    away, which libsndfile reports as "data : N (should be M)". Sizes 0 and 0xFFFFFFFF are the
+    placeholders of a WAV written to a pipe, complete but unsized, and pass."""
+    found = re.search(r"^data : (\d+) \(should be (\d+)\)", f.extra_info, flags=re.MULTILINE)
+    if found and int(found[1]) not in (0, 0xFFFFFFFF) and int(found[2]) < int(found[1]):
+        raise MediaError(
+            f"cannot decode audio from .{ext}: truncated, the header declares {found[1]} bytes of audio, "
+            f"the file holds {found[2]}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +272,8 @@ def _decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | 
             timeline.add(frame)
             if last is not None and timeline.end >= last:
                 break
+        else:  # decoded to the end of the file: it must be as long as its header says
+            _check_complete(ext, _declared_duration(container, stream), timeline.end / native_rate)
     if last is None:
         last = max(timeline.end, first)
     mono = _place([(offset - first, samples) for offset, samples in timeline.pieces], last - first)
@@ -268,6 +286,29 @@ def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: i
     the decode runs from the file's start, where time 0 is exact and the frames after it follow
     contiguously. Costs decode time proportional to start_s (AAC decodes at ~500x realtime)."""
     return stream.time_base is not None and stream.time_base <= Fraction(1, native_rate)
+
+
+def _declared_duration(container: av.container.InputContainer, stream: av.stream.Stream) -> float | None:
+    """The stream's length as its header declares it (mp4 index, MP3 Xing frame count), or the
+    container's when the stream is its only one (matroska keeps only the segment's). None when
+    nothing trustworthy is declared: a container's length with several streams is the longest
+    one's, and audio may legitimately end before the video."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration and len(container.streams) == 1:
+        return container.duration / av.time_base
+    return None
+
+
+def _check_complete(ext: str, declared_s: float | None, decoded_s: float) -> None:
+    """A file cut short (a partial download) often still demuxes: the packets just stop. Decoding
+    to its end and finding less than the header declared says so. Slack: codec frame padding and
+    bitrate-estimated MP3 lengths are off by a little, a truncation by much more."""
+    if declared_s is not None and decoded_s < declared_s - max(_TRUNCATION_SLACK_S, 0.02 * declared_s):
+        raise MediaError(
+            f"cannot decode audio from .{ext}: truncated, the header declares {declared_s:.3f} s, "
+            f"the stream ends at {decoded_s:.3f} s"
+        )
 
 
 def _timeline_origin(container: av.container.InputContainer) -> float:

@@ -168,6 +168,16 @@ def test_truncated_or_garbage_audio_raises_media_error(ext: str) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("ext", ["wav", "flac", "m4a", "mp3", "mp4"])
+def test_audio_cut_mid_stream_raises_media_error(ext: str) -> None:
+    """A partial download: the header is intact, the samples stop at 60%. (Ogg Vorbis and A/V
+    matroska declare no audio length to compare with: they decode what is there.)"""
+    data = _audio_file(ext, "tone")
+    with pytest.raises(MediaError, match=rf"\.{ext}"):
+        decode_audio(data[: len(data) * 6 // 10], ext)
+
+
+@pytest.mark.timeout(30)
 def test_truncated_or_garbage_video_raises_media_error() -> None:
     data = _video_file("libx264")
     for broken in (b"", b"\x00" * 1000, np.random.default_rng(0).bytes(4096), data[: len(data) // 2]):
