@@ -300,13 +300,13 @@ def _declared_duration(container: av.container.InputContainer, stream: av.stream
     return None
 
 
-def _check_complete(ext: str, declared_s: float | None, decoded_s: float) -> None:
+def _check_complete(ext: str, declared_s: float | None, decoded_s: float, kind: str = "audio") -> None:
     """A file cut short (a partial download) often still demuxes: the packets just stop. Decoding
     to its end and finding less than the header declared says so. Slack: codec frame padding and
     bitrate-estimated MP3 lengths are off by a little, a truncation by much more."""
     if declared_s is not None and decoded_s < declared_s - max(_TRUNCATION_SLACK_S, 0.02 * declared_s):
         raise MediaError(
-            f"cannot decode audio from .{ext}: truncated, the header declares {declared_s:.3f} s, "
+            f"cannot decode {kind} from .{ext}: truncated, the header declares {declared_s:.3f} s, "
             f"the stream ends at {decoded_s:.3f} s"
         )
 
@@ -397,6 +397,9 @@ def _decode_video_av(
             stream.codec_context.skip_frame = "DEFAULT" if shown else "NONREF"
             if not all(sampler.offer(frame) for frame in packet.decode()):
                 break
+        else:  # decoded to the end of the file: it must be as long as its header says
+            stream_end = sampler.held_time + frame_duration if sampler.held is not None else 0.0
+            _check_complete(ext, _declared_duration(container, stream), stream_end, kind="video")
         frames = sampler.finish(frame_duration)
     if not frames:
         return np.zeros((0, size, size, 3), dtype=np.float32)

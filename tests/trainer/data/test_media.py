@@ -186,6 +186,19 @@ def test_truncated_or_garbage_video_raises_media_error() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_faststart_mp4_cut_short_raises_media_error() -> None:
+    """With the index up front a cut file still opens and demuxes; its packets just stop early."""
+    frames, audio = samples.ramp_frames(40, 32), samples.tone(4.0, 48000, TONE_HZ)
+    data = samples.encode_av(container="mp4", video=frames, fps=SOURCE_FPS, audio=audio, faststart=True)
+    assert decode_video(data, "mp4", fps=2, size=16).shape == (8, 16, 16, 3)
+    cut = data[: len(data) * 8 // 10]
+    with pytest.raises(MediaError, match="truncated"):
+        decode_video(cut, "mp4", fps=2, size=16)
+    with pytest.raises(MediaError, match=r"\.mp4"):
+        decode_audio(cut, "mp4")
+
+
+@pytest.mark.timeout(30)
 def test_missing_stream_or_unknown_ext_raises_media_error() -> None:
     with pytest.raises(MediaError, match="no audio stream"):
         decode_audio(_video_file("mpeg4"), "mp4")
