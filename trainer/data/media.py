@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import av
@@ -37,8 +37,8 @@ VIDEO_EXTS = frozenset({"mp4", "mkv", "webm", "mov", "avi"})
 # comes out wrong. Seeking this much earlier than start_s and throwing the lead-in away leaves
 # several clean frames (1024 samples = 21-64 ms each at 16-48 kHz) before the window.
 _AUDIO_PREROLL_S = 0.25
-# Samples read on both sides of a soundfile window so the resampler's filter sees real signal at
-# the window's edges instead of a cut (its transient would otherwise land inside the window).
+# Audio decoded on both sides of a window that gets resampled, so the resampler's filter sees real
+# signal at the window's edges instead of a cut (its transient would otherwise land inside the window).
 _RESAMPLE_MARGIN_S = 0.01
 # A bound on the decode loops whatever the demuxer believes: no real file in a shard packs more
 # packets than bytes, so a broken file that keeps yielding is stopped instead of spinning.
@@ -131,7 +131,7 @@ def _known(exts: frozenset[str]) -> str:
     return ", ".join(sorted(exts))
 
 
-def _guarded(ext: str, kind: str, decode):  # noqa: ANN001, ANN202 - a thunk returning the array
+def _guarded(ext: str, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
     """Runs ``decode`` and turns every failure into one ``MediaError``. Decoders of untrusted bytes
     raise a zoo of types (av.FFmpegError and its subclasses, soundfile.LibsndfileError, RuntimeError,
     EOFError, ValueError from a header with nonsense fields...); a loader needs exactly one to catch."""
