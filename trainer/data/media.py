@@ -29,8 +29,10 @@ import soundfile
 from resilient.errors import ConfigError, ResilientError
 
 # libsndfile reads these fast and seeks sample-exactly; everything else goes through FFmpeg (PyAV).
-SOUNDFILE_EXTS = frozenset({"wav", "flac", "ogg"})
-AV_AUDIO_EXTS = frozenset({"mp4", "m4a", "mkv", "webm", "mp3", "mov", "aac", "opus"})
+# Not ogg: libsndfile 1.2's Vorbis seek lands wrong inside the stream's last pages (a read after a
+# seek into the last ~0.5 s differed from a sequential read by up to 1.0 full scale); FFmpeg's is exact.
+SOUNDFILE_EXTS = frozenset({"wav", "flac"})
+AV_AUDIO_EXTS = frozenset({"mp4", "m4a", "mkv", "webm", "mp3", "mov", "aac", "opus", "ogg"})
 VIDEO_EXTS = frozenset({"mp4", "mkv", "webm", "mov", "avi"})
 
 # AAC is an MDCT codec: the first frame decoded after a seek lacks the previous frame's overlap and
@@ -201,6 +203,8 @@ def _resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
     so output sample 0 is the input's first instant."""
+    if not len(mono):  # a window past the end; PyAV cannot build an empty frame
+        return mono
     resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
     frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono[None, :]), format="flt", layout="mono")
     frame.sample_rate = from_rate
@@ -273,9 +277,14 @@ def _decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | 
             if last is not None and timeline.end >= last:
                 break
         else:  # decoded to the end of the file: it must be as long as its header says
-            _check_complete(ext, _declared_duration(container, stream), timeline.end / native_rate)
+            declared_s = _declared_duration(container, stream)
+            _check_complete(ext, declared_s, timeline.end / native_rate)
+            if last is None and declared_s is not None:
+                # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
+                last = min(timeline.end, round(declared_s * native_rate))
     if last is None:
-        last = max(timeline.end, first)
+        last = timeline.end
+    last = max(last, first)
     mono = _place([(offset - first, samples) for offset, samples in timeline.pieces], last - first)
     return _window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
 
