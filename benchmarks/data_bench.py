@@ -1,8 +1,8 @@
 """Data-pipeline throughput on ONE core: how fast ``resilient.trainer.data.media`` turns encoded
 bytes into the arrays the tokenizer takes.
 
-    .venv/bin/python benchmarks/data_bench.py            # ~10 s clips, 3 repeats: about a minute on 2 cores
-    .venv/bin/python benchmarks/data_bench.py --quick    # ~4 s clips, 1 repeat: about 10 s
+    .venv/bin/python benchmarks/data_bench.py            # 10 s clips, 3 repeats: ~10 s on a busy 2-core machine
+    .venv/bin/python benchmarks/data_bench.py --quick    # 4 s clips, 1 repeat: ~5 s (noisier)
 
 Prints one JSON line per row, ``{"bench": "data", "name": ..., "value": ..., "unit": ...}``, the
 median of ``--repeats`` timed runs after one untimed warm-up, then the issue's goals as ratio lines
