@@ -217,7 +217,7 @@ def _resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# audio through libsndfile (wav, flac, ogg)
+# audio through libsndfile (wav, flac)
 
 
 def _decode_audio_soundfile(
@@ -252,7 +252,7 @@ def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# audio through FFmpeg (audio tracks of mp4/m4a/mkv/webm, mp3)
+# audio through FFmpeg (audio tracks of mp4/m4a/mkv/webm, mp3, ogg)
 
 
 def _decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
