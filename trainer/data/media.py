@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import av
@@ -28,20 +29,24 @@ import soundfile
 from resilient.errors import ConfigError, ResilientError
 
 # libsndfile reads these fast and seeks sample-exactly; everything else goes through FFmpeg (PyAV).
-SOUNDFILE_EXTS = frozenset({"wav", "flac", "ogg"})
-AV_AUDIO_EXTS = frozenset({"mp4", "m4a", "mkv", "webm", "mp3", "mov", "aac", "opus"})
+# Not ogg: libsndfile 1.2's Vorbis seek lands wrong inside the stream's last pages (a read after a
+# seek into the last ~0.5 s differed from a sequential read by up to 1.0 full scale); FFmpeg's is exact.
+SOUNDFILE_EXTS = frozenset({"wav", "flac"})
+AV_AUDIO_EXTS = frozenset({"mp4", "m4a", "mkv", "webm", "mp3", "mov", "aac", "opus", "ogg"})
 VIDEO_EXTS = frozenset({"mp4", "mkv", "webm", "mov", "avi"})
 
 # AAC is an MDCT codec: the first frame decoded after a seek lacks the previous frame's overlap and
 # comes out wrong. Seeking this much earlier than start_s and throwing the lead-in away leaves
 # several clean frames (1024 samples = 21-64 ms each at 16-48 kHz) before the window.
 _AUDIO_PREROLL_S = 0.25
-# Samples read on both sides of a soundfile window so the resampler's filter sees real signal at
-# the window's edges instead of a cut (its transient would otherwise land inside the window).
+# Audio decoded on both sides of a window that gets resampled, so the resampler's filter sees real
+# signal at the window's edges instead of a cut (its transient would otherwise land inside the window).
 _RESAMPLE_MARGIN_S = 0.01
 # A bound on the decode loops whatever the demuxer believes: no real file in a shard packs more
 # packets than bytes, so a broken file that keeps yielding is stopped instead of spinning.
 _MIN_PACKET_BUDGET = 10_000
+# How much shorter than declared a decoded stream may end before it counts as truncated.
+_TRUNCATION_SLACK_S = 0.1
 
 
 class MediaError(ResilientError):
@@ -128,7 +133,7 @@ def _known(exts: frozenset[str]) -> str:
     return ", ".join(sorted(exts))
 
 
-def _guarded(ext: str, kind: str, decode):  # noqa: ANN001, ANN202 - a thunk returning the array
+def _guarded(ext: str, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
     """Runs ``decode`` and turns every failure into one ``MediaError``. Decoders of untrusted bytes
     raise a zoo of types (av.FFmpegError and its subclasses, soundfile.LibsndfileError, RuntimeError,
     EOFError, ValueError from a header with nonsense fields...); a loader needs exactly one to catch."""
@@ -198,6 +203,8 @@ def _resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
     so output sample 0 is the input's first instant."""
+    if not len(mono):  # a window past the end; PyAV cannot build an empty frame
+        return mono
     resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
     frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono[None, :]), format="flt", layout="mono")
     frame.sample_rate = from_rate
@@ -210,13 +217,14 @@ def _resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# audio through libsndfile (wav, flac, ogg)
+# audio through libsndfile (wav, flac)
 
 
 def _decode_audio_soundfile(
     data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int
 ) -> np.ndarray:
     with soundfile.SoundFile(io.BytesIO(data)) as f:
+        _check_wav_complete(ext, f)
         native_rate, total = f.samplerate, f.frames
         first, last = _native_span(start_s, duration_s, native_rate, sample_rate)
         last = total if last is None else min(last, total)
@@ -231,8 +239,20 @@ def _decode_audio_soundfile(
     return _window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
 
 
+def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
+    """A WAV cut short still opens (libsndfile reads what is there); its header's data size gives it
+    away, which libsndfile reports as "data : N (should be M)". Sizes 0 and 0xFFFFFFFF are the
+    placeholders of a WAV written to a pipe, complete but unsized, and pass."""
+    found = re.search(r"^data : (\d+) \(should be (\d+)\)", f.extra_info, flags=re.MULTILINE)
+    if found and int(found[1]) not in (0, 0xFFFFFFFF) and int(found[2]) < int(found[1]):
+        raise MediaError(
+            f"cannot decode audio from .{ext}: truncated, the header declares {found[1]} bytes of audio, "
+            f"the file holds {found[2]}"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
-# audio through FFmpeg (audio tracks of mp4/m4a/mkv/webm, mp3)
+# audio through FFmpeg (audio tracks of mp4/m4a/mkv/webm, mp3, ogg)
 
 
 def _decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
@@ -256,8 +276,15 @@ def _decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | 
             timeline.add(frame)
             if last is not None and timeline.end >= last:
                 break
+        else:  # decoded to the end of the file: it must be as long as its header says
+            declared_s = _declared_duration(container, stream)
+            _check_complete(ext, declared_s, timeline.end / native_rate)
+            if last is None and declared_s is not None:
+                # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
+                last = min(timeline.end, round(declared_s * native_rate))
     if last is None:
-        last = max(timeline.end, first)
+        last = timeline.end
+    last = max(last, first)
     mono = _place([(offset - first, samples) for offset, samples in timeline.pieces], last - first)
     return _window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
 
@@ -268,6 +295,29 @@ def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: i
     the decode runs from the file's start, where time 0 is exact and the frames after it follow
     contiguously. Costs decode time proportional to start_s (AAC decodes at ~500x realtime)."""
     return stream.time_base is not None and stream.time_base <= Fraction(1, native_rate)
+
+
+def _declared_duration(container: av.container.InputContainer, stream: av.stream.Stream) -> float | None:
+    """The stream's length as its header declares it (mp4 index, MP3 Xing frame count), or the
+    container's when the stream is its only one (matroska keeps only the segment's). None when
+    nothing trustworthy is declared: a container's length with several streams is the longest
+    one's, and audio may legitimately end before the video."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration and len(container.streams) == 1:
+        return container.duration / av.time_base
+    return None
+
+
+def _check_complete(ext: str, declared_s: float | None, decoded_s: float, kind: str = "audio") -> None:
+    """A file cut short (a partial download) often still demuxes: the packets just stop. Decoding
+    to its end and finding less than the header declared says so. Slack: codec frame padding and
+    bitrate-estimated MP3 lengths are off by a little, a truncation by much more."""
+    if declared_s is not None and decoded_s < declared_s - max(_TRUNCATION_SLACK_S, 0.02 * declared_s):
+        raise MediaError(
+            f"cannot decode {kind} from .{ext}: truncated, the header declares {declared_s:.3f} s, "
+            f"the stream ends at {decoded_s:.3f} s"
+        )
 
 
 def _timeline_origin(container: av.container.InputContainer) -> float:
@@ -305,11 +355,18 @@ class _AudioTimeline:
         self.end = start
 
 
-def _decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
-    """Decoded frames of one stream, at most ``budget`` packets' worth (see _MIN_PACKET_BUDGET)."""
+def _packets(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator[av.Packet]:
+    """Packets of one stream, at most ``budget`` of them (see _MIN_PACKET_BUDGET), then the empty
+    packet that flushes the decoder's delayed frames."""
     for count, packet in enumerate(container.demux(stream)):
         if count >= budget:
             raise MediaError(f"gave up after {budget} packets: the stream does not end")
+        yield packet
+
+
+def _decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
+    """Decoded frames of one stream, at most ``budget`` packets' worth."""
+    for packet in _packets(container, stream, budget):
         yield from packet.decode()
 
 
@@ -340,10 +397,19 @@ def _decode_video_av(
             # decoded (they are needed as references) but never resized.
             container.seek(_to_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
         sampler = _FrameSampler(fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin)
-        for frame in _decoded_frames(container, stream, _packet_budget(data)):
-            if not sampler.offer(frame):
+        frame_duration = _fallback_frame_duration(stream)
+        for packet in _packets(container, stream, _packet_budget(data)):
+            # A frame no target shows is only decoded if later frames reference it: at fps=2 from a
+            # 25 fps source most non-reference (B) frames are never shown, and skipping them is
+            # exact. FFmpeg reads skip_frame per packet sent, so it can change packet by packet.
+            shown = sampler.may_show(packet, frame_duration)
+            stream.codec_context.skip_frame = "DEFAULT" if shown else "NONREF"
+            if not all(sampler.offer(frame) for frame in packet.decode()):
                 break
-        frames = sampler.finish(_fallback_frame_duration(stream))
+        else:  # decoded to the end of the file: it must be as long as its header says
+            stream_end = sampler.held_time + frame_duration if sampler.held is not None else 0.0
+            _check_complete(ext, _declared_duration(container, stream), stream_end, kind="video")
+        frames = sampler.finish(frame_duration)
     if not frames:
         return np.zeros((0, size, size, 3), dtype=np.float32)
     return np.stack(frames).astype(np.float32) / np.float32(255.0)
@@ -373,6 +439,18 @@ class _FrameSampler:
 
     def _done(self) -> bool:
         return self.limit is not None and len(self.frames) >= self.limit
+
+    def may_show(self, packet: av.Packet, fallback_duration: float) -> bool:
+        """Whether the frame in ``packet`` can be on screen at a pending target: the targets in
+        [pts, pts + duration). Unknown timing answers yes (decoding a frame is never wrong)."""
+        if packet.pts is None or packet.time_base is None:
+            return True
+        shown_from = float(packet.pts * packet.time_base) - self.origin
+        duration = float(packet.duration * packet.time_base) if packet.duration else fallback_duration
+        j = max(len(self.frames), _count_before((shown_from - self.start_s) * self.fps))
+        if self.limit is not None and j >= self.limit:
+            return False
+        return self._target(j) < shown_from + duration + 1e-6
 
     def offer(self, frame: av.VideoFrame) -> bool:
         """Takes the next decoded frame; False once every target is filled."""

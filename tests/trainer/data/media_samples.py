@@ -8,6 +8,8 @@ source instant it shows.
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 from fractions import Fraction
 
 import av
@@ -77,11 +79,35 @@ def encode_av(
     audio: np.ndarray | None = None,
     audio_codec: str = "aac",
     sample_rate: int = 48000,
+    faststart: bool = False,
 ) -> bytes:
     """Encodes uint8 RGB frames [N, H, W, 3] and/or mono float32 audio into a ``container``
-    ("mp4", "mp3", ...) in memory."""
-    out = io.BytesIO()
-    with av.open(out, mode="w", format=container) as muxer:
+    ("mp4", "mp3", ...). ``faststart`` puts the mp4 index before the media, as web video does (a
+    file cut short then still opens); the muxer rewrites the file by name for it, so that case goes
+    through a temporary file instead of memory."""
+    if not faststart:
+        out = io.BytesIO()
+        _mux(out, container, video, video_codec, fps, audio, audio_codec, sample_rate, {})
+        return out.getvalue()
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, f"faststart.{container}")
+        _mux(path, container, video, video_codec, fps, audio, audio_codec, sample_rate, {"movflags": "faststart"})
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def _mux(
+    out: io.BytesIO | str,
+    container: str,
+    video: np.ndarray | None,
+    video_codec: str,
+    fps: int,
+    audio: np.ndarray | None,
+    audio_codec: str,
+    sample_rate: int,
+    options: dict[str, str],
+) -> None:
+    with av.open(out, mode="w", format=container, options=options) as muxer:
         video_stream = _add_video(muxer, video, video_codec, fps) if video is not None else None
         audio_stream = muxer.add_stream(audio_codec, rate=sample_rate, layout="mono") if audio is not None else None
         if video_stream is not None:
@@ -92,7 +118,6 @@ def encode_av(
             muxer.mux(video_stream.encode(None))
         if audio_stream is not None:
             _encode_audio(muxer, audio_stream, audio, sample_rate)
-    return out.getvalue()
 
 
 def _add_video(muxer: av.container.OutputContainer, video: np.ndarray, codec: str, fps: int) -> av.VideoStream:

@@ -5,7 +5,10 @@ which source frame each sampled video frame shows, and MediaError for every file
 from __future__ import annotations
 
 import functools
+import io
+import math
 
+import av
 import numpy as np
 import pytest
 
@@ -30,7 +33,9 @@ AUDIO_FILES = {
     "mkv": ("matroska", "aac", 48000),  # H.264 + AAC again, with millisecond timestamps
 }
 # Lossy codecs pad the end to a whole frame (1024 AAC samples at 48 kHz = 342 samples at 16 kHz).
-LENGTH_SLACK = {"wav": 0, "flac": 0, "ogg": 0, "m4a": 342, "mp3": 0, "mp4": 342, "mkv": 342}
+# Where the container declares the audio's length (mp4's index) the padding is cut; A/V matroska
+# declares none for its audio.
+LENGTH_SLACK = {"wav": 0, "flac": 0, "ogg": 0, "m4a": 0, "mp3": 0, "mp4": 0, "mkv": 342}
 
 
 @functools.cache
@@ -87,18 +92,27 @@ def test_audio_is_placed_on_the_source_timeline(ext: str) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("ext", sorted(AUDIO_FILES))
-def test_audio_window_matches_the_same_span_of_a_full_decode(ext: str) -> None:
+@pytest.mark.parametrize(("start_s", "duration_s"), [(1.3, 1.0), (2.7, 0.3)])  # mid-file; the last page
+def test_audio_window_matches_the_same_span_of_a_full_decode(ext: str, start_s: float, duration_s: float) -> None:
     data = _audio_file(ext, "chirp")
     full = decode_audio(data, ext)
-    start_s, duration_s = 1.3, 1.0
     window = decode_audio(data, ext, start_s=start_s, duration_s=duration_s)
-    assert window.shape == (16000,) and window.dtype == np.float32
+    assert window.shape == (round(duration_s * RATE),) and window.dtype == np.float32
     same_span = full[round(start_s * RATE) : round((start_s + duration_s) * RATE)]
     # Seeking re-primes a lossy decoder (AAC, Vorbis): the window is the same signal within codec
     # noise, far below the chirp's own level (rms 0.35), and not shifted by a single sample.
     assert _rms(window - same_span) < 0.02, f"{ext}: window differs from the full decode"
-    shifted = full[round(start_s * RATE) + 1 : round((start_s + duration_s) * RATE) + 1]
+    shifted = full[round(start_s * RATE) - 1 : round((start_s + duration_s) * RATE) - 1]
     assert _rms(window - same_span) < _rms(window - shifted) / 4
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("ext", sorted(AUDIO_FILES))
+def test_audio_window_entirely_past_the_end(ext: str) -> None:
+    data = _audio_file(ext, "chirp")
+    assert decode_audio(data, ext, start_s=10.0).shape == (0,)
+    padded = decode_audio(data, ext, start_s=10.0, duration_s=0.5)
+    assert padded.shape == (8000,) and not padded.any()
 
 
 @pytest.mark.timeout(30)
@@ -165,11 +179,34 @@ def test_truncated_or_garbage_audio_raises_media_error(ext: str) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("ext", ["wav", "flac", "m4a", "mp3", "mp4"])
+def test_audio_cut_mid_stream_raises_media_error(ext: str) -> None:
+    """A partial download: the header is intact, the samples stop at 60%. (Ogg Vorbis and A/V
+    matroska declare no audio length to compare with: they decode what is there.)"""
+    data = _audio_file(ext, "tone")
+    with pytest.raises(MediaError, match=rf"\.{ext}"):
+        decode_audio(data[: len(data) * 6 // 10], ext)
+
+
+@pytest.mark.timeout(30)
 def test_truncated_or_garbage_video_raises_media_error() -> None:
     data = _video_file("libx264")
     for broken in (b"", b"\x00" * 1000, np.random.default_rng(0).bytes(4096), data[: len(data) // 2]):
         with pytest.raises(MediaError, match=r"\.mp4"):
             decode_video(broken, "mp4", fps=2, size=16)
+
+
+@pytest.mark.timeout(30)
+def test_faststart_mp4_cut_short_raises_media_error() -> None:
+    """With the index up front a cut file still opens and demuxes; its packets just stop early."""
+    frames, audio = samples.ramp_frames(40, 32), samples.tone(4.0, 48000, TONE_HZ)
+    data = samples.encode_av(container="mp4", video=frames, fps=SOURCE_FPS, audio=audio, faststart=True)
+    assert decode_video(data, "mp4", fps=2, size=16).shape == (8, 16, 16, 3)
+    cut = data[: len(data) * 8 // 10]
+    with pytest.raises(MediaError, match="truncated"):
+        decode_video(cut, "mp4", fps=2, size=16)
+    with pytest.raises(MediaError, match=r"\.mp4"):
+        decode_audio(cut, "mp4")
 
 
 @pytest.mark.timeout(30)
@@ -182,3 +219,22 @@ def test_missing_stream_or_unknown_ext_raises_media_error() -> None:
         decode_audio(_audio_file("wav", "tone"), "xyz")
     with pytest.raises(MediaError, match="unknown extension"):
         decode_video(_video_file("mpeg4"), "wav", fps=2, size=16)
+
+
+@pytest.mark.timeout(30)
+def test_video_sampling_equals_a_decode_of_every_frame() -> None:
+    """Skipped non-reference frames never change the answer: for many windows and rates, each
+    sampled frame is the latest frame with pts <= its instant among ALL frames (brute force)."""
+    data = samples.encode_av(container="mp4", video=samples.ramp_frames(48, 16), fps=12)  # x264, B-frames
+    with av.open(io.BytesIO(data)) as container:
+        every = [
+            (frame.time, samples.ramp_index(frame.to_ndarray(format="rgb24") / 255.0))
+            for frame in container.decode(video=0)
+        ]
+    for start_s in (0.0, 0.37, 1.0, 2.9):
+        for fps in (1, 2, 5, 7):
+            video = decode_video(data, "mp4", fps=fps, size=8, start_s=start_s, duration_s=1.3)
+            shown = [samples.ramp_index(frame) for frame in video]
+            instants = [start_s + j / fps for j in range(len(shown))]
+            assert shown == [max(i for t, i in every if t <= instant + 1e-9) for instant in instants]
+            assert len(shown) == min(math.ceil(1.3 * fps), math.ceil((4.0 - start_s) * fps))
