@@ -155,7 +155,7 @@ def _media_path(row: dict, field: str, base: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise ValueError(f'"{field}" must be a path string, got {type(value).__name__}')
-    path = os.path.join(base, value)
+    path = os.path.normpath(os.path.join(base, value))
     ext = _ext(path)
     if not ext or ext in _RESERVED_EXTS:
         raise ValueError(f'"{field}" {value!r} needs a media file extension (e.g. .mp4, .flac), not {ext!r}')
@@ -167,7 +167,7 @@ def _manifest_text(row: dict, base: str) -> tuple[str | None, dict | None]:
     manifest) when it names one that exists; ``segments`` are timed segments given inline."""
     text, segments = row.get("text") or "", row.get("segments") or []
     if isinstance(text, str) and not segments and _ext(text) in TEXT_EXTS:
-        path = os.path.join(base, text)
+        path = os.path.normpath(os.path.join(base, text))
         if os.path.isfile(path):
             return path, None
     return None, normalize(text, segments)
