@@ -146,7 +146,34 @@ def test_shardset_reads_members_text_and_token_counts(built, corpus) -> None:
     assert shards.read_member(clip00, "mp4") == _read(os.path.join(corpus, "clip00.mp4"))
     assert shards.text(clip00)["text"] == _read(os.path.join(corpus, "clip00.txt")).decode().strip()
     copy = pickle.loads(pickle.dumps(shards))  # what a DataLoader worker gets: no fd, no client
-    assert copy._fds == {} and copy.read_member(clip00, "mp4") == shards.read_member(clip00, "mp4")
+    assert copy._store._fds == {} and copy.read_member(clip00, "mp4") == shards.read_member(clip00, "mp4")
+    shards.close()
+
+
+def _read_in_child(shards: ShardSet, results) -> None:
+    sample = shards.samples[0]
+    results.put((shards.read_member(sample, "json"), dict(shards._store._fds), os.getpid()))
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_worker_opens_its_own_file_handles(built) -> None:
+    """As a DataLoader worker under fork: the parent's open fds are inherited, not used."""
+    import multiprocessing
+
+    shards = ShardSet.open(built)
+    expected = shards.read_member(shards.samples[0], "json")
+    parent_fds = dict(shards._store._fds)
+    assert len(parent_fds) == 1
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_read_in_child, args=(shards, results))
+    child.start()
+    data, child_fds, pid = results.get(timeout=30)
+    child.join(timeout=30)
+    assert data == expected and pid != os.getpid() and child.exitcode == 0
+    assert child_fds.keys() == parent_fds.keys() and child_fds != parent_fds  # opened afresh in the child
+    assert shards._store._fds == parent_fds  # the parent's own stay open and usable
+    assert shards.read_member(shards.samples[0], "json") == expected
     shards.close()
 
 
@@ -219,7 +246,7 @@ def test_build_and_read_on_s3(built, corpus, s3_bucket) -> None:
 
     boto3.client("s3").delete_object(Bucket=s3_bucket, Key="media/v1/shard-000000.tar")
     first = shards.samples[0]
-    with pytest.raises(StorageError, match=f"sample '{first.key}' from shard-000000.tar"):
+    with pytest.raises(StorageError, match=f"reading sample '{first.key}' from shard-000000.tar at s3://"):
         shards.read_member(first, "json")
 
 
