@@ -66,6 +66,8 @@ class BuildConfig:
             raise ConfigError(f"SRC {self.src!r} does not exist; give a folder of media or a .jsonl manifest")
         if os.path.isdir(self.src) and not _has_files(self.src):
             raise ConfigError(f"SRC folder {self.src!r} is empty; put media files (and captions) in it")
+        if os.path.isfile(self.src) and os.path.getsize(self.src) == 0:
+            raise ConfigError(f"SRC manifest {self.src!r} is empty; give one JSON object per line (id, video, audio)")
         if self.shard_size < 1:
             raise ConfigError(f"shard_size must be >= 1 byte, got {self.shard_size} (e.g. 256MiB)")
         if not 1 <= self.workers <= 256:

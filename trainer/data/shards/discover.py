@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from resilient.errors import ConfigError
 from resilient.trainer.data.shards.text import TextError, normalize
 
 VIDEO_EXTS = ("mp4", "mkv", "webm")
@@ -120,15 +121,21 @@ def _from_folder(src: str) -> tuple[list[Candidate], list[Skip]]:
 def _from_manifest(src: str) -> tuple[list[Candidate], list[Skip]]:
     base = os.path.dirname(os.path.abspath(src))
     candidates, skipped = [], []
-    with open(src, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{src}:{number}"
-            try:
-                candidates.append(_manifest_line(json.loads(line), base, where))
-            except (ValueError, TextError) as e:  # json's JSONDecodeError is a ValueError
-                skipped.append(Skip(where, str(e)))
+    try:
+        with open(src, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"SRC {src!r} is neither a folder nor a JSON-lines manifest (not UTF-8 text); give the folder that holds it"
+        ) from e
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{src}:{number}"
+        try:
+            candidates.append(_manifest_line(json.loads(line), base, where))
+        except (ValueError, TextError) as e:  # json's JSONDecodeError is a ValueError
+            skipped.append(Skip(where, str(e)))
     return candidates, skipped
 
 
