@@ -257,6 +257,38 @@ def test_build_and_read_on_s3(built, corpus, s3_bucket) -> None:
         shards.read_member(first, "json")
 
 
+class _Flaky:
+    """A boto3 client whose first ``failures`` GetObjects break off like a dropped connection."""
+
+    def __init__(self, client, failures: int) -> None:
+        self.client, self.failures, self.calls = client, failures, 0
+
+    def get_object(self, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionResetError("connection reset by peer")
+        return self.client.get_object(**kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_s3_range_reads_are_retried_then_fail_naming_shard_and_key(corpus, s3_bucket, monkeypatch) -> None:
+    from resilient.trainer.data.shards import format as fmt
+
+    monkeypatch.setattr(fmt, "S3_BACKOFF_S", 0.01)
+    dest = f"s3://{s3_bucket}/retry"
+    build(BuildConfig(src=corpus, dest=dest, shard_size=SHARD_SIZE, workers=2))
+    shards = ShardSet.open(dest)
+    sample = shards.samples[-1]
+    expected = shards.read_member(sample, "json")
+    flaky = _Flaky(shards._store._client, failures=fmt.S3_READ_RETRIES)
+    shards._store._client = flaky
+    assert shards.read_member(sample, "json") == expected and flaky.calls == 1 + fmt.S3_READ_RETRIES
+    shards._store._client = _Flaky(flaky.client, failures=99)
+    tar = shards.manifest["shards"][sample.shard]["tar"]
+    with pytest.raises(StorageError, match=f"sample '{sample.key}' from {tar} .* after 4 tries: connection reset"):
+        shards.read_member(sample, "json")
+
+
 @pytest.mark.timeout(60)
 def test_probe_detects_garbage_and_truncation(corpus, tmp_path) -> None:
     info = probe(os.path.join(corpus, "clip00.mp4"))

@@ -30,8 +30,9 @@ SKIPPED = "skipped.jsonl"
 TEXT_EXT = "json"
 """The member holding a sample's normalized text."""
 
-S3_READ_TRIES = 3
-"""Range reads of one member before a StorageError (on top of botocore's own retries)."""
+S3_READ_RETRIES = 3
+"""Retries of a failed GetObject before a StorageError. botocore retries the request itself, but
+not a body that breaks off while it streams in (IncompleteRead, a read timeout): these do."""
 S3_BACKOFF_S = 0.2
 """First wait between two tries of a range read (doubling)."""
 
@@ -233,8 +234,8 @@ class _Store:
             raise StorageError(f"reading {what} from {self._path(name)} failed: {e.strerror or e}") from e
 
     def _s3_get(self, name: str, byte_range: tuple[int, int] | None, what: str) -> bytes:
-        """One GetObject, tried S3_READ_TRIES times with doubling waits (botocore bounds each try
-        with its connect/read timeouts); an answer a retry cannot change is not retried."""
+        """One GetObject, retried S3_READ_RETRIES times with doubling waits (botocore bounds each
+        try with its connect/read timeouts); an answer a retry cannot change is not retried."""
         self._own_handles()
         if self._client is None:
             from resilient.storage.s3 import s3_client
@@ -242,7 +243,7 @@ class _Store:
             self._client = s3_client(self.location)
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
         delay, last = S3_BACKOFF_S, None
-        for attempt in range(S3_READ_TRIES):
+        for attempt in range(1 + S3_READ_RETRIES):
             if attempt:
                 time.sleep(delay)
                 delay *= 2
