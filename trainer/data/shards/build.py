@@ -120,6 +120,8 @@ def build(config: BuildConfig) -> BuildSummary:
         candidates, skipped = discover(config.src)
         samples, probe_skips = probe_all(candidates, workers=config.workers, progress=config.progress)
         skipped += probe_skips
+        for skip in skipped:
+            logger.info("skipped %s: %s", skip.path, skip.reason, extra={"event": "skipped", **skip.to_json()})
         if not samples:
             first = f": {skipped[0].path}: {skipped[0].reason}" if skipped else ""
             raise ConfigError(f"SRC {config.src!r} has no usable sample ({len(skipped)} inputs skipped{first})")
@@ -275,6 +277,12 @@ def _finish(destination, shards: list[_WrittenShard], samples, skipped: list[Ski
         "skipped": len(skipped),
     }
     destination.commit_manifest(json.dumps(manifest, indent=1).encode() + b"\n")
+    logger.info(
+        "shard build committed: %d samples in %d shards",
+        manifest["samples"],
+        len(shards),
+        extra={"event": "committed", "fingerprint": manifest["fingerprint"]},
+    )
     return manifest
 
 
