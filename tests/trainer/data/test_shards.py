@@ -15,7 +15,7 @@ import tarfile
 
 import pytest
 
-from resilient.errors import ConfigError, StorageError
+from resilient.errors import ConfigError, IntegrityError, StorageError
 from resilient.tools.media_corpus import write_corpus
 from resilient.trainer.data.shards.build import BuildConfig, build
 from resilient.trainer.data.shards.format import ShardSet, fingerprint_of
@@ -201,6 +201,14 @@ def test_shardset_open_refuses_what_is_not_a_finished_build(built, tmp_path) -> 
     with pytest.raises(ConfigError, match="format version 2, this reader knows 1") as e:
         ShardSet.open(newer)
     assert "\n" not in str(e.value)
+    edited = str(tmp_path / "edited")
+    shutil.copytree(built, edited)
+    index = os.path.join(edited, "shard-000000.json")
+    emptied = {**_json(index), "samples": []}
+    with open(index, "w") as f:
+        json.dump(emptied, f)
+    with pytest.raises(IntegrityError, match="do not match the manifest's fingerprint"):
+        ShardSet.open(edited)
 
 
 @pytest.mark.timeout(60)

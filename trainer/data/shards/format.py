@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -184,6 +185,7 @@ class _Store:
         self._fds: dict[str, int] = {}
         self._client = None
         self._pid = os.getpid()
+        self._opening = threading.Lock()  # two threads' first reads of a shard open one fd, not two
 
     def _own_handles(self) -> None:
         """A forked child inherits the parent's handles: start afresh rather than share them."""
@@ -228,7 +230,10 @@ class _Store:
         try:
             fd = self._fds.get(name)
             if fd is None:
-                fd = self._fds[name] = os.open(self._path(name), os.O_RDONLY)
+                with self._opening:
+                    fd = self._fds.get(name)
+                    if fd is None:
+                        fd = self._fds[name] = os.open(self._path(name), os.O_RDONLY)
             return os.pread(fd, size, offset)
         except OSError as e:
             raise StorageError(f"reading {what} from {self._path(name)} failed: {e.strerror or e}") from e
@@ -240,7 +245,9 @@ class _Store:
         if self._client is None:
             from resilient.storage.s3 import s3_client
 
-            self._client = s3_client(self.location)
+            with self._opening:
+                if self._client is None:
+                    self._client = s3_client(self.location)
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
         delay, last = S3_BACKOFF_S, None
         for attempt in range(1 + S3_READ_RETRIES):
