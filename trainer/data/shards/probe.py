@@ -53,7 +53,7 @@ def probe(path: str) -> MediaInfo:
         raise
     except av.FFmpegError as e:  # its strerror is FFmpeg's reason, without the path
         raise ProbeError(f"FFmpeg: {e.strerror or _short(e)}") from e
-    except Exception as e:  # FFmpeg's errors, and PyAV's on malformed metadata: all mean "unusable"
+    except Exception as e:  # PyAV's own errors on malformed data (ValueError, UnicodeDecodeError, ...)
         raise ProbeError(f"{type(e).__name__}: {_short(e)}") from e
 
 
