@@ -66,6 +66,8 @@ class BuildConfig:
             raise ConfigError(f"SRC {self.src!r} does not exist; give a folder of media or a .jsonl manifest")
         if os.path.isdir(self.src) and not _has_files(self.src):
             raise ConfigError(f"SRC folder {self.src!r} is empty; put media files (and captions) in it")
+        if os.path.isfile(self.src) and os.path.getsize(self.src) == 0:
+            raise ConfigError(f"SRC manifest {self.src!r} is empty; give one JSON object per line (id, video, audio)")
         if self.shard_size < 1:
             raise ConfigError(f"shard_size must be >= 1 byte, got {self.shard_size} (e.g. 256MiB)")
         if not 1 <= self.workers <= 256:
@@ -118,6 +120,8 @@ def build(config: BuildConfig) -> BuildSummary:
         candidates, skipped = discover(config.src)
         samples, probe_skips = probe_all(candidates, workers=config.workers, progress=config.progress)
         skipped += probe_skips
+        for skip in skipped:
+            logger.info("skipped %s: %s", skip.path, skip.reason, extra={"event": "skipped", **skip.to_json()})
         if not samples:
             first = f": {skipped[0].path}: {skipped[0].reason}" if skipped else ""
             raise ConfigError(f"SRC {config.src!r} has no usable sample ({len(skipped)} inputs skipped{first})")
@@ -273,6 +277,12 @@ def _finish(destination, shards: list[_WrittenShard], samples, skipped: list[Ski
         "skipped": len(skipped),
     }
     destination.commit_manifest(json.dumps(manifest, indent=1).encode() + b"\n")
+    logger.info(
+        "shard build committed: %d samples in %d shards",
+        manifest["samples"],
+        len(shards),
+        extra={"event": "committed", "fingerprint": manifest["fingerprint"]},
+    )
     return manifest
 
 

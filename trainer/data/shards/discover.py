@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from resilient.errors import ConfigError
 from resilient.trainer.data.shards.text import TextError, normalize
 
 VIDEO_EXTS = ("mp4", "mkv", "webm")
@@ -120,15 +121,21 @@ def _from_folder(src: str) -> tuple[list[Candidate], list[Skip]]:
 def _from_manifest(src: str) -> tuple[list[Candidate], list[Skip]]:
     base = os.path.dirname(os.path.abspath(src))
     candidates, skipped = [], []
-    with open(src, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{src}:{number}"
-            try:
-                candidates.append(_manifest_line(json.loads(line), base, where))
-            except (ValueError, TextError) as e:  # json's JSONDecodeError is a ValueError
-                skipped.append(Skip(where, str(e)))
+    try:
+        with open(src, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"SRC {src!r} is neither a folder nor a JSON-lines manifest (not UTF-8 text); give the folder that holds it"
+        ) from e
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{src}:{number}"
+        try:
+            candidates.append(_manifest_line(json.loads(line), base, where))
+        except (ValueError, TextError) as e:  # json's JSONDecodeError is a ValueError
+            skipped.append(Skip(where, str(e)))
     return candidates, skipped
 
 
@@ -155,7 +162,7 @@ def _media_path(row: dict, field: str, base: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise ValueError(f'"{field}" must be a path string, got {type(value).__name__}')
-    path = os.path.join(base, value)
+    path = os.path.normpath(os.path.join(base, value))
     ext = _ext(path)
     if not ext or ext in _RESERVED_EXTS:
         raise ValueError(f'"{field}" {value!r} needs a media file extension (e.g. .mp4, .flac), not {ext!r}')
@@ -167,7 +174,7 @@ def _manifest_text(row: dict, base: str) -> tuple[str | None, dict | None]:
     manifest) when it names one that exists; ``segments`` are timed segments given inline."""
     text, segments = row.get("text") or "", row.get("segments") or []
     if isinstance(text, str) and not segments and _ext(text) in TEXT_EXTS:
-        path = os.path.join(base, text)
+        path = os.path.normpath(os.path.join(base, text))
         if os.path.isfile(path):
             return path, None
     return None, normalize(text, segments)

@@ -4,7 +4,7 @@ one member of one sample with one range read.
 A ``ShardSet`` holds the whole catalogue (every sample's member offsets and token counts) in
 memory, so the trainer can plan packing without touching a tar. It pickles without its open
 file descriptors or boto3 client: a DataLoader worker process gets a copy and opens its own on
-first use (a boto3 client or an fd shared across ``fork`` is not safe to use from both sides).
+first use (a boto3 client does not pickle, and one shared across ``fork`` is not safe).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,8 +31,9 @@ SKIPPED = "skipped.jsonl"
 TEXT_EXT = "json"
 """The member holding a sample's normalized text."""
 
-S3_READ_TRIES = 3
-"""Range reads of one member before a StorageError (on top of botocore's own retries)."""
+S3_READ_RETRIES = 3
+"""Retries of a failed GetObject before a StorageError. botocore retries the request itself, but
+not a body that breaks off while it streams in (IncompleteRead, a read timeout): these do."""
 S3_BACKOFF_S = 0.2
 """First wait between two tries of a range read (doubling)."""
 
@@ -91,16 +93,18 @@ def _entry(raw: dict, shard: int) -> SampleEntry:
 class ShardSet:
     """A finished build under a local folder or ``s3://bucket/prefix``. Open it with ``open``."""
 
-    def __init__(self, location: Location, manifest: dict, samples: list[SampleEntry]) -> None:
-        self.location = location
+    def __init__(self, store: _Store, manifest: dict, samples: list[SampleEntry], tokenizer_json: bytes) -> None:
         self.manifest = manifest
         self.fingerprint: str = manifest["fingerprint"]
         self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
         self.samples = samples
+        self._store = store
         self._tars: list[str] = [s["tar"] for s in manifest["shards"]]
-        self._reset_handles()
+        self._tokenizer_json = tokenizer_json
 
-    # -- opening --------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self._store.location.url
 
     @classmethod
     def open(cls, dest: str) -> ShardSet:
@@ -109,51 +113,24 @@ class ShardSet:
         location = parse_url(dest)
         if location.scheme not in ("file", "s3"):
             raise ConfigError(f"shard set {dest!r}: only a local folder or s3://bucket/prefix can hold shards")
-        reader = cls(location, {"fingerprint": "", "tokenizer": {"vocab_size": 0}, "shards": []}, [])
-        manifest = reader._read_manifest(dest)
-        indexes = [reader._read_whole(s["index"]) for s in manifest["shards"]]
-        tokenizer_json = reader._read_whole(manifest["tokenizer"]["file"])
+        store = _Store(location)
+        manifest = _read_manifest(store, dest)
+        indexes = [store.read_whole(s["index"]) for s in manifest["shards"]]
+        tokenizer_json = store.read_whole(manifest["tokenizer"]["file"])
         if fingerprint_of(indexes, tokenizer_json) != manifest["fingerprint"]:
             raise IntegrityError(
                 f"shard set {location.url}: the shard indexes or tokenizer.json do not match the manifest's "
                 "fingerprint (files replaced or damaged after the build); rebuild it with resilient-data build"
             )
         samples = [_entry(raw, shard) for shard, data in enumerate(indexes) for raw in json.loads(data)["samples"]]
-        opened = cls(location, manifest, samples)
-        opened._tokenizer_json = tokenizer_json
-        return opened
-
-    def _read_manifest(self, dest: str) -> dict:
-        try:
-            data = self._read_whole(MANIFEST)
-            manifest = json.loads(data)
-        except (StorageError, ValueError) as e:
-            raise ConfigError(
-                f"shard set {dest!r}: no readable {MANIFEST} ({_one_line(e)}); point at the --out of a finished "
-                "`resilient-data build` (a build writes its manifest last)"
-            ) from e
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ConfigError(f"shard set {dest!r}: {MANIFEST} is not a {FORMAT} manifest; point at a shard build")
-        if manifest.get("version") != VERSION:
-            raise ConfigError(
-                f"shard set {dest!r}: format version {manifest.get('version')!r}, this reader knows {VERSION}; "
-                "rebuild the shards with this resilient-data or update resilient"
-            )
-        return manifest
-
-    # -- reading --------------------------------------------------------------------------------
+        return cls(store, manifest, samples, tokenizer_json)
 
     def read_member(self, sample: SampleEntry, ext: str) -> bytes:
         """The bytes of ``<key>.<ext>``, fetched with one range read."""
         if ext not in sample.members:
             raise KeyError(f"sample {sample.key!r} has no member .{ext} (it has: {', '.join(sample.members)})")
         offset, size = sample.members[ext]
-        if size == 0:
-            return b""
-        tar = self._tars[sample.shard]
-        if self.location.scheme == "s3":
-            return self._s3_range(tar, sample.key, offset, size)
-        return self._local_range(tar, sample.key, offset, size)
+        return self._store.read_range(self._tars[sample.shard], offset, size, f"sample {sample.key!r}")
 
     def text(self, sample: SampleEntry) -> dict:
         """``{"text": str, "segments": [{"start", "end", "text"}]}`` of the sample."""
@@ -162,47 +139,69 @@ class ShardSet:
     def tokenizer(self) -> tokenizers.Tokenizer:
         from tokenizers import Tokenizer
 
-        if self._tokenizer_json is None:
-            self._tokenizer_json = self._read_whole(self.manifest["tokenizer"]["file"])
         return Tokenizer.from_str(self._tokenizer_json.decode())
 
     def close(self) -> None:
         """Close this process's file descriptors (the S3 client needs no closing)."""
-        if self._pid == os.getpid():
-            for fd in self._fds.values():
-                os.close(fd)
-        self._reset_handles()
+        self._store.close()
 
-    # -- pickling: handles are per process --------------------------------------------------------
+
+def _read_manifest(store: _Store, dest: str) -> dict:
+    try:
+        manifest = json.loads(store.read_whole(MANIFEST))
+    except (StorageError, ValueError) as e:
+        raise ConfigError(
+            f"shard set {dest!r}: no readable {MANIFEST} ({_one_line(e)}); point at the --out of a finished "
+            "`resilient-data build` (a build writes its manifest last)"
+        ) from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ConfigError(f"shard set {dest!r}: {MANIFEST} is not a {FORMAT} manifest; point at a shard build")
+    if manifest.get("version") != VERSION:
+        raise ConfigError(
+            f"shard set {dest!r}: format version {manifest.get('version')!r}, this reader knows {VERSION}; "
+            "rebuild the shards with this resilient-data or update resilient"
+        )
+    return manifest
+
+
+class _Store:
+    """Whole-file and range reads under a build's location. File descriptors and the boto3 client
+    are made on first use in each process and never pickled: a forked or spawned DataLoader worker
+    opens its own (neither an fd's offset-free pread nor a boto3 client is worth sharing across
+    fork, and a client does not pickle at all)."""
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self._reset()
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        for name in ("_fds", "_client", "_pid"):
-            state.pop(name)
-        return state
+        return {"location": self.location}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._reset_handles()
+        self.location = state["location"]
+        self._reset()
 
-    def _reset_handles(self) -> None:
+    def _reset(self) -> None:
         self._fds: dict[str, int] = {}
         self._client = None
         self._pid = os.getpid()
-        if not hasattr(self, "_tokenizer_json"):
-            self._tokenizer_json: bytes | None = None
+        self._opening = threading.Lock()  # two threads' first reads of a shard open one fd, not two
 
     def _own_handles(self) -> None:
         """A forked child inherits the parent's handles: start afresh rather than share them."""
         if self._pid != os.getpid():
-            self._reset_handles()
+            self._reset()
 
-    # -- storage ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._reset()
 
     def _path(self, name: str) -> str:
         return "/" + self.location.join(name)
 
-    def _read_whole(self, name: str) -> bytes:
+    def read_whole(self, name: str) -> bytes:
         if self.location.scheme == "s3":
             return self._s3_get(name, None, f"reading {name}")
         try:
@@ -211,42 +210,47 @@ class ShardSet:
         except OSError as e:
             raise StorageError(f"reading {self._path(name)} failed: {e.strerror or e}") from e
 
-    def _local_range(self, tar: str, key: str, offset: int, size: int) -> bytes:
-        self._own_handles()
-        try:
-            fd = self._fds.get(tar)
-            if fd is None:
-                fd = self._fds[tar] = os.open(self._path(tar), os.O_RDONLY)
-            data = os.pread(fd, size, offset)
-        except OSError as e:
-            raise StorageError(f"reading {key!r} from {self._path(tar)} failed: {e.strerror or e}") from e
+    def read_range(self, name: str, offset: int, size: int, what: str) -> bytes:
+        """``size`` bytes at ``offset`` of ``name``, in one read; ``what`` names them in errors."""
+        if size == 0:
+            return b""  # an empty byte range cannot be asked of S3
+        if self.location.scheme == "s3":
+            data = self._s3_get(name, (offset, offset + size - 1), f"reading {what} from {name}")
+        else:
+            data = self._pread(name, offset, size, what)
         if len(data) != size:
             raise StorageError(
-                f"reading {key!r} from {self._path(tar)}: {len(data)} of {size} bytes at offset {offset} "
+                f"reading {what} from {self.location.url}/{name}: {len(data)} of {size} bytes at offset {offset} "
                 "(the tar is shorter than its index says: truncated?); rebuild the shards"
             )
         return data
 
-    def _s3_range(self, tar: str, key: str, offset: int, size: int) -> bytes:
-        data = self._s3_get(tar, (offset, offset + size - 1), f"reading sample {key!r} from {tar}")
-        if len(data) != size:
-            raise StorageError(
-                f"reading sample {key!r} from {self.location.url}/{tar}: {len(data)} of {size} bytes at offset "
-                f"{offset} (the tar is shorter than its index says); rebuild the shards"
-            )
-        return data
+    def _pread(self, name: str, offset: int, size: int, what: str) -> bytes:
+        self._own_handles()
+        try:
+            fd = self._fds.get(name)
+            if fd is None:
+                with self._opening:
+                    fd = self._fds.get(name)
+                    if fd is None:
+                        fd = self._fds[name] = os.open(self._path(name), os.O_RDONLY)
+            return os.pread(fd, size, offset)
+        except OSError as e:
+            raise StorageError(f"reading {what} from {self._path(name)} failed: {e.strerror or e}") from e
 
     def _s3_get(self, name: str, byte_range: tuple[int, int] | None, what: str) -> bytes:
-        """One GetObject, tried S3_READ_TRIES times with doubling waits (botocore bounds each try
-        with its connect/read timeouts)."""
+        """One GetObject, retried S3_READ_RETRIES times with doubling waits (botocore bounds each
+        try with its connect/read timeouts); an answer a retry cannot change is not retried."""
         self._own_handles()
         if self._client is None:
             from resilient.storage.s3 import s3_client
 
-            self._client = s3_client(self.location)
+            with self._opening:
+                if self._client is None:
+                    self._client = s3_client(self.location)
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
         delay, last = S3_BACKOFF_S, None
-        for attempt in range(S3_READ_TRIES):
+        for attempt in range(1 + S3_READ_RETRIES):
             if attempt:
                 time.sleep(delay)
                 delay *= 2
@@ -258,7 +262,7 @@ class ShardSet:
                 if _error_code(e) in _FINAL_CODES:
                     break
         raise StorageError(
-            f"{what} at {self.location.url}/{name} failed after {S3_READ_TRIES} tries: {_one_line(last)}; "
+            f"{what} at {self.location.url}/{name} failed after {attempt + 1} tries: {_one_line(last)}; "
             "check the endpoint, credentials and that the build finished"
         ) from last
 

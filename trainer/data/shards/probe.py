@@ -15,6 +15,8 @@ PACKETS_TO_READ = 256
 """Most packets demuxed at the head: bounds the probe of a long file with a sparse stream."""
 TAIL_SECONDS = 1.0
 """How far before the end the tail check seeks."""
+TAIL_SLACK_S = 0.25
+"""How far short of the stated duration the last packet may end (container rounding)."""
 OPEN_TIMEOUT_S = 30.0
 """FFmpeg's wait for data on open and on each read (matters for network filesystems)."""
 _SOUNDFILE_BLOCK = 4096
@@ -40,10 +42,9 @@ def probe(path: str) -> MediaInfo:
         raise ProbeError("empty file")
     ext = path.rsplit(".", 1)[-1].lower()
     if ext in SOUNDFILE_EXTS:
-        try:
-            return _probe_soundfile(path)
-        except ProbeError:
-            pass  # libsndfile lacks some codecs (e.g. opus in older builds): FFmpeg has the last word
+        info = _probe_soundfile(path)
+        if info is not None:
+            return info
     import av
 
     try:
@@ -52,25 +53,34 @@ def probe(path: str) -> MediaInfo:
         raise
     except av.FFmpegError as e:  # its strerror is FFmpeg's reason, without the path
         raise ProbeError(f"FFmpeg: {e.strerror or _short(e)}") from e
-    except Exception as e:  # FFmpeg's errors, and PyAV's on malformed metadata: all mean "unusable"
+    except Exception as e:  # PyAV's own errors on malformed data (ValueError, UnicodeDecodeError, ...)
         raise ProbeError(f"{type(e).__name__}: {_short(e)}") from e
 
 
-def _probe_soundfile(path: str) -> MediaInfo:
+def _probe_soundfile(path: str) -> MediaInfo | None:
+    """None when libsndfile cannot open the file (some builds lack a codec, e.g. opus): FFmpeg
+    then has the last word. A file it opens but cannot read to the end is damaged."""
     import soundfile
 
     try:
-        with soundfile.SoundFile(path) as f:
-            frames, rate = f.frames, f.samplerate
-            if frames <= 0 or len(f.read(_SOUNDFILE_BLOCK, dtype="float32")) == 0:
-                raise ProbeError("no audio frames")
+        f = soundfile.SoundFile(path)
+    except (RuntimeError, ValueError, OSError):  # soundfile.LibsndfileError is a RuntimeError
+        return None
+    with f:
+        frames, rate = f.frames, f.samplerate
+        try:
+            head = len(f.read(_SOUNDFILE_BLOCK, dtype="float32"))
             tail_start = max(0, frames - _SOUNDFILE_BLOCK)
             f.seek(tail_start)
-            got = len(f.read(frames - tail_start, dtype="float32"))
-    except (RuntimeError, ValueError, OSError) as e:  # soundfile.LibsndfileError is a RuntimeError
-        raise ProbeError(f"libsndfile: {_short(e)}") from e
-    if got != frames - tail_start:
-        raise ProbeError(f"truncated: the header says {frames} frames, data ends {frames - tail_start - got} early")
+            tail = len(f.read(frames - tail_start, dtype="float32"))
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ProbeError(f"truncated or damaged: libsndfile: {_short(e)}") from e
+    if frames <= 0 or head == 0:
+        raise ProbeError("no audio frames")
+    if tail != frames - tail_start:
+        raise ProbeError(
+            f"truncated: the header says {frames} frames, the data ends {frames - tail_start - tail} early"
+        )
     return MediaInfo(duration_s=frames / rate, has_audio=True, has_video=False)
 
 
@@ -83,8 +93,9 @@ def _probe_av(path: str) -> MediaInfo:
             raise ProbeError("no audio or video stream")
         _decode_head(container, streams)
         duration = _duration_s(container, streams)
+        longest = max(streams, key=lambda s: float(s.duration * s.time_base) if s.duration and s.time_base else 0.0)
         if duration > 2 * TAIL_SECONDS:
-            _decode_tail(container, streams[0], duration)
+            _read_tail(container, longest, duration)
         return MediaInfo(
             duration_s=duration,
             has_audio=any(s.type == "audio" for s in streams),
@@ -106,20 +117,33 @@ def _decode_head(container, streams) -> None:
             raise ProbeError(f"{stream.type} stream #{stream.index} ({codec}) decoded no frame")
 
 
-def _decode_tail(container, stream, duration: float) -> None:
-    """A file cut short keeps its index (moov at the front, mkv cues) but not its last packets."""
-    target = int((duration - TAIL_SECONDS) / stream.time_base) if stream.time_base else None
-    if target is None:
+def _read_tail(container, stream, duration: float) -> None:
+    """A file cut short can keep its index (mp4 with moov in front, mkv cues) but not its last
+    packets. Seek to any frame (not the keyframe before it, which may be the file's first)
+    TAIL_SECONDS before the end and read the packets from there on: they must reach the end."""
+    if not stream.time_base:
         return
     try:
-        container.seek(target, stream=stream, any_frame=False, backward=True)
+        container.seek(int((duration - TAIL_SECONDS) / stream.time_base), stream=stream, any_frame=True)
     except Exception:  # a container that cannot seek is not damaged, just unseekable
         return
-    for packet in container.demux(stream):
-        if packet.size:  # the data is there; decode() raises if it is garbage
-            packet.decode()
-            return
-    raise ProbeError(f"truncated: nothing decodes in the last {TAIL_SECONDS:g} s of {duration:.2f} s")
+    reached = 0.0
+    try:
+        for packet in container.demux(stream):
+            if packet.size and packet.pts is not None:
+                reached = max(reached, float((packet.pts + (packet.duration or 0)) * stream.time_base))
+    except Exception as e:  # FFmpeg's read error on a packet cut in half
+        raise ProbeError(f"truncated: reading the last {TAIL_SECONDS:g} s failed: {_short(e)}") from e
+    if not reached:
+        raise ProbeError(f"truncated: no packet in the last {TAIL_SECONDS:g} s of its {duration:.2f} s")
+    if reached < duration - TAIL_SLACK_S - _frame_interval_s(stream):
+        raise ProbeError(f"truncated: the data ends at {reached:.2f} s of its {duration:.2f} s")
+
+
+def _frame_interval_s(stream) -> float:
+    """A packet without a duration ends where it starts: allow one frame more of slack."""
+    rate = getattr(stream, "average_rate", None) if stream.type == "video" else None
+    return 1.0 / float(rate) if rate else 0.0
 
 
 def _duration_s(container, streams) -> float:

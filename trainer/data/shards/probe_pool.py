@@ -10,6 +10,7 @@ that may already hold threads (tqdm's monitor, boto3's pools).
 from __future__ import annotations
 
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from resilient.trainer.data.shards.discover import Candidate, Skip
 from resilient.trainer.data.shards.probe import MediaInfo, ProbeError, probe
 from resilient.trainer.data.shards.text import TextError, empty_text, read_text_file
 
+IN_FLIGHT_PER_WORKER = 4
+"""Probes queued ahead per thread: keeps every thread busy without queueing the whole corpus."""
 SAMPLE_TIMEOUT_S = 300.0
 """Longest wait for one sample's probe before it is skipped (a file on a hung network mount)."""
 
@@ -92,9 +95,8 @@ def probe_all(candidates: list[Candidate], *, workers: int, progress: bool) -> t
     skipped: list[Skip] = []
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resilient-data-probe")
     try:
-        futures = [pool.submit(probe_sample, c) for c in candidates]
-        bar = tqdm(futures, desc="probe", unit="sample", disable=not progress)
-        for c, future in zip(candidates, bar, strict=True):
+        in_flight = _submitted_in_order(pool, candidates, window=IN_FLIGHT_PER_WORKER * workers)
+        for c, future in tqdm(in_flight, total=len(candidates), desc="probe", unit="sample", disable=not progress):
             try:
                 result = future.result(timeout=SAMPLE_TIMEOUT_S)
             except FutureTimeout:
@@ -103,3 +105,15 @@ def probe_all(candidates: list[Candidate], *, workers: int, progress: bool) -> t
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a hung probe must not hold the build
     return samples, skipped
+
+
+def _submitted_in_order(pool: ThreadPoolExecutor, candidates: list[Candidate], window: int):
+    """(candidate, future) in candidate order, with at most ``window`` submitted and not yet
+    handed out: a million-file corpus does not become a million pending futures."""
+    pending: deque = deque()
+    for c in candidates:
+        pending.append((c, pool.submit(probe_sample, c)))
+        if len(pending) >= window:
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
