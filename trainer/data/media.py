@@ -133,6 +133,9 @@ def _known(exts: frozenset[str]) -> str:
     return ", ".join(sorted(exts))
 
 
+_ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
 def _guarded(ext: str, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
     """Runs ``decode`` and turns every failure into one ``MediaError``. Decoders of untrusted bytes
     raise a zoo of types (av.FFmpegError and its subclasses, soundfile.LibsndfileError, RuntimeError,
@@ -142,7 +145,9 @@ def _guarded(ext: str, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarra
     except (MediaError, ConfigError):
         raise
     except Exception as e:  # the boundary where foreign decoder errors become ours, see above
-        reason = " ".join(str(e).split()) or type(e).__name__
+        # Object reprs carry addresses ("<_io.BytesIO object at 0x7f..>"): the same bytes must fail
+        # with the same words on every rank and every resume (the skip is logged and compared).
+        reason = _ADDRESS.sub("the input", " ".join(str(e).split())) or type(e).__name__
         raise MediaError(f"cannot decode {kind} from .{ext}: {type(e).__name__}: {reason}") from e
 
 
