@@ -158,7 +158,7 @@ def restore(
         storage_reads=result.storage_reads,
         excluded=result.excluded,
         run_id=result.timeline.run_id,
-        incarnation=result.timeline.incarnation,
+        timeline_incarnation=result.timeline.incarnation,
         timeline=result.timeline.timeline,
     )
     if say is not None and result.source != "peer":

@@ -7,7 +7,8 @@ and the tools all ask here.
     <run.dir>/
       events.jsonl            typed events of the whole job (every group's rank 0 appends)
       pids/group<G>-rank<R>   pid files; pids/lighthouse
-      group<G>/metrics.jsonl  samples.jsonl  skipped.jsonl  saves.jsonl  ram.jsonl  config.json  final.json
+      group<G>/metrics.jsonl  ranks.jsonl  samples.jsonl  skipped.jsonl  saves.jsonl  ram.jsonl
+      group<G>/config.json  final.json  incarnation.json  hang/
       group<G>/timeline.json  the RAM tier's current timeline (recovery/ram/timeline.py)
       ckpt/                   default checkpoint.url
 
@@ -45,6 +46,12 @@ SKIPPED_FILE = "skipped.jsonl"
 SAVES_FILE = "saves.jsonl"
 RAM_FILE = "ram.jsonl"
 CONFIG_FILE = "config.json"
+RANKS_FILE = "ranks.jsonl"
+"""``group<G>/ranks.jsonl``: every rank's step time by phase, every ``metrics.rank_every`` steps."""
+INCARNATION_FILE = "incarnation.json"
+"""``group<G>/incarnation.json``: the group's latest incarnation (``next_incarnation``)."""
+HANG_DIR = "hang"
+"""``group<G>/hang/rank<R>-<incarnation>.txt``: every thread's stack when a rank stopped stepping."""
 HOOK_EVENTS_FILE = "hook_events.jsonl"
 """``<run.dir>/chaos/hook_events.jsonl``: what the chaos step hook did (holds, corruptions)."""
 FINAL_DIGEST = "final.json"
@@ -172,12 +179,39 @@ def read_json(path: str) -> dict[str, Any] | None:
 # --- JSON lines -----------------------------------------------------------------------------------
 
 
+_identity: dict[str, Any] = {}
+"""``run_id`` and ``incarnation`` this process stamps on every record it appends (``stamp_records``)."""
+
+
+def stamp_records(*, run_id: str | None, incarnation: int) -> None:
+    """From now on every record this process appends carries ``t``, ``run_id`` and ``incarnation``
+    (docs/observability.md): records of several runs and restarts in one directory can be told
+    apart and joined. Set by the trainer once it knows them (``Trainer.resume``)."""
+    _identity.update(incarnation=incarnation, **({"run_id": run_id} if run_id else {}))
+
+
+def _stamped(record: dict[str, Any]) -> dict[str, Any]:
+    if not _identity:
+        return record
+    return {"t": round(time.time(), 4), **_identity, **record}
+
+
+def next_incarnation(run_dir: str, group: int) -> int:
+    """This start's incarnation of ``group``: 0 the first time, one more at every start after
+    (``group<G>/incarnation.json``; one writer per group, its rank 0)."""
+    path = group_file(run_dir, INCARNATION_FILE, group)
+    last = (read_json(path) or {}).get("incarnation")
+    incarnation = last + 1 if isinstance(last, int) and not isinstance(last, bool) else 0
+    write_json(path, {"incarnation": incarnation, "t": round(time.time(), 4)})
+    return incarnation
+
+
 def append_jsonl(path: str, record: dict[str, Any]) -> None:
     """Append one record as one line in ONE write (see the module docstring)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.write(fd, (json.dumps(_stamped(record)) + "\n").encode())
     finally:
         os.close(fd)
 
@@ -256,7 +290,8 @@ class EventLog:
         if self._fd is None:
             return
         try:
-            os.write(self._fd, (json.dumps({"t": round(time.time(), 4), "event": event, **fields}) + "\n").encode())
+            record = _stamped({"t": round(time.time(), 4), "event": event, **fields})
+            os.write(self._fd, (json.dumps(record) + "\n").encode())
         except OSError as e:
             _event_write_failed(self.path, e)
 

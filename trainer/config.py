@@ -1,9 +1,10 @@
 """The run configuration: one validated dataclass per section, loaded from a TOML recipe.
 
 A recipe (``configs/tiny.toml``) has the sections ``[run]``, ``[parallel]``, ``[model]``, ``[data]``,
-``[optim]``, ``[checkpoint]``, ``[replica]`` and ``[recovery]``; the command line overrides single keys with
-``--set key=value``, the value read as a TOML literal (``--set parallel.tp=1 --set data.log_samples=true``; a value that
-is not a TOML literal, like ``--set run.dir=/tmp/x``, is taken as a string). An unknown section or
+``[optim]``, ``[checkpoint]``, ``[replica]``, ``[recovery]`` and ``[metrics]``; the command line
+overrides single keys with ``--set key=value``, the value read as a TOML literal (``--set
+parallel.tp=1 --set data.log_samples=true``; a value that is not a TOML literal, like ``--set
+run.dir=/tmp/x``, is taken as a string). An unknown section or
 key, or a value of the wrong type or range, raises ConfigError naming the key and what is allowed,
 before any process group or file exists.
 
@@ -42,8 +43,13 @@ class RunConfig:
     """Seeds the model init (identical on every rank) and the torch/python/numpy RNGs; [0, 2**31)."""
     log_every: int = 10
     """Print a progress line every this many steps (metrics.jsonl gets every step); >= 1."""
-    peak_flops: float = 989e12
-    """Peak FLOP/s of ONE rank's device, the MFU denominator (989e12: H100 dense bf16)."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of ONE rank's device, the MFU denominator. 0: from the table of known GPUs
+    (``trainer/peak.py``), else measured at startup with a short matmul; both MFU and the peak used
+    are recorded in ``metrics.jsonl``."""
+    hang_timeout_s: float = 600.0
+    """No step completed for this long: every rank writes its threads' stacks to
+    ``group<G>/hang/`` and a ``hang`` event (0: no watchdog). Restores and the final save are exempt."""
     device: str = "auto"
     """'cpu', 'cuda', or 'auto' (cuda when available); collectives use gloo on cpu, nccl on cuda."""
     collective_timeout_s: float = 300.0
@@ -58,11 +64,32 @@ class RunConfig:
         check_int("run.steps", self.steps, 0)
         check_int("run.seed", self.seed, 0, 2**31 - 1)
         check_int("run.log_every", self.log_every, 1)
-        check_number("run.peak_flops", self.peak_flops, 0.0, 1e20, open_low=True)
+        check_number("run.peak_flops", self.peak_flops, 0.0, 1e20)
+        check_number("run.hang_timeout_s", self.hang_timeout_s, 0.0, 7 * 86400.0)
+        if 0 < self.hang_timeout_s < 1:
+            raise ConfigError(f"run.hang_timeout_s={self.hang_timeout_s} is below 1 s: use 0 (off) or >= 1")
         check_choice("run.device", self.device, ("auto", "cpu", "cuda"))
         check_number("run.collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
         if not isinstance(self.step_hooks, list) or not all(isinstance(h, str) and ":" in h for h in self.step_hooks):
             raise ConfigError(f"run.step_hooks={self.step_hooks!r} must be a list of 'package.module:factory'")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """What the trainer measures beyond ``metrics.jsonl`` (docs/observability.md)."""
+
+    rank_every: int = 10
+    """Every this many steps rank 0 gathers each rank's step time by phase into
+    ``group<G>/ranks.jsonl`` (one small all-gather); 0: never (no straggler detection either)."""
+    straggler_factor: float = 1.5
+    """A rank is slow in a phase when its time there is this many times the median of its peers."""
+    straggler_windows: int = 3
+    """... for this many consecutive ``rank_every`` windows: then a ``straggler`` event and a warning."""
+
+    def __post_init__(self) -> None:
+        check_int("metrics.rank_every", self.rank_every, 0)
+        check_number("metrics.straggler_factor", self.straggler_factor, 1.0, 1000.0, open_low=True)
+        check_int("metrics.straggler_windows", self.straggler_windows, 1, 10000)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -192,6 +219,8 @@ class TrainConfig:
     """Replica groups under a torchft quorum (``resilient.recovery``); off by default."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """The RAM tier's node stores and buddy replication (``checkpoint.memory_every`` turns it on)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Per-rank step breakdown and straggler detection."""
 
     def __post_init__(self) -> None:
         data, model = self.data.pipeline, self.model
@@ -248,6 +277,7 @@ _SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "replica": QuorumConfig,
     "recovery": RecoveryConfig,
+    "metrics": MetricsConfig,
 }
 _DATA_SECTION_KEYS = ("log_samples",)
 

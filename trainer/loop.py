@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from resilient import dist as rdist
 from resilient.errors import CommitError, ResilientError
+from resilient.faults import fault_point
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
 from resilient.storage.checkpointer import Checkpointer
@@ -32,6 +33,7 @@ from resilient.storage.handle import SaveHandle
 from resilient.trainer.build import StepHook, load_step_hooks
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
+from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
@@ -66,6 +68,7 @@ class Trainer:
         checkpointer: Checkpointer,
         outputs: RunOutputs,
         device: torch.device,
+        observer: RunObserver,
     ) -> None:
         self.config = config
         self.mesh = mesh
@@ -88,7 +91,10 @@ class Trainer:
         data = config.data.pipeline
         self.tokens_per_step = data.global_rows * data.row_len
         self._flops_per_step = flops_per_token(config.model, data.row_len) * self.tokens_per_step
-        self._peak_flops = config.run.peak_flops * mesh.size()
+        self.observer = observer
+        self.phases = observer.phases
+        self.peak_flops = config.run.peak_flops
+        """FLOP/s of one rank's device, the MFU denominator (``trainer.peak``, set by build_trainer)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -114,6 +120,8 @@ class Trainer:
             load_step=self.config.checkpoint.load_step,
         )
         self.restored_from = result.source
+        assert result.timeline is not None  # every restore reads the root's run id
+        self.observer.restored(result.timeline.run_id)
         if result.loaded:
             self.resumed_from = self._saved_step = result.step
         return result
@@ -156,23 +164,29 @@ class Trainer:
         """One step attempt. A committed step moves the data cursor and the step count, saves and
         snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
         nothing and is tried again (same global batch)."""
+        self.observer.start_watchdog(self.step)
         start = time.perf_counter()
         batch, data_wait = self._next_batch()
+        self.phases.add("data_wait_s", data_wait)
         # Read after _next_batch: a replica group that heals in its quorum gets its peer's cursor there.
         cursor = self.parts.pipeline.cursor
         result = self.train_step(batch)
         self._record_attempt(result)
         if not result.committed:
+            self.phases.discard()
             return
         self.parts.pipeline.commit_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         stall_start = time.perf_counter()
-        self.maybe_save()
-        self.maybe_snapshot()
+        with self.phases.timed("ckpt_stall_s"):
+            self.maybe_save()
+        with self.phases.timed("snapshot_s"):
+            self.maybe_snapshot()
         ckpt_stall = time.perf_counter() - stall_start
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
+        self.observer.committed(self.step, step_time)
         self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.
@@ -194,16 +208,24 @@ class Trainer:
         """Forward, backward, clip and, if the step commits, update, on this rank's share of a global
         batch. Every sum runs over dp_shard (the process group), then over the replica groups (the
         sync), in that order."""
-        inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
-        global_tokens = count_loss_tokens(inputs).to(self.sync.token_count_dtype)
-        dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
-        self.sync.allreduce_sum(global_tokens)
-        out = self.parts.model(inputs, loss_normalizer=global_tokens)
-        out.loss.backward()
-        # FSDP2 summed the gradients over dp_shard; summing over the groups makes the gradient of
-        # the global mean loss, identical bits in every group (one reduction result, broadcast).
-        self.sync.allreduce_gradients(self.parts.model.parameters())
-        grad_norm = self._clip_gradients()
+        with self.phases.timed("compute_s"):
+            # Tests and resilient-chaos make one rank slow here, before the step's first collective:
+            # its peers then wait in that collective (grad_sync_s). Later in the step a slow rank
+            # shows on every rank alike (FSDP2's all-gathers wait inside forward and backward).
+            fault_point("trainer.compute")
+            inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
+            global_tokens = count_loss_tokens(inputs).to(self.sync.token_count_dtype)
+        with self.phases.timed("grad_sync_s"):
+            dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
+            self.sync.allreduce_sum(global_tokens)
+        with self.phases.timed("compute_s"):  # FSDP2's reduce-scatter runs inside backward: counted here
+            out = self.parts.model(inputs, loss_normalizer=global_tokens)
+            out.loss.backward()
+        with self.phases.timed("grad_sync_s"):
+            # FSDP2 summed the gradients over dp_shard; summing over the groups makes the gradient of
+            # the global mean loss, identical bits in every group (one reduction result, broadcast).
+            self.sync.allreduce_gradients(self.parts.model.parameters())
+            grad_norm = self._clip_gradients()
         # Each rank's loss is its summed loss over the GLOBAL token count: the sum is the global mean.
         skipped = torch.tensor(float(len(batch.get("skipped", ()))), dtype=torch.float64)
         sums = torch.stack(
@@ -213,14 +235,15 @@ class Trainer:
         self.sync.allreduce_sum(sums)
         lr = self.parts.optimizer.param_groups[0]["lr"]
         committed = self.sync.should_commit()
-        if committed:
-            if self._pending_save is not None:
-                # Under CUDA the last save's snapshot copy may still run on a side stream: the update
-                # must not change the parameters under it (a no-op on CPU, where the copy is done).
-                self._pending_save.wait_staged()
-            self.parts.optimizer.step()
-            self.parts.scheduler.step()
-        self.parts.optimizer.zero_grad(set_to_none=True)
+        with self.phases.timed("optimizer_s"):
+            if committed:
+                if self._pending_save is not None:
+                    # Under CUDA the last save's snapshot copy may still run on a side stream: the update
+                    # must not change the parameters under it (a no-op on CPU, where the copy is done).
+                    self._pending_save.wait_staged()
+                self.parts.optimizer.step()
+                self.parts.scheduler.step()
+            self.parts.optimizer.zero_grad(set_to_none=True)
         loss, text_sum, text_tokens, data_skipped = sums.tolist()
         return StepResult(
             loss=loss,
@@ -254,7 +277,8 @@ class Trainer:
             ckpt_stall_s=ckpt_stall,
             data_skipped=result.data_skipped,
             tokens_per_s=self.tokens_per_step / step_time,
-            mfu=self._flops_per_step / step_time / self._peak_flops,
+            mfu=self._flops_per_step / step_time / (self.peak_flops * self.mesh.size()),
+            peak_flops=self.peak_flops,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -308,7 +332,8 @@ class Trainer:
         still sends to it); then make sure the run's last step is committed to ``checkpoint.url``.
         Every check is one agreement: each rank raises the same error, or none does (a rank
         raising alone would leave its peers in the next collective until its timeout)."""
-        self.checkpointer.wait()
+        with self.observer.paused():  # the last save may take long: not a hang
+            self.checkpointer.wait()
         self._pending_save = None
         if self.ram is not None:
             ram, timeout = self.ram, self.config.recovery.replication_timeout_s
@@ -333,6 +358,7 @@ class Trainer:
         """Stop the loader's workers and the checkpoint writer, close the output files. Raises a
         background save error that nothing has raised yet."""
         try:
+            self.observer.close()
             self.parts.pipeline.close()
             self.outputs.close()
         finally:

@@ -48,6 +48,8 @@ class StepStats:
     tokens_per_s: float
     mfu: float
     """Model FLOPs utilization: flops_per_token x tokens / step_time / (peak_flops x ranks)."""
+    peak_flops: float
+    """FLOP/s of one rank's device the MFU is relative to (``trainer.peak``)."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -70,6 +72,8 @@ class RunOutputs:
         self.log_every = log_every
         self.steps = steps
         self._failed: set[str] = set()  # files whose write failed (warned once each)
+        self.context: dict[str, Any] = {}
+        """Fields every metrics row carries (the layout: docs/observability.md)."""
         if enabled:
             os.makedirs(directory, exist_ok=True)
 
@@ -91,7 +95,7 @@ class RunOutputs:
         if not self.enabled:
             return
         with self._side_effect(METRICS_FILE):
-            append_jsonl(self.metrics_path, stats.to_json())
+            append_jsonl(self.metrics_path, {**stats.to_json(), **self.context})
         if stats.step % self.log_every == 0 or stats.step == self.steps:
             print(
                 f"step {stats.step:>6}/{self.steps} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "

@@ -17,10 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from resilient.dist import free_port
+from resilient.dist import broadcast_json, free_port
 from resilient.errors import ConfigError
 from resilient.recovery.ram.tier import RamTier
-from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, write_pid
+from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
 from resilient.trainer.build import (
     build_checkpointer,
     build_parts,
@@ -30,8 +30,11 @@ from resilient.trainer.build import (
 )
 from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.loop import Trainer
+from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs
+from resilient.trainer.peak import peak_flops
 from resilient.trainer.quiet import report_failure
+from resilient.trainer.timing import StartupClock, process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +74,22 @@ def _init_process_group(config: TrainConfig, device: torch.device) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=config.run.collective_timeout_s))
 
 
-def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
+def build_observer(config: TrainConfig, clock: StartupClock) -> RunObserver:
+    """This rank's observer; the group's incarnation is counted by rank 0 and shared (collective)."""
+    counted = next_incarnation(config.run.dir, group_id()) if dist.get_rank() == 0 else None
+    incarnation = int(broadcast_json(counted, src=0))
+    return RunObserver(
+        config,
+        world=dist.get_world_size(),
+        incarnation=incarnation,
+        directory=group_dir(config.run.dir),
+        clock=clock,
+    )
+
+
+def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock | None = None) -> Trainer:
     """Every piece of the run on this rank (the process group must be up)."""
+    observer = build_observer(config, clock or StartupClock(process_start_time()))
     seed_everything(config.run.seed)
     mesh, parts = build_parts(config, device)
     outputs = RunOutputs(
@@ -82,9 +99,18 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
         log_every=config.run.log_every,
         steps=config.run.steps,
     )
+    peak, peak_source = peak_flops(str(device), config.run.peak_flops)
+    outputs.context = {"layout": observer.layout}
     outputs.write_config(
         config.to_dict(),
-        {"world_size": dist.get_world_size(), "group": group_id(), "device": str(device)},
+        {
+            "world_size": dist.get_world_size(),
+            "group": group_id(),
+            "device": str(device),
+            "incarnation": observer.incarnation,
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+        },
     )
     saves_log = os.path.join(outputs.directory, SAVES_FILE) if outputs.enabled else None
     trainer_class = Trainer
@@ -98,8 +124,10 @@ def build_trainer(config: TrainConfig, device: torch.device) -> Trainer:
     ram = build_ram_tier(config, outputs.directory) if config.checkpoint.memory_every > 0 else None
     trainer = None
     try:
-        trainer = trainer_class(config, mesh, parts, build_checkpointer(config, saves_log), outputs, device)
+        checkpointer = build_checkpointer(config, saves_log)
+        trainer = trainer_class(config, mesh, parts, checkpointer, outputs, device, observer)
         trainer.ram = ram
+        trainer.peak_flops = peak
         trainer.install_configured_hooks()
     except BaseException:
         # Nothing else holds these yet: close the RAM channel (and a half-built trainer's torchft
@@ -129,6 +157,8 @@ def build_ram_tier(config: TrainConfig, group_directory: str) -> RamTier:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clock = StartupClock(process_start_time())
+    clock.mark("imports")
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -146,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     device = resolve_device(config.run.device)
     _init_process_group(config, device)
+    clock.mark("process_group")
     trainer = None
     try:
-        trainer = build_trainer(config, device)
+        trainer = build_trainer(config, device, clock)
+        clock.mark("model")
         trainer.run()
         trainer.close()
     except BaseException as e:

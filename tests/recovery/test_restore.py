@@ -61,7 +61,7 @@ def test_nothing_anywhere_is_a_fresh_start_with_one_event(tmp_path, ckpt):
             "storage_reads": 0,
             "excluded": [],
             "run_id": timeline.run_id,
-            "incarnation": 0,
+            "timeline_incarnation": 0,
             "timeline": timeline.timeline,
         }
     ]
@@ -165,7 +165,7 @@ def test_a_peer_heal_comes_first_and_is_recorded_without_touching_storage(tmp_pa
             "storage_reads": 0,
             "excluded": [],
             "run_id": timeline.run_id,
-            "incarnation": 0,
+            "timeline_incarnation": 0,
             "timeline": timeline.timeline,
         }
     ]

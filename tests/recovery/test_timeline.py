@@ -104,7 +104,7 @@ def test_a_restore_not_from_ram_abandons_every_older_snapshot_for_good(tmp_path)
         with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
             again, _, _ = restore_with(run, ckpt, restarted)
         assert (again.source, again.step, again.timeline) == ("own", 3, third)
-        assert [(e["source"], e["incarnation"]) for e in events(run)] == [("persistent", 2), ("own", 2)]
+        assert [(e["source"], e["timeline_incarnation"]) for e in events(run)] == [("persistent", 2), ("own", 2)]
     finally:
         restarted.close()
 

@@ -26,8 +26,10 @@ def _stats(step: int, loss: float) -> StepStats:
         step_time_s=0.1,
         data_wait_s=0.0,
         ckpt_stall_s=0.0,
+        data_skipped=0,
         tokens_per_s=10240.0,
         mfu=0.01,
+        peak_flops=1e12,
     )
 
 

@@ -95,7 +95,10 @@ def test_train_on_real_media_resumes_on_other_world_sizes_exactly_once(tmp_path:
     for step in range(1, 10):
         expected[step] = sorted(pipeline.sample_ids_for_step(cursor))
         cursor = pipeline._stream.advance(cursor, config.data.pipeline.global_rows)
-    logged = {step: sorted(r["sample_ids"]) for step, r in read_jsonl_by_step(str(run_dir / "group0" / "samples.jsonl")).items()}
+    logged = {
+        step: sorted(r["sample_ids"])
+        for step, r in read_jsonl_by_step(str(run_dir / "group0" / "samples.jsonl")).items()
+    }
     assert logged == expected
     items = pipeline._stream.source.num_items
     assert any(sid.startswith("1:") for ids in logged.values() for sid in ids), "the run should cross an epoch"

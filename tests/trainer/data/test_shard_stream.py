@@ -68,7 +68,9 @@ def test_audio_and_video_of_a_real_mp4_share_positions_by_content(build) -> None
     frames = sample.video_patches.reshape(-1, per, config.video_dim)
     assert len(frames) == int(config.video_frames(np.asarray(len(audio_pos))))
     for j, patches in enumerate(frames):
-        seen = frame_time(patches_to_frame(patches, config.frame_size, config.patch_size), params, SIZES[params.size], 16)
+        seen = frame_time(
+            patches_to_frame(patches, config.frame_size, config.patch_size), params, SIZES[params.size], 16
+        )
         position = int(video_pos[j * per])
         assert position == (25 * j) // config.video_fps
         # The frame shown at a position and the sound heard there tell the same time, within a frame.

@@ -1,0 +1,122 @@
+"""What a rank records about its own run beyond the step metrics (docs/observability.md): who it
+is (run id, incarnation, layout), how its start went, where its step time goes, who is slow, and
+whether it hangs. The loop calls ``RunObserver`` at a few points; everything else is here.
+
+Every call that writes is a side effect: a file that cannot be written is warned about, never
+raised (``runfiles.write_event`` / ``RunOutputs``), so observing never decides a step or a save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from resilient import dist as rdist
+from resilient.runfiles import RANKS_FILE, append_jsonl, group_id, stamp_records, write_event
+from resilient.trainer.config import TrainConfig
+from resilient.trainer.timing import StartupClock, StepPhases, StragglerWatch, gather_window
+
+log = logging.getLogger(__name__)
+
+
+class RunObserver:
+    """One per rank. ``incarnation`` is agreed by the caller (rank 0 counts it, all ranks share it)."""
+
+    def __init__(self, config: TrainConfig, *, world: int, incarnation: int, directory: str, clock: StartupClock):
+        self.config = config
+        self.rank = rdist.get_rank()
+        self.group = group_id()
+        self.incarnation = incarnation
+        self.directory = directory
+        self.clock = clock
+        self.phases = StepPhases()
+        p = config.parallel
+        self.layout = {"world": world, "dp_shard": p.dp_shard, "tp": p.tp, "groups": config.replica.groups}
+        m = config.metrics
+        self._stragglers = StragglerWatch(m.straggler_factor, m.straggler_windows)
+        self._started = False
+        self.watchdog = None
+        stamp_records(run_id=None, incarnation=incarnation)  # the run id comes with the restore
+
+    # -- start -------------------------------------------------------------------------------
+
+    def restored(self, run_id: str) -> None:
+        """The checkpoint root's run id is known (every restore reads it): records carry it from now."""
+        stamp_records(run_id=run_id, incarnation=self.incarnation)
+        self.clock.mark("restore")
+
+    def start_watchdog(self, step: int) -> None:
+        timeout = self.config.run.hang_timeout_s
+        if timeout <= 0 or self.watchdog is not None:
+            return
+        from resilient.trainer.watchdog import HangWatchdog
+
+        self.watchdog = HangWatchdog(
+            self.directory,
+            group=self.group,
+            rank=self.rank,
+            incarnation=self.incarnation,
+            timeout_s=timeout,
+            on_hang=lambda record: write_event(self.config.run.dir, **record),
+        )
+        self.watchdog.start()
+        self.watchdog.beat(step)
+
+    # -- every committed step ----------------------------------------------------------------
+
+    def committed(self, step: int, step_time: float) -> None:
+        """After a committed step's metrics: the startup record once, the per-rank window when due
+        (collective: every rank of the group calls this at every committed step)."""
+        self.phases.commit(step_time)
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        if not self._started:
+            self._started = True
+            self.clock.mark("first_step")
+            if self.rank == 0:
+                write_event(
+                    self.config.run.dir,
+                    "startup",
+                    group=self.group,
+                    layout=self.layout,
+                    total_s=self.clock.total(),
+                    phases=self.clock.phases(),
+                )
+        every = self.config.metrics.rank_every
+        if every and step % every == 0:
+            self._window(step)
+
+    def _window(self, step: int) -> None:
+        steps = self.phases.steps
+        ranks = gather_window(self.phases)
+        if ranks is None:
+            return
+        try:
+            append_jsonl(os.path.join(self.directory, RANKS_FILE), {"step": step, "steps": steps, "ranks": ranks})
+        except OSError as e:  # rank 0 alone: raising would leave its peers in the next collective
+            log.warning("cannot write %s in %s (%s); training goes on", RANKS_FILE, self.directory, e)
+        for slow in self._stragglers.check(ranks):
+            write_event(self.config.run.dir, "straggler", group=self.group, step=step, **slow)
+            log.warning(
+                "[group %d] rank %d is a straggler: %s is %.2fx the median of its peers for %d windows of %d steps",
+                self.group,
+                slow["rank"],
+                slow["phase"],
+                slow["ratio"],
+                self.config.metrics.straggler_windows,
+                self.config.metrics.rank_every,
+            )
+
+    # -- end ---------------------------------------------------------------------------------
+
+    def paused(self) -> Any:
+        """The watchdog looks away (the final save may take long); a no-op context without one."""
+        import contextlib
+
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
