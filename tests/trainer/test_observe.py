@@ -122,7 +122,8 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
     for rank in (0, 1):
         stacks = (slow / "group0" / "hang" / f"rank{rank}-1.txt").read_text()
         assert "train_step" in stacks, stacks[:2000]
-    assert "time.sleep" in (slow / "group0" / "hang" / "rank1-1.txt").read_text() or "fault_point" in (
-        slow / "group0" / "hang" / "rank1-1.txt"
-    ).read_text()
+    assert (
+        "time.sleep" in (slow / "group0" / "hang" / "rank1-1.txt").read_text()
+        or "fault_point" in (slow / "group0" / "hang" / "rank1-1.txt").read_text()
+    )
     assert json.loads((slow / "group0" / "incarnation.json").read_text())["incarnation"] == 1
