@@ -4,6 +4,9 @@ bytes into the arrays the tokenizer takes.
     .venv/bin/python benchmarks/data_bench.py            # 10 s clips, 3 repeats: ~10 s on a busy 2-core machine
     .venv/bin/python benchmarks/data_bench.py --quick    # 4 s clips, 1 repeat: ~5 s (noisier)
 
+Then the loader rows (``data_loader_rows.py``; ``--no-loader`` leaves them out): rows/s of the
+shard loader with 0, 1, 2 workers against the trainer's consumption at the media demo's settings.
+
 Prints one JSON line per row, ``{"bench": "data", "name": ..., "value": ..., "unit": ...}``, the
 median of ``--repeats`` timed runs after one untimed warm-up, then the issue's goals as ratio lines
 (``unit: "ratio"``, > 1 means the goal is met): audio decodes at >= 50x realtime, video delivers
@@ -31,6 +34,7 @@ from pathlib import Path
 
 # The synthetic media generators live with the tests; the repository root makes them importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # data_loader_rows
 
 from resilient.trainer.data.media import decode_audio, decode_video  # noqa: E402
 from tests.trainer.data import media_samples  # noqa: E402
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="~4 s clips and 1 repeat: a ~10 s run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row; lines report the median")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the generated clips")
+    parser.add_argument("--no-loader", action="store_true", help="decode rows only (no shard build, no training)")
     args = parser.parse_args(argv)
     repeats, seconds = (1, 4.0) if args.quick else (args.repeats, args.seconds)
     if repeats < 1 or not 1.0 <= seconds <= 600.0:
@@ -186,6 +191,12 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(results[-1]), flush=True)
     for ratio in goal_lines(results):
         print(json.dumps(ratio), flush=True)
+    if not args.no_loader:
+        from data_loader_rows import loader_lines
+
+        with tempfile.TemporaryDirectory(prefix="data_bench-loader-") as directory:
+            for loader_line in loader_lines(directory, args.quick):
+                print(json.dumps(loader_line), flush=True)
 
 
 if __name__ == "__main__":
