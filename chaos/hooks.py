@@ -11,6 +11,9 @@ through signals, so the hook needs nothing but the file system:
   every killed group is joining again), so a paced run cannot end before a restarted group heals;
 - ``arm/corrupt-group<G>``: test-only; the group adds 1e-3 to one parameter once (the harness must
   then fail ``replicas_identical`` and ``twin_match``);
+- ``arm/slow-group<G>``: a JSON list of slow spans ``{"fault", "rank", "first_step", "last_step",
+  "delay_s"}`` (fault kind ``slow_rank``); the named rank sleeps ``delay_s`` in its forward in each
+  of those steps and records a ``slowed`` event in ``hook_events.jsonl`` when a span begins;
 - ``digests/group<G>.jsonl``: written by the hook, the sha256 of the group's full parameters after
   every committed step: replicas are compared step by step, so a heal that delivered wrong bits is
   caught at the step it happened, not only at the end.
@@ -20,6 +23,7 @@ Pacing (``RESILIENT_CHAOS_STEP_SLEEP``) sleeps after each step, after the digest
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -41,6 +45,10 @@ def arm_path(chaos_dir: str, group: int) -> str:
 
 def corrupt_path(chaos_dir: str, group: int) -> str:
     return os.path.join(chaos_dir, "arm", f"corrupt-group{group}")
+
+
+def slow_path(chaos_dir: str, group: int) -> str:
+    return os.path.join(chaos_dir, "arm", f"slow-group{group}")
 
 
 def marker_dir(chaos_dir: str, group: int) -> str:
@@ -67,7 +75,15 @@ class _ChaosHook:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.sleep_s = float(os.environ.get(STEP_SLEEP_ENV, "0") or 0)
         self.corrupted = False
+        self.trainer = trainer
+        self.slow_spans: list[dict[str, Any]] = []
+        self._slowed_faults: set[int] = set()
         self.arm()
+        # In the forward, not after the step: a sleep between steps lies outside every step timer,
+        # so the slow rank would look the fastest (it finds its peers already waiting in the next
+        # collective) and straggler detection would be shown the wrong rank. A slow forward is what
+        # a slow GPU or a throttled host looks like. Registered after FSDP's own pre-forward hook.
+        trainer.parts.model.register_forward_pre_hook(self._slow_forward)
 
     def arm(self) -> None:
         """Mirror ``arm/group<G>`` into this process's environment (fault points read it at call time)."""
@@ -81,6 +97,7 @@ class _ChaosHook:
             os.environ["RESILIENT_FAULTS_DIR"] = marker_dir(self.dir, self.group)
         else:
             os.environ.pop("RESILIENT_FAULTS", None)
+        self.slow_spans = _read_slow_spans(slow_path(self.dir, self.group))
 
     def __call__(self, step: int, trainer: Any) -> None:
         self.arm()
@@ -98,6 +115,29 @@ class _ChaosHook:
         if self.sleep_s:
             time.sleep(self.sleep_s)
         self._maybe_hold(step)
+
+    def _slow_forward(self, module: Any, args: Any) -> None:
+        """Forward pre-hook: sleep if this rank is slow in the step being computed (one past the last committed)."""
+        step = int(getattr(self.trainer, "step", 0)) + 1
+        spans = [s for s in self.slow_spans if s["rank"] == self.rank and s["first_step"] <= step <= s["last_step"]]
+        if not spans:
+            return
+        time.sleep(sum(s["delay_s"] for s in spans))
+        for span in spans:
+            if span["fault"] not in self._slowed_faults:
+                self._slowed_faults.add(span["fault"])
+                append_jsonl(
+                    os.path.join(self.dir, HOOK_EVENTS_FILE),
+                    {
+                        "t": round(time.time(), 4),
+                        "event": "slowed",
+                        "group": self.group,
+                        "rank": self.rank,
+                        "step": step,
+                        "delay_s": span["delay_s"],
+                        "fault": span["fault"],
+                    },
+                )
 
     def _maybe_corrupt(self, trainer: Any) -> None:
         if self.corrupted or not os.path.exists(corrupt_path(self.dir, self.group)):
@@ -141,6 +181,18 @@ class _ChaosHook:
                     "seconds": round(time.time() - start, 4),
                 },
             )
+
+
+def _read_slow_spans(path: str) -> list[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:  # written by temp + rename: a torn file is a harness bug
+        raise ValueError(f"{path}: not a JSON list of slow spans ({e}); it is written by the chaos harness") from e
 
 
 def _params_digest(model: Any) -> str:

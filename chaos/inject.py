@@ -1,5 +1,5 @@
 """Injecting one fault into a running job: kills by pid, SIGSTOP/SIGCONT, armed fault points,
-flipped bytes, S3 proxy windows.
+flipped bytes, S3 proxy windows, slow spans.
 
 Each fault is a small state machine driven by the harness's poll loop (``advance``): pending until
 its step (or time) comes, then injected, then done; faults that wait for something (a marker file
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, write_atomic
+from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, slow_path, write_atomic
 from resilient.chaos.job import JobProcess, job_node_store_dir
 from resilient.chaos.s3_proxy import FaultProxy
 from resilient.chaos.scenario import FAULT_KINDS, FaultSpec
@@ -50,6 +51,7 @@ class FaultRecord:
     extra: dict[str, Any] = field(default_factory=dict)
     _marker: str = ""
     _until: float = 0.0
+    _armed: bool = False
 
 
 @dataclass(slots=True)
@@ -276,6 +278,45 @@ def _start_corrupt_replica(record: FaultRecord, ctx: InjectContext) -> bool:
     return True
 
 
+def _arm_slow_rank(record: FaultRecord, ctx: InjectContext, first_step: int) -> None:
+    """Add the fault's span to ``arm/slow-group<G>`` (the hook re-reads it after every step)."""
+    spec = record.spec
+    path = slow_path(ctx.job.chaos_dir, spec.group)
+    try:
+        with open(path) as f:
+            spans = json.load(f)
+    except FileNotFoundError:
+        spans = []
+    span = {
+        "fault": spec.index,
+        "rank": spec.rank,
+        "first_step": first_step,
+        "last_step": first_step + spec.steps - 1,
+        "delay_s": spec.delay_s,
+    }
+    write_atomic(path, json.dumps([s for s in spans if s["fault"] != spec.index] + [span]))
+    record.extra["slow_steps"] = [span["first_step"], span["last_step"]]
+    record._armed = True
+
+
+def _prearm_slow_rank(record: FaultRecord, ctx: InjectContext) -> None:
+    # The harness sees a step only after it committed, so arming at the fault's step would miss the
+    # first steps of the span; the span is written as soon as its first step is known, and the hook
+    # applies it by step number.
+    if record.spec.at_step is not None:
+        _arm_slow_rank(record, ctx, record.spec.at_step)
+
+
+def _start_slow_rank(record: FaultRecord, ctx: InjectContext) -> bool:
+    if not record._armed:  # at_time_s: the span starts at the next step
+        _arm_slow_rank(record, ctx, ctx.job_step + 1)
+    record.state = "done"
+    return True
+
+
+_PREARMS: dict[str, Callable[[FaultRecord, InjectContext], None]] = {"slow_rank": _prearm_slow_rank}
+"""kind -> what to arm while the fault is still pending (once, at the harness's first poll)."""
+
 _STARTERS: dict[str, Callable[[FaultRecord, InjectContext], bool]] = {
     "kill_rank": _start_kill,
     "kill_group": _start_kill,
@@ -290,6 +331,7 @@ _STARTERS: dict[str, Callable[[FaultRecord, InjectContext], bool]] = {
     "s3_ambiguous": _start_s3_window,
     "kill_lighthouse": _start_kill_lighthouse,
     "corrupt_replica": _start_corrupt_replica,
+    "slow_rank": _start_slow_rank,
 }
 """kind -> its injection: True when injected (or done, or failed for good), False to retry on the next poll."""
 assert set(_STARTERS) == set(FAULT_KINDS), "every fault kind needs an injection"
@@ -346,6 +388,8 @@ def advance(record: FaultRecord, ctx: InjectContext, t_first_commit: float | Non
     """One poll of one fault."""
     spec = record.spec
     if record.state == "pending":
+        if spec.kind in _PREARMS and not record._armed:
+            _PREARMS[spec.kind](record, ctx)
         due = (spec.at_step is not None and ctx.job_step >= spec.at_step) or (
             spec.at_time_s is not None and t_first_commit is not None and time.time() - t_first_commit >= spec.at_time_s
         )

@@ -61,12 +61,22 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "kill_lighthouse": (set(), set()),
     # Test-only: perturbs one parameter of a group, so replicas_identical and twin_match must fail.
     "corrupt_replica": ({"group"}, set()),
+    # A straggler: one rank's forward takes delay_s longer in each of `steps` steps from at_step on.
+    "slow_rank": ({"group", "rank"}, {"steps", "delay_s"}),
 }
 """Every fault kind, with the keys it needs and the keys it may take."""
 
-NO_DOWNTIME_KINDS = {"corrupt_chunk", "corrupt_replica", "s3_errors", "s3_resets", "s3_latency", "s3_ambiguous"}
-"""Fault kinds that stop no process: storage trouble and flipped bytes (no detection or recovery
-time of their own; a restart or a failed save after one of them alone is a bug)."""
+NO_DOWNTIME_KINDS = {
+    "corrupt_chunk",
+    "corrupt_replica",
+    "s3_errors",
+    "s3_resets",
+    "s3_latency",
+    "s3_ambiguous",
+    "slow_rank",
+}
+"""Fault kinds that stop no process: storage trouble, flipped bytes and a slow rank (no detection or
+recovery time of their own; a restart or a failed save after one of them alone is a bug)."""
 PROCESS_KINDS = set(FAULT_KINDS) - NO_DOWNTIME_KINDS
 """Fault kinds that kill or stop a process: a restart or a failed save may follow from them."""
 
@@ -171,6 +181,9 @@ class FaultSpec:
     seconds: float = 0.0
     rate: float = 1.0
     delay_s: float = 0.5
+    """s3_latency: added to each request; slow_rank: added to each slowed step's forward."""
+    steps: int = 10
+    """slow_rank: how many consecutive steps, from at_step on, the rank is slow (cut at the run's end)."""
     target: str = "oldest"
     keys: str = "*"
     """s3_ambiguous: glob of the object keys whose write answers are dropped ('*/manifest.json',
@@ -351,10 +364,26 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
         raise ConfigError(f"{where}: corrupt_chunk flips a byte in a local file: it needs job.storage = 'local'")
     if fault.kind == "kill_node" and not job.ranks_per_node:
         raise ConfigError(f"{where}: kill_node needs job.ranks_per_node (ranks of one simulated node)")
+    if fault.kind == "slow_rank":
+        _validate_slow_rank(where, fault, job)
     if fault.kind == "kill_group" and job.replica_groups < 2:
         raise ConfigError(
             f"{where}: kill_group with job.replica_groups=1 leaves no group to heal from; "
             "use kill_rank (the group then restores from storage)"
+        )
+
+
+def _validate_slow_rank(where: str, fault: FaultSpec, job: JobSpec) -> None:
+    _int(f"{where}.steps", fault.steps, 1, job.steps)
+    if fault.delay_s <= 0:
+        raise ConfigError(
+            f"{where}.delay_s={fault.delay_s} must be > 0 seconds (a slow rank with no delay is no fault)"
+        )
+    # A drawn or timed span may run past the end (it is cut there); one written down should not.
+    if fault.at_step is not None and not fault.drawn and fault.at_step + fault.steps - 1 > job.steps:
+        raise ConfigError(
+            f"{where}: steps {fault.at_step}..{fault.at_step + fault.steps - 1} (at_step={fault.at_step}, "
+            f"steps={fault.steps}) run past job.steps={job.steps}; shorten steps or start earlier"
         )
 
 

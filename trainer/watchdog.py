@@ -128,6 +128,7 @@ class HangWatchdog:
         """Start watching; the first window runs from now."""
         if self._thread is not None:
             return
+        self._stop.clear()  # a stopped watchdog may be started again
         self._beat = (self._beat[0], time.monotonic())
         self._thread = threading.Thread(target=self._run, name=f"hang-watchdog-rank{self.rank}", daemon=True)
         self._thread.start()
@@ -165,6 +166,13 @@ class HangWatchdog:
             logger.warning("[rank %d] hang watchdog did not stop within %.1f s", self.rank, timeout_s)
             return False
         return True
+
+    def __enter__(self) -> HangWatchdog:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     # -- the watchdog thread ------------------------------------------------------------------
 

@@ -138,6 +138,23 @@ def test_stop_returns_promptly(tmp_path) -> None:
 
 
 @pytest.mark.timeout(20)
+def test_context_manager_and_restart_after_stop(tmp_path) -> None:
+    events = _Events()
+    with _watchdog(tmp_path, events) as watchdog:
+        watchdog.beat(1)
+        assert events.fired.wait(5.0)
+    assert watchdog._thread is None
+    events.fired.clear()
+    watchdog.start()  # started again after a stop: it watches again
+    try:
+        watchdog.beat(2)
+        assert events.fired.wait(5.0)
+    finally:
+        assert watchdog.stop(timeout_s=2.0)
+    assert [e["step"] for e in events.events] == [1, 2]
+
+
+@pytest.mark.timeout(20)
 def test_a_failing_callback_is_logged_once_and_never_raised(tmp_path, caplog) -> None:
     calls = []
 
