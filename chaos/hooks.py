@@ -12,7 +12,7 @@ through signals, so the hook needs nothing but the file system:
 - ``arm/corrupt-group<G>``: test-only; the group adds 1e-3 to one parameter once (the harness must
   then fail ``replicas_identical`` and ``twin_match``);
 - ``arm/slow-group<G>``: a JSON list of slow spans ``{"fault", "rank", "first_step", "last_step",
-  "delay_s"}`` (fault kind ``slow_rank``); the named rank sleeps ``delay_s`` in its forward in each
+  "delay_s"}`` (fault kind ``slow_rank``); the named rank sleeps ``delay_s`` at the start of its compute in each
   of those steps and records a ``slowed`` event in ``hook_events.jsonl`` when a span begins;
 - ``digests/group<G>.jsonl``: written by the hook, the sha256 of the group's full parameters after
   every committed step: replicas are compared step by step, so a heal that delivered wrong bits is
@@ -79,11 +79,12 @@ class _ChaosHook:
         self.slow_spans: list[dict[str, Any]] = []
         self._slowed_faults: set[int] = set()
         self.arm()
-        # In the forward, not after the step: a sleep between steps lies outside every step timer,
-        # so the slow rank would look the fastest (it finds its peers already waiting in the next
-        # collective) and straggler detection would be shown the wrong rank. A slow forward is what
-        # a slow GPU or a throttled host looks like. Registered after FSDP's own pre-forward hook.
-        trainer.parts.model.register_forward_pre_hook(self._slow_forward)
+        # Inside the step, before its first collective: a sleep between steps lies outside every
+        # step timer, so the slow rank would look the fastest (it finds its peers already waiting
+        # in the next collective); a sleep inside the forward shows on every rank of an FSDP group
+        # alike (they wait in its all-gathers). Here its peers wait in grad_sync_s and it alone
+        # has the long compute_s, which is what straggler detection compares.
+        trainer.before_compute.append(self._slow_step)
 
     def arm(self) -> None:
         """Mirror ``arm/group<G>`` into this process's environment (fault points read it at call time)."""
@@ -116,9 +117,8 @@ class _ChaosHook:
             time.sleep(self.sleep_s)
         self._maybe_hold(step)
 
-    def _slow_forward(self, module: Any, args: Any) -> None:
-        """Forward pre-hook: sleep if this rank is slow in the step being computed (one past the last committed)."""
-        step = int(getattr(self.trainer, "step", 0)) + 1
+    def _slow_step(self, step: int) -> None:
+        """Sleep if this rank is slow in ``step``, the step being computed."""
         spans = [s for s in self.slow_spans if s["rank"] == self.rank and s["first_step"] <= step <= s["last_step"]]
         if not spans:
             return

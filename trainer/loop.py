@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,9 @@ class Trainer:
         self.restored_from = "fresh"
         """Where ``resume`` got the state: "peer", "own" / "buddy" (RAM), "persistent" or "fresh"."""
         self.step_hooks: list[StepHook] = []
+        self.before_compute: list[Callable[[int], None]] = []
+        """Called with the step being computed, on this rank, before the step's first collective
+        (inside its compute time): where ``resilient-chaos`` makes a rank slow (``slow_rank``)."""
         self._pending_save: SaveHandle | None = None
         self.ram: RamTier | None = None
         self._saved_step: int | None = None
@@ -213,6 +217,8 @@ class Trainer:
             # its peers then wait in that collective (grad_sync_s). Later in the step a slow rank
             # shows on every rank alike (FSDP2's all-gathers wait inside forward and backward).
             fault_point("trainer.compute")
+            for hook in self.before_compute:
+                hook(self.step + 1)
             inputs = {key: batch[key].to(self.device, non_blocking=True) for key in BATCH_KEYS}
             global_tokens = count_loss_tokens(inputs).to(self.sync.token_count_dtype)
         with self.phases.timed("grad_sync_s"):

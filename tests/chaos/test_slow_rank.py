@@ -1,5 +1,5 @@
 """slow_rank: the scenario takes it (and refuses bad values in one line), the harness arms its span
-before the span begins, and the step hook slows the forward of the named rank only, over the span only.
+before the span begins, and the step hook slows the compute of the named rank only, over the span only.
 No job runs: the hook is driven with a stand-in trainer, as the loop would drive it."""
 
 from __future__ import annotations
@@ -133,17 +133,20 @@ def test_a_timed_slow_rank_starts_at_the_next_step(tmp_path: Path) -> None:
 
 
 def _run_steps(tmp_path: Path, monkeypatch, *, group: int, rank: int, steps: int) -> list[float]:
-    """Forward times of steps 1..steps, with the chaos hook after each, as trainer/loop.py runs them."""
+    """Compute times of steps 1..steps, with the chaos hook after each, as trainer/loop.py runs them."""
     monkeypatch.setenv(CHAOS_DIR_ENV, str(tmp_path / "chaos"))
     monkeypatch.setenv("RANK", str(rank))
     torch.manual_seed(0)
-    trainer = SimpleNamespace(group=group, step=0, parts=SimpleNamespace(model=torch.nn.Linear(4, 4)))
+    model = torch.nn.Linear(4, 4)
+    trainer = SimpleNamespace(group=group, step=0, parts=SimpleNamespace(model=model), before_compute=[])
     trainer.parts.model(torch.ones(2, 4))  # warm-up: the first call of an op is slow (dispatch, allocation)
     hook = chaos_hook(trainer)
     assert hook is not None
     times = []
     for step in range(1, steps + 1):
         start = time.perf_counter()
+        for before in trainer.before_compute:  # as Trainer.train_step: before the first collective
+            before(step)
         trainer.parts.model(torch.ones(2, 4))
         times.append(time.perf_counter() - start)
         trainer.step = step
@@ -171,7 +174,7 @@ def test_hook_slows_the_named_rank_over_the_span_only(tmp_path: Path, monkeypatc
 def test_a_span_armed_mid_run_is_picked_up_after_the_next_step(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(CHAOS_DIR_ENV, str(tmp_path / "chaos"))
     monkeypatch.setenv("RANK", "0")
-    trainer = SimpleNamespace(group=0, step=0, parts=SimpleNamespace(model=torch.nn.Linear(4, 4)))
+    trainer = SimpleNamespace(group=0, step=0, parts=SimpleNamespace(model=torch.nn.Linear(4, 4)), before_compute=[])
     hook = chaos_hook(trainer)
     assert hook is not None and hook.slow_spans == []
     path = slow_path(str(tmp_path / "chaos"), 0)
@@ -180,5 +183,6 @@ def test_a_span_armed_mid_run_is_picked_up_after_the_next_step(tmp_path: Path, m
     trainer.step = 1
     hook(1, trainer)
     start = time.perf_counter()
-    trainer.parts.model(torch.ones(2, 4))  # step 2's forward
+    for before in trainer.before_compute:  # step 2's compute
+        before(2)
     assert time.perf_counter() - start >= DELAY_S
