@@ -175,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     device = resolve_device(config.run.device)
+    if device.type == "cuda" and config.run.hang_timeout_s > 0:
+        # NCCL's flight recorder dumps its last collectives next to the watchdog's stacks on a
+        # collective timeout; read when the process group is created, so set before it.
+        from resilient.trainer.watchdog import flight_recorder_env
+
+        for key, value in flight_recorder_env(group_dir(config.run.dir)).items():
+            os.environ.setdefault(key, value)
     _init_process_group(config, device)
     clock.mark("process_group")
     trainer = None
