@@ -46,6 +46,10 @@ class DataConfig:
     shards_fingerprint: str = ""
     """The build's fingerprint (manifest.json); filled in when the config is loaded. Set it to pin
     a run to one build: another build at the same place is then refused."""
+    cache_dir: str = ""
+    """Where members read from an S3 build are cached on this node ("": the system temp folder)."""
+    cache_bytes: int = 2 * 1024**3
+    """The cache's budget, least recently used evicted first; 0: no cache; [0, 2**50]."""
     seed: int = 0
     """Seeds sample content and the per-epoch order; [0, 2**63)."""
     row_len: int = 512
@@ -85,6 +89,9 @@ class DataConfig:
             raise ConfigError(
                 'data.source="shards" needs data.shards: the DEST of `resilient-data build SRC --out DEST`'
             )
+        if not isinstance(self.cache_dir, str):
+            raise ConfigError(f"data.cache_dir={self.cache_dir!r} must be a path string")
+        check_int("data.cache_bytes", self.cache_bytes, 0, 2**50)
         check_int("DataConfig.seed", self.seed, 0, 2**63 - 1)
         check_int("DataConfig.row_len", self.row_len, 64, 2**20)
         check_int("DataConfig.global_rows", self.global_rows, 1, 65536)

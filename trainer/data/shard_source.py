@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +31,8 @@ from resilient.errors import ConfigError, ResilientError
 from resilient.trainer.data.config import FRAMES_PER_SECOND, DataConfig
 from resilient.trainer.data.tokens import TimedText, TokenizedSample, assemble, audio_features, video_patches
 
+CACHE_FOLDER = "resilient-shard-cache"
+"""Under the system temp folder when ``data.cache_dir`` is unset."""
 READ_AHEAD = 8
 """Member reads in flight while a batch is built (``ShardSource.read_ahead``)."""
 
@@ -96,6 +100,7 @@ class ShardSource:
 
         self.config = config
         self.shards = ShardSet.open(config.shards)
+        self.shards.use_cache(config.cache_dir or os.path.join(tempfile.gettempdir(), CACHE_FOLDER), config.cache_bytes)
         self._loaded_tokenizer = None
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[tuple[int, str], bytes] = {}

@@ -21,7 +21,7 @@ DATA_STATE_VERSION = 1
 """Bump when the source, tokenizer or packer change what a config produces."""
 
 _STATE_KEYS = ("version", "fingerprint", "seed", "epoch", "rows_consumed")
-_NOT_IN_STREAM = ("global_rows", "num_workers", "prefetch_factor", "worker_timeout_s")
+_NOT_IN_STREAM = ("global_rows", "num_workers", "prefetch_factor", "worker_timeout_s", "cache_dir", "cache_bytes")
 """Settings that change how rows are batched or fetched, never which rows come: a resume may change
 them (global_rows included: the cursor counts rows, not steps)."""
 

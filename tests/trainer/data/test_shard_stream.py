@@ -102,18 +102,33 @@ def test_every_share_skips_the_same_damaged_window(build, tmp_path) -> None:
         np.testing.assert_array_equal(whole[name].numpy(), np.concatenate([h[name].numpy() for h in halves]))
 
 
-def test_a_build_on_s3_streams_the_same_rows_as_the_folder(build, s3_bucket) -> None:
+def test_a_build_on_s3_streams_the_same_rows_as_the_folder_then_from_its_cache(build, s3_bucket, tmp_path) -> None:
+    import boto3
+
     corpus, shards = build
     url = f"s3://{s3_bucket}/media"
     _build(corpus, url)
-    local, remote = (RowStream(_config(where, max_clip_seconds=2.0)) for where in (str(shards), url))
+    cache = tmp_path / "cache"
+    local = RowStream(_config(str(shards), max_clip_seconds=2.0))
+    remote = RowStream(_config(url, max_clip_seconds=2.0, cache_dir=str(cache)))
     assert remote.config.shards_fingerprint == local.config.shards_fingerprint
-    for step in range(2):
-        cursor = local.advance(RowKey(0, 0), step * 2)
-        a, b = (s.batch(s.rows_for_step(cursor, 0, 1)) for s in (local, remote))
-        assert a["sample_ids"] == b["sample_ids"]
-        for name in ("text_tokens", "audio_frames", "video_patches", "positions"):
-            np.testing.assert_array_equal(a[name].numpy(), b[name].numpy())
+    epoch = local.rows_in_epoch(0)
+
+    def same_rows() -> None:
+        for cursor in (local.advance(RowKey(0, 0), row) for row in range(0, epoch, 2)):
+            a, b = (s.batch(s.rows_for_step(cursor, 0, 1)) for s in (local, remote))
+            assert a["sample_ids"] == b["sample_ids"] and not b["skipped"]
+            for name in ("text_tokens", "audio_frames", "video_patches", "positions"):
+                np.testing.assert_array_equal(a[name].numpy(), b[name].numpy())
+
+    same_rows()  # the whole epoch: every member fetched once, and cached
+    cached = [p for p in cache.rglob("*") if p.is_file()]
+    assert cached and all(".tmp" not in p.name for p in cached)
+    s3 = boto3.client("s3")
+    for obj in s3.list_objects_v2(Bucket=s3_bucket, Prefix="media/")["Contents"]:
+        if obj["Key"].endswith(".tar"):
+            s3.delete_object(Bucket=s3_bucket, Key=obj["Key"])
+    same_rows()  # the tars are gone from S3: every member comes from the node's cache
 
 
 def test_shard_settings_are_checked_when_the_config_loads(build, tmp_path) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from resilient.errors import ConfigError, IntegrityError, StorageError
 from resilient.storage.url import Location, parse_url
+from resilient.trainer.data.shards.cache import MemberCache
 
 if TYPE_CHECKING:
     import tokenizers
@@ -94,6 +95,8 @@ class ShardSet:
     """A finished build under a local folder or ``s3://bucket/prefix``. Open it with ``open``."""
 
     def __init__(self, store: _Store, manifest: dict, samples: list[SampleEntry], tokenizer_json: bytes) -> None:
+        self.cache: MemberCache | None = None
+        """Members read from S3 are kept here when set (``use_cache``)."""
         self.manifest = manifest
         self.fingerprint: str = manifest["fingerprint"]
         self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
@@ -125,12 +128,25 @@ class ShardSet:
         samples = [_entry(raw, shard) for shard, data in enumerate(indexes) for raw in json.loads(data)["samples"]]
         return cls(store, manifest, samples, tokenizer_json)
 
+    def use_cache(self, directory: str, max_bytes: int) -> None:
+        """Keep members read from S3 in a bounded cache under ``directory`` (a local build needs none)."""
+        if self._store.location.scheme == "s3" and max_bytes > 0:
+            self.cache = MemberCache(os.path.join(directory, self.fingerprint[:16]), max_bytes)
+
     def read_member(self, sample: SampleEntry, ext: str) -> bytes:
-        """The bytes of ``<key>.<ext>``, fetched with one range read."""
+        """The bytes of ``<key>.<ext>``: from the cache, else with one range read (then cached)."""
         if ext not in sample.members:
             raise KeyError(f"sample {sample.key!r} has no member .{ext} (it has: {', '.join(sample.members)})")
         offset, size = sample.members[ext]
-        return self._store.read_range(self._tars[sample.shard], offset, size, f"sample {sample.key!r}")
+        tar = self._tars[sample.shard]
+        key = f"{tar}-{offset}-{size}"
+        cached = self.cache.get(key) if self.cache is not None else None
+        if cached is not None:
+            return cached
+        data = self._store.read_range(tar, offset, size, f"sample {sample.key!r}")
+        if self.cache is not None:
+            self.cache.put(key, data)
+        return data
 
     def text(self, sample: SampleEntry) -> dict:
         """``{"text": str, "segments": [{"start", "end", "text"}]}`` of the sample."""
