@@ -1,0 +1,224 @@
+"""A run directory read back for ``resilient-report``: every group's records, normalized.
+
+Runs written before the issue-16 contract (docs/observability.md) lack ``t``, ``run_id`` and
+``incarnation`` on their metrics rows, and ``ranks.jsonl``; they still report. Their incarnations
+are found from the start events (``start`` of replica groups, else rank 0's ``restore``) or, with
+none, from the step count going back; each row's time is then the incarnation's start plus the
+step times so far (``timing = "synthesized"``: wall gaps between steps are not in it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.chaos.accounting import Commit, Incarnation, held_spans, run_goodput
+from resilient.runfiles import (
+    HOOK_EVENTS_FILE,
+    METRICS_FILE,
+    SAVES_FILE,
+    chaos_dir,
+    group_file,
+    read_events,
+    read_jsonl,
+)
+
+RANKS_FILE = "ranks.jsonl"
+RUN_ID_FILE = "run_id"
+
+
+class ReportError(Exception):
+    """The run directory cannot be reported on (missing, unreadable, no records)."""
+
+
+@dataclass(slots=True)
+class GroupRun:
+    """One replica group's records; ``incarnations`` by index, each row has ``t`` and ``incarnation``."""
+
+    group: int
+    metrics: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
+    saves: list[dict[str, Any]]
+    incarnations: dict[int, Incarnation] = field(default_factory=dict)
+    timing: str = "recorded"
+
+    @property
+    def t_launch(self) -> float | None:
+        starts = [i.start_t for i in self.incarnations.values()]
+        if self.metrics:
+            first = self.metrics[0]
+            starts.append(first["t"] - first.get("step_time_s", 0.0))
+        return min(starts, default=None)
+
+
+@dataclass(slots=True)
+class RunData:
+    run_dir: str
+    events: list[dict[str, Any]]
+    groups: dict[int, GroupRun]
+    holds: list[dict[str, Any]]
+    run_id: str | None = None
+
+    @property
+    def timing(self) -> str:
+        return "synthesized" if any(g.timing != "recorded" for g in self.groups.values()) else "recorded"
+
+
+def load_run(run_dir: str) -> RunData:
+    if not os.path.isdir(run_dir):
+        raise ReportError(f"{run_dir}: no such run directory (pass the run.dir of a training run)")
+    if not os.access(run_dir, os.R_OK | os.X_OK):
+        raise ReportError(f"{run_dir}: run directory is not readable")
+    events = sorted(read_events(run_dir), key=lambda e: e.get("t", 0.0))
+    groups = {}
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("group") and name[5:].isdigit():
+            group = int(name[5:])
+            groups[group] = _load_group(run_dir, group, events)
+    if not any(g.metrics for g in groups.values()):
+        raise ReportError(
+            f"{run_dir}: no group<G>/{METRICS_FILE} with a committed step (not a run directory, or no step ran)"
+        )
+    holds = read_jsonl(os.path.join(chaos_dir(run_dir), HOOK_EVENTS_FILE))
+    return RunData(run_dir, events, groups, holds, _run_id(run_dir, groups, events))
+
+
+def _run_id(run_dir: str, groups: dict[int, GroupRun], events: list[dict[str, Any]]) -> str | None:
+    for g in groups.values():
+        for row in g.metrics:
+            if row.get("run_id"):
+                return row["run_id"]
+    try:
+        with open(os.path.join(run_dir, RUN_ID_FILE)) as f:
+            text = f.read().strip()
+            if text:
+                return text
+    except OSError:
+        pass
+    return next((e["run_id"] for e in events if e.get("run_id")), None)
+
+
+def _load_group(run_dir: str, group: int, events: list[dict[str, Any]]) -> GroupRun:
+    metrics = read_jsonl(group_file(run_dir, METRICS_FILE, group))
+    ranks = read_jsonl(group_file(run_dir, RANKS_FILE, group))
+    saves = read_jsonl(group_file(run_dir, SAVES_FILE, group))
+    run = GroupRun(group, [r for r in metrics if "step" in r], ranks, saves)
+    mine = [e for e in events if e.get("group", 0) == group]
+    anchors = _start_anchors(mine)
+    if not all("t" in r and "incarnation" in r for r in run.metrics):
+        run.timing = "synthesized" if any("t" not in r for r in run.metrics) else "recorded"
+        _assign_incarnations(run.metrics, anchors)
+        _synthesize_times(run.metrics, anchors)
+    run.incarnations = _incarnations(run.metrics, mine, anchors)
+    _attach_quorum(run.metrics, mine)
+    return run
+
+
+def _start_anchors(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One event per start of the group, in time order: ``joining`` (replica groups; written before
+    the restore), else ``start``, else rank 0's ``restore``."""
+    for kind in ("joining", "start"):
+        found = [e for e in events if e.get("event") == kind]
+        if found:
+            return found
+    return [e for e in events if e.get("event") == "restore" and e.get("rank", 0) == 0]
+
+
+def _assign_incarnations(rows: list[dict[str, Any]], anchors: list[dict[str, Any]]) -> None:
+    """Old rows: the next incarnation begins at a row right after a start event's restored step
+    (the k-th start event), or, without events, where the step goes back."""
+    restored = [a.get("step") for a in anchors]
+    index = 0
+    for i, row in enumerate(rows):
+        if i > 0 and "incarnation" not in row:
+            prev = rows[i - 1]["step"]
+            nxt = restored[index + 1] if index + 1 < len(restored) else None
+            if (nxt is not None and row["step"] == nxt + 1 and prev >= nxt) or (not restored and row["step"] <= prev):
+                index += 1
+        row.setdefault("incarnation", index)
+        index = row["incarnation"]
+
+
+def _synthesize_times(rows: list[dict[str, Any]], anchors: list[dict[str, Any]]) -> None:
+    clock, current = 0.0, None
+    for row in rows:
+        if row["incarnation"] != current:
+            current = row["incarnation"]
+            anchor = anchors[current]["t"] if current < len(anchors) and "t" in anchors[current] else None
+            clock = max(clock, anchor) if anchor is not None else clock
+        clock += float(row.get("step_time_s", 0.0))
+        row.setdefault("t", clock)
+
+
+def _incarnations(
+    rows: list[dict[str, Any]], events: list[dict[str, Any]], anchors: list[dict[str, Any]]
+) -> dict[int, Incarnation]:
+    """Each incarnation's process start: its ``startup`` event (end minus ``total_s``), else its
+    first start event, else its first row minus that step's time; and the restore it waited for."""
+    out: dict[int, Incarnation] = {}
+    startups = [e for e in events if e.get("event") == "startup"]
+    restores = [e for e in events if e.get("event") == "restore"]
+    for index in sorted({r["incarnation"] for r in rows}):
+        first = next(r for r in rows if r["incarnation"] == index)
+        start = first["t"] - float(first.get("step_time_s", 0.0))
+        startup = _nth(startups, index)
+        anchor = _nth(anchors, index)
+        if startup is not None and "total_s" in startup:
+            start = startup["t"] - float(startup["total_s"])
+        elif anchor is not None and "t" in anchor:
+            start = min(start, anchor["t"])
+        if startup is not None and "restore_s" in startup.get("phases", {}):
+            restore_s = float(startup["phases"]["restore_s"])
+        else:
+            restore_s = _restore_s(restores, index)
+        out[index] = Incarnation(index, start, restore_s)
+    return out
+
+
+def _restore_s(restores: list[dict[str, Any]], index: int) -> float:
+    """The slowest rank's restore of incarnation ``index`` (a fresh start loads nothing)."""
+    if any("incarnation" in e for e in restores):
+        mine = [e for e in restores if e.get("incarnation") == index]
+    else:
+        rank0 = [e for e in restores if e.get("rank", 0) == 0]
+        mine = rank0[index : index + 1]
+    return max((float(e.get("seconds", 0.0)) for e in mine if e.get("source") != "fresh"), default=0.0)
+
+
+def _nth(events: list[dict[str, Any]], index: int) -> dict[str, Any] | None:
+    """The event of incarnation ``index``: by its ``incarnation`` field, else the index-th one."""
+    if any("incarnation" in e for e in events):
+        return next((e for e in events if e.get("incarnation") == index), None)
+    return events[index] if index < len(events) else None
+
+
+def _attach_quorum(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+    """Replica groups: each committed row's ``quorum_s`` from its ``step`` event (in commit order)."""
+    pending: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("event") == "step" and e.get("committed"):
+            pending.setdefault(e["step"], []).append(float(e.get("quorum_s", 0.0)))
+    for row in rows:
+        queue = pending.get(row["step"])
+        if queue and "quorum_s" not in row:
+            row["quorum_s"] = queue.pop(0)
+
+
+def group_goodput(run: RunData, group: GroupRun) -> dict[str, Any]:
+    """:func:`resilient.chaos.accounting.run_goodput` of one group, from launch to its last record."""
+    commits = [
+        Commit(
+            t=float(r["t"]),
+            step=int(r["step"]),
+            incarnation=int(r["incarnation"]),
+            ckpt_stall_s=float(r.get("ckpt_stall_s", 0.0)),
+            data_wait_s=float(r.get("data_wait_s", 0.0)),
+            quorum_s=float(r.get("quorum_s", 0.0)),
+        )
+        for r in group.metrics
+    ]
+    t_launch = group.t_launch if group.t_launch is not None else 0.0
+    done = [e["t"] for e in run.events if e.get("event") == "done" and e.get("group", 0) == group.group]
+    t_end = max([c.t for c in commits] + (done if group.timing == "recorded" else []), default=t_launch)
+    return run_goodput(commits, group.incarnations, t_launch, t_end, held_spans(run.holds))
