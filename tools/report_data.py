@@ -126,18 +126,23 @@ def _start_anchors(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _assign_incarnations(rows: list[dict[str, Any]], anchors: list[dict[str, Any]]) -> None:
-    """Old rows: the next incarnation begins at a row right after a start event's restored step
-    (the k-th start event), or, without events, where the step goes back."""
-    restored = [a.get("step") for a in anchors]
+    """Old rows: a new incarnation begins where the step goes back (a restart rolled back); a start
+    event that restored step s with no rollback to s + 1 was a resume that went straight on: its
+    incarnation begins at the row s + 1 that follows s."""
+    starts = {i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]}
+    explained = {rows[i]["step"] - 1 for i in starts}
+    for anchor in anchors[1:]:
+        s = anchor.get("step")
+        if len(starts) + 1 >= len(anchors) or not s or s in explained:
+            continue
+        follow = [i for i in range(1, len(rows)) if rows[i - 1]["step"] == s and rows[i]["step"] == s + 1]
+        if follow:
+            starts.add(follow[-1])
+            explained.add(s)
     index = 0
     for i, row in enumerate(rows):
-        if i > 0 and "incarnation" not in row:
-            prev = rows[i - 1]["step"]
-            nxt = restored[index + 1] if index + 1 < len(restored) else None
-            if (nxt is not None and row["step"] == nxt + 1 and prev >= nxt) or (not restored and row["step"] <= prev):
-                index += 1
+        index += i in starts
         row.setdefault("incarnation", index)
-        index = row["incarnation"]
 
 
 def _synthesize_times(rows: list[dict[str, Any]], anchors: list[dict[str, Any]]) -> None:

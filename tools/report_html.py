@@ -75,6 +75,18 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
         ),
         "<h2>Timeline: saves, restores, stragglers, hangs</h2>",
         _img(figures.timeline(run, summary), "timeline"),
+        *_run_tables(summary),
+    ]
+    body = "\n".join(parts)
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>resilient-report '
+        f"{html.escape(str(summary['run_id']))}</title><style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n"
+    )
+
+
+def _run_tables(summary: dict[str, Any]) -> list[str]:
+    """Hangs, incarnations and saves, as tables."""
+    return [
         "<h3>Hangs</h3>",
         _table(["group", "rank", "step", "idle s", "stacks"], [[h[k] for k in list(h)[1:]] for h in summary["hangs"]]),
         "<h3>Incarnations</h3>",
@@ -92,12 +104,7 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
                 ]
                 for i in summary["incarnations"]["list"]
             ],
-        ),  # fmt: skip
+        ),
         "<h3>Saves</h3>",
         _table(list(summary["saves"]), [[*summary["saves"].values()]]),
     ]
-    body = "\n".join(parts)
-    return (
-        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>resilient-report '
-        f"{html.escape(str(summary['run_id']))}</title><style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n"
-    )

@@ -28,7 +28,7 @@ _ADVICE = {
     "restore_s": "turn on the RAM tier (checkpoint.memory_every) so a restart reloads from memory",
     "replay_s": "lower checkpoint.persist_every or turn on checkpoint.memory_every: a restart redoes fewer steps",
     "quorum_s": "a replica group is slow or rejoining: compare the groups' step times",
-    "down_s": "the job was down between incarnations: events.jsonl says why each restart happened",
+    "down_s": "events.jsonl says why each restart happened (group_exited, lighthouse_exited, a kill)",
     "shutdown_s": "the final save and teardown are slow: check saves.jsonl",
 }
 _NAMES = {
