@@ -20,6 +20,7 @@ from resilient.runfiles import (
     SAVES_FILE,
     chaos_dir,
     group_file,
+    pid_path,
     read_events,
     read_jsonl,
 )
@@ -110,9 +111,16 @@ def _load_group(run_dir: str, group: int, events: list[dict[str, Any]]) -> Group
         run.timing = "synthesized" if any("t" not in r for r in run.metrics) else "recorded"
         _assign_incarnations(run.metrics, anchors)
         _synthesize_times(run.metrics, anchors)
-    run.incarnations = _incarnations(run.metrics, mine, anchors)
+    run.incarnations = _incarnations(run.metrics, mine, anchors, _mtime(pid_path(run_dir, group, 0)))
     _attach_quorum(run.metrics, mine)
     return run
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
 
 
 def _start_anchors(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,22 +165,29 @@ def _synthesize_times(rows: list[dict[str, Any]], anchors: list[dict[str, Any]])
 
 
 def _incarnations(
-    rows: list[dict[str, Any]], events: list[dict[str, Any]], anchors: list[dict[str, Any]]
+    rows: list[dict[str, Any]], events: list[dict[str, Any]], anchors: list[dict[str, Any]], pid_t: float | None
 ) -> dict[int, Incarnation]:
     """Each incarnation's process start: its ``startup`` event (end minus ``total_s``), else its
-    first start event, else its first row minus that step's time; and the restore it waited for."""
+    first start event (for the last one: its rank 0's pid file, written at process start, when
+    earlier), else its first row minus that step's time; and the restore it waited for."""
     out: dict[int, Incarnation] = {}
     startups = [e for e in events if e.get("event") == "startup"]
     restores = [e for e in events if e.get("event") == "restore"]
-    for index in sorted({r["incarnation"] for r in rows}):
-        first = next(r for r in rows if r["incarnation"] == index)
-        start = first["t"] - float(first.get("step_time_s", 0.0))
+    indices = sorted({r["incarnation"] for r in rows})
+    previous_end = float("-inf")
+    for index in indices:
+        mine = [r for r in rows if r["incarnation"] == index]
+        start = mine[0]["t"] - float(mine[0].get("step_time_s", 0.0))
         startup = _nth(startups, index)
         anchor = _nth(anchors, index)
         if startup is not None and "total_s" in startup:
             start = startup["t"] - float(startup["total_s"])
-        elif anchor is not None and "t" in anchor:
-            start = min(start, anchor["t"])
+        else:
+            if anchor is not None and "t" in anchor:
+                start = min(start, anchor["t"])
+            if index == indices[-1] and pid_t is not None and previous_end < pid_t < start:
+                start = pid_t
+        previous_end = mine[-1]["t"]
         if startup is not None and "restore_s" in startup.get("phases", {}):
             restore_s = float(startup["phases"]["restore_s"])
         else:

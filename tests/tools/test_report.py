@@ -181,6 +181,10 @@ def old_style_run(root: Path, with_events: bool = True) -> Path:
             {"t": 100.0, "event": "restore", "group": 0, "rank": 0, "step": 0, "source": "fresh", "seconds": 0.0},
             {"t": 200.0, "event": "restore", "group": 0, "rank": 0, "step": 2, "source": "persistent", "seconds": 1.5},
         ])  # fmt: skip
+        pid = run / "pids" / "group0-rank0"
+        pid.parent.mkdir()
+        pid.write_text("4242\n")
+        os.utime(pid, (150.0, 150.0))
     return run
 
 
@@ -195,9 +199,12 @@ def test_an_old_style_run_still_reports(tmp_path: Path, with_events: bool) -> No
     good = summary["goodput"]
     assert sum(c["seconds"] for c in good["causes"].values()) == pytest.approx(good["total_s"])
     assert good["causes"]["replay_s"]["seconds"] == pytest.approx(0.5), "step 4 again"
-    if with_events:  # times from the restore events: 100 + 4 x 0.5, then 200 + 4 x 0.5; down 102..200
-        assert (incs[0]["end_t"], incs[1]["start_t"]) == (102.0, 200.0)
-        assert good["causes"]["down_s"]["seconds"] == pytest.approx(98.0)
+    if with_events:  # times from the restore events: 100 + 4 x 0.5, then 200 + 4 x 0.5; rank 0's
+        # pid file (rewritten at each process start) says the last incarnation started at 150.
+        assert (incs[0]["end_t"], incs[1]["start_t"]) == (102.0, 150.0)
+        assert good["causes"]["down_s"]["seconds"] == pytest.approx(48.0)
+        assert good["causes"]["startup_s"]["seconds"] == pytest.approx(0.5 + 50.5 - 1.5)
+        assert good["causes"]["restore_s"]["seconds"] == pytest.approx(1.5)
     assert summary["stragglers"] == [] and summary["hangs"] == []
     page = (run / "report.html").read_text()
     assert len(re.findall("data:image/png;base64,", page)) == 3 and "no ranks.jsonl" in page
