@@ -107,13 +107,34 @@ def _load_group(run_dir: str, group: int, events: list[dict[str, Any]]) -> Group
     run = GroupRun(group, [r for r in metrics if "step" in r], ranks, saves)
     mine = [e for e in events if e.get("group", 0) == group]
     anchors = _start_anchors(mine)
-    if not all("t" in r and "incarnation" in r for r in run.metrics):
-        run.timing = "synthesized" if any("t" not in r for r in run.metrics) else "recorded"
+    if any("t" not in r for r in run.metrics) and not _times_from_commits(run.metrics, mine):
+        run.timing = "synthesized"
         _assign_incarnations(run.metrics, anchors)
         _synthesize_times(run.metrics, anchors)
+    elif any("incarnation" not in r for r in run.metrics):
+        for row in run.metrics:  # a row belongs to the last start before it
+            row.setdefault("incarnation", max(sum(a.get("t", 0.0) < row["t"] for a in anchors) - 1, 0))
     run.incarnations = _incarnations(run.metrics, mine, anchors, _mtime(pid_path(run_dir, group, 0)))
     _attach_quorum(run.metrics, mine)
     return run
+
+
+def _times_from_commits(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+    """Old replica groups' rows: each takes the time of its ``step`` event (its commit), in order;
+    False (nothing changed) unless every row has one."""
+    pending: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("event") == "step" and e.get("committed") and "t" in e:
+            pending.setdefault(e["step"], []).append(float(e["t"]))
+    times = []
+    for row in rows:
+        queue = pending.get(row["step"])
+        if "t" not in row and not queue:
+            return False
+        times.append(row["t"] if "t" in row else queue.pop(0))
+    for row, t in zip(rows, times, strict=True):
+        row["t"] = t
+    return True
 
 
 def _mtime(path: str) -> float | None:
@@ -167,13 +188,15 @@ def _synthesize_times(rows: list[dict[str, Any]], anchors: list[dict[str, Any]])
 def _incarnations(
     rows: list[dict[str, Any]], events: list[dict[str, Any]], anchors: list[dict[str, Any]], pid_t: float | None
 ) -> dict[int, Incarnation]:
-    """Each incarnation's process start: its ``startup`` event (end minus ``total_s``), else its
-    first start event (for the last one: its rank 0's pid file, written at process start, when
-    earlier), else its first row minus that step's time; and the restore it waited for."""
+    """Each incarnation's process start: its ``startup`` event (end minus ``total_s``), else the
+    earliest of its first start event, its first row minus that step's time, the launcher's
+    ``group_started`` (the first incarnation) and rank 0's pid file (written at process start; the
+    last incarnation); and the restore it waited for."""
     out: dict[int, Incarnation] = {}
     startups = [e for e in events if e.get("event") == "startup"]
     restores = [e for e in events if e.get("event") == "restore"]
     indices = sorted({r["incarnation"] for r in rows})
+    launched = [e["t"] for e in events if e.get("event") == "group_started" and "t" in e]
     previous_end = float("-inf")
     for index in indices:
         mine = [r for r in rows if r["incarnation"] == index]
@@ -187,6 +210,8 @@ def _incarnations(
                 start = min(start, anchor["t"])
             if index == indices[-1] and pid_t is not None and previous_end < pid_t < start:
                 start = pid_t
+            if index == indices[0] and launched:
+                start = min(start, launched[0])
         previous_end = mine[-1]["t"]
         if startup is not None and "restore_s" in startup.get("phases", {}):
             restore_s = float(startup["phases"]["restore_s"])
