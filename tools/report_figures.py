@@ -53,11 +53,13 @@ def training_curves(run: RunData) -> bytes:
     t0 = t0_of(run)
     fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
     for ax, key, label in zip(axes, ("loss", "tokens_per_s", "mfu"), ("loss", "tokens/s", "MFU"), strict=True):
-        for group in run.groups.values():
-            rows = [r for r in group.metrics if r.get(key) is not None]
+        for colour, group in enumerate(run.groups.values()):
             scale = 100.0 if key == "mfu" else 1.0
-            times, values = [r["t"] - t0 for r in rows], [r[key] * scale for r in rows]
-            ax.plot(times, values, "-o", ms=3, label=f"group {group.group}")
+            for index in sorted(group.incarnations):  # one line per incarnation: no line across a restart
+                rows = [r for r in group.metrics if r.get(key) is not None and r["incarnation"] == index]
+                times, values = [r["t"] - t0 for r in rows], [r[key] * scale for r in rows]
+                legend = f"group {group.group}" if index == min(group.incarnations) else None
+                ax.plot(times, values, "-o", ms=3, color=f"C{colour}", label=legend)
         ax.set_ylabel(f"{label} (%)" if key == "mfu" else label)
         ax.grid(alpha=0.3)
         _boundaries(ax, run, t0, label=key == "loss")

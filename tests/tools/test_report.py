@@ -220,3 +220,25 @@ def test_cli_missing_run_dir_is_one_line_and_exit_2(tmp_path: Path, capsys: pyte
     assert err.count("\n") == 1 and "unrecognized arguments: --bogus" in err
     assert main([str(tmp_path)]) == 2, "a directory with no metrics is not a run"
     assert "no group<G>/metrics.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_an_old_replica_group_run_takes_its_times_from_the_commit_events(tmp_path: Path) -> None:
+    """Rows without ``t``: each gets its ``step`` event's time; the quorum wait is carved out."""
+    run = tmp_path / "replicated"
+    _jsonl(run / "group0" / "metrics.jsonl", [{"step": s, "loss": 1.0, "step_time_s": 0.5} for s in (1, 2, 3)])
+    step = {"event": "step", "group": 0, "committed": True, "quorum_s": 0.3}
+    commits = [{**step, "t": 9.0 + s, "step": s} for s in (1, 2, 3)]
+    _jsonl(run / "events.jsonl", [
+        {"t": 5.0, "event": "group_started", "group": 0, "pid": 1},
+        {"t": 8.0, "event": "joining", "group": 0, "attempt": 0},
+        *commits,
+    ])  # fmt: skip
+    summary = _report(run)
+    assert summary["timing"] == "recorded"
+    causes = {c: v["seconds"] for c, v in summary["goodput"]["causes"].items()}
+    # Launched at 5 (group_started), first commit at 10, then two 1 s steps with 0.3 s of quorum each.
+    assert summary["goodput"]["total_s"] == pytest.approx(7.0)
+    assert causes["startup_s"] == pytest.approx(5.0)
+    assert causes["quorum_s"] == pytest.approx(0.6)
+    assert causes["productive_s"] == pytest.approx(1.4)
