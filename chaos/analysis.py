@@ -16,7 +16,9 @@ inside it: detect (t_f to detection), reload (restore/heal load time the job wai
 (recommitting steps it had already committed), reconfigure (the rest: new quorum, restarts).
 Outside windows, time between the first and last commit is productive; before the first commit is
 startup. Time the harness held the live groups (``job.hold_at_step``) is reported as ``held_s`` and
-left out of ``total_s``: it is the harness's, not the job's.
+left out of ``total_s``: it is the harness's, not the job's. The frame (total, held, startup,
+shutdown) and the interval arithmetic are ``accounting``'s, shared with ``resilient-report``'s
+goodput of runs without injected faults.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from resilient.chaos.accounting import committed_events as _commits
+from resilient.chaos.accounting import frame, held_spans
+from resilient.chaos.accounting import overlap as _overlap
+from resilient.chaos.accounting import union as _union
 from resilient.chaos.inject import FaultRecord
 from resilient.chaos.scenario import NO_DOWNTIME_KINDS
 
 _DETECT_EVENTS = {"joining", "lighthouse_exited", "restore"}
-
-
-def _commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted((e for e in events if e.get("event") == "step" and e.get("committed")), key=lambda e: e["t"])
 
 
 def _rolled_back_to(events: list[dict[str, Any]], t0: float, t1: float, pre: int) -> int | None:
@@ -170,20 +172,6 @@ def _restore_source(
     return "+".join(sorted(set(starts))) if starts else None
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in spans)
-
-
 def goodput(
     costs: list[dict[str, Any]],
     events: list[dict[str, Any]],
@@ -191,7 +179,7 @@ def goodput(
     t_launch: float,
     t_end: float,
 ) -> dict[str, float]:
-    held = _union([(h["start"], h["start"] + h["seconds"]) for h in holds if h.get("event") == "held"])
+    held = held_spans(holds)
     commits = _commits(events)
     out = {
         "total_s": 0.0,
@@ -204,14 +192,10 @@ def goodput(
         "shutdown_s": 0.0,
         "held_s": 0.0,
     }
-    held_s = sum(b - a for a, b in held)
-    out["held_s"] = held_s
-    out["total_s"] = max(0.0, t_end - t_launch - held_s)
+    t_first, t_last = (commits[0]["t"], commits[-1]["t"]) if commits else (None, None)
+    out.update(frame(t_launch, t_end, held, t_first, t_last))
     if not commits:
         return {k: round(v, 3) for k, v in out.items()}
-    t_first, t_last = commits[0]["t"], commits[-1]["t"]
-    out["startup_s"] = t_first - t_launch - _overlap((t_launch, t_first), held)
-    out["shutdown_s"] = max(0.0, t_end - t_last - _overlap((t_last, t_end), held))
     # Windows in time order, each clipped to start where the previous ones ended: a second inside
     # overlapping stalls is attributed once. (``costs`` are in scenario order, not time order.)
     windows: list[tuple[float, float]] = []
