@@ -27,11 +27,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchft.manager import Manager, WorldSizeMode
 from torchft.process_group import ProcessGroupGloo, ReduceOp
 
-from resilient.errors import QuorumError, QuorumTimeout
+from resilient.errors import QuorumError, QuorumTimeout, ResilientError
 from resilient.recovery.config import QuorumConfig, check_rows_divisible
 from resilient.recovery.heal_codec import adopt_shards, has_shards
 from resilient.recovery.transport import HealTransport
@@ -75,23 +76,39 @@ class _QuorumClient:
     addresses: gloo's connectFullMesh is refused on one side and hangs well past its timeout on
     the other (reproduced; seen as a CI timeout of test_lighthouse_killed_and_restarted_no_split_brain).
     The id given is a hash of the lighthouse's id, the members (their uuids change on every
-    restart) and the step at which this rank first saw them: every member sees a new quorum first
-    in the same round, at the same max step, so all derive the same id."""
+    restart) and the max step of the round in which this rank first saw them: every member of a
+    new quorum sees it first in the same round, at the same max step, so all derive the same id.
+
+    A member can hold a memo of a quorum that looks like the new one but is not: it missed rounds
+    (a slow save or heal) in which the others changed quorum, and then the lighthouse restarted and
+    handed out the old (id, members) again. The memo is dropped when that shows: the member's last
+    quorum call failed (it saw the outage), the lighthouse id went down, or the max step moved by
+    more than the one step a round commits. Left: a member that missed exactly one committed round
+    (or none) just before a lighthouse restart keeps its memo while the others derive a new id; its
+    collectives then fail, and ``ReplicaGroupSync._check_configured`` restarts the group whose mesh
+    could not be built, which changes the members and so every id (one group restart, no state lost)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.last_quorum: Any = None
         self.lighthouse_quorum_id = -1
         self._first_seen: tuple[int, tuple[str, ...]] | None = None
+        self._last_max_step = -1
         self._store_generation = -1
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
-        self.lighthouse_quorum_id = int(quorum.quorum_id)
-        seen = (self.lighthouse_quorum_id, tuple(sorted(quorum.replica_ids)))
-        if seen != self._first_seen:
+        try:
+            quorum = self._client._quorum(*args, **kwargs)
+        except BaseException:
+            self._first_seen = None  # the lighthouse may come back as another: trust no memo
+            raise
+        lighthouse_id, max_step = int(quorum.quorum_id), int(quorum.max_step)
+        seen = (lighthouse_id, tuple(sorted(quorum.replica_ids)))
+        same = seen == self._first_seen and lighthouse_id >= self.lighthouse_quorum_id
+        if not (same and self._last_max_step <= max_step <= self._last_max_step + 1):
             self._first_seen = seen
-            self._store_generation = store_generation(*seen, int(quorum.max_step))
+            self._store_generation = store_generation(*seen, max_step)
+        self.lighthouse_quorum_id, self._last_max_step = lighthouse_id, max_step
         quorum.quorum_id = self._store_generation
         self.last_quorum = quorum
         return quorum
@@ -198,14 +215,22 @@ class ReplicaGroupSync:
         """torchft records a quorum's id BEFORE it builds that quorum's process group, so a build
         that failed is never retried while the quorum stays the same: every later step would fail
         its vote, forever. A restart gives this group new member ids, hence a new quorum that every
-        group rebuilds for; torchrun restarts the group when this raises."""
-        if getattr(self._manager._pg, "_pg", True) is not None:
+        group rebuilds for; torchrun restarts the group when this raises. Decided by the whole group
+        (one tiny all-reduce): every rank raises, or none, before any step collective."""
+        pg = self._manager._pg
+        if not hasattr(pg, "_pg"):
+            raise ResilientError(f"torchft's {type(pg).__name__} has no _pg: this torchft is not 0.2.0 (pinned)")
+        built = torch.tensor([0 if pg._pg is None else 1], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(built, op=dist.ReduceOp.MIN)
+        if int(built) == 1:
             return
         error = self._manager.errored()
         cause = error.original_exception if error is not None else None
+        where = "this rank's" if pg._pg is None else "a peer rank's"
         raise QuorumError(
-            f"[group {self.group} rank {self.rank}] the cross-group process group of quorum "
-            f"{self._client.lighthouse_quorum_id} could not be built ({cause}); "
+            f"[group {self.group} rank {self.rank}] {where} cross-group process group of quorum "
+            f"{self._client.lighthouse_quorum_id} could not be built ({cause or 'see that rank'}); "
             "restarting this group so that the quorum changes"
         ) from cause
 

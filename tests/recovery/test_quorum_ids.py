@@ -4,10 +4,12 @@ lighthouse restart (which counts from 1 again), and every member of a quorum der
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
-from resilient.recovery.quorum import _QuorumClient
+from resilient.errors import QuorumError
+from resilient.recovery.quorum import ReplicaGroupSync, _QuorumClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,12 +30,21 @@ class FakeLighthouse:
 
     def _quorum(self, **_: object) -> FakeResult:
         r = self.results.pop(0)
+        if r is None:
+            raise TimeoutError("the lighthouse is down")
         return FakeResult(r.quorum_id, list(r.replica_ids), r.max_step)
 
 
-def _ids(results: list[FakeResult]) -> list[int]:
+def _ids(results: list[FakeResult | None]) -> list[int | None]:
+    """The id each call gives (None: the call failed, as during a lighthouse outage)."""
     client = _QuorumClient(FakeLighthouse(list(results)))
-    return [client._quorum().quorum_id for _ in results]
+    out: list[int | None] = []
+    for _ in results:
+        try:
+            out.append(client._quorum().quorum_id)
+        except TimeoutError:
+            out.append(None)
+    return out
 
 
 A, B, B2 = "group00000:a", "group00001:b", "group00001:b2"
@@ -70,3 +81,39 @@ def test_the_lighthouse_id_is_kept_for_the_events() -> None:
     client = _QuorumClient(FakeLighthouse([FakeResult(4, [A, B], 2)]))
     assert client._quorum().quorum_id != 4
     assert client.lighthouse_quorum_id == 4 and client.last_quorum.max_step == 2
+
+
+def test_a_member_that_missed_rounds_before_a_restart_drops_its_memo() -> None:
+    # A and B in quorum 1; B misses rounds (a slow save) while A trains alone in quorum 2 for 3
+    # steps; the lighthouse restarts and hands out quorum 1 = A+B again. B's memo of "1, A+B" is of
+    # another quorum: both must derive the new one's id, not B its old one.
+    a = _ids([FakeResult(1, [A, B], 4), FakeResult(2, [A], 5), FakeResult(2, [A], 6), FakeResult(1, [A, B], 8)])
+    b = _ids([FakeResult(1, [A, B], 4), FakeResult(1, [A, B], 8)])
+    assert a[3] == b[1] != b[0]
+
+
+def test_a_member_that_saw_the_outage_drops_its_memo() -> None:
+    # B's call failed while the lighthouse was down; the new lighthouse's "1, A+B" at the same step
+    # is a new quorum for A too (A was in quorum 2 alone): they agree, on an id neither used.
+    a = _ids([FakeResult(1, [A, B], 4), FakeResult(2, [A], 4), FakeResult(1, [A, B], 5)])
+    b = _ids([FakeResult(1, [A, B], 4), None, FakeResult(1, [A, B], 5)])
+    assert b[1] is None and a[2] == b[2] and a[2] not in (a[0], a[1])
+
+
+class _Errored:
+    original_exception = RuntimeError("Gloo connectFullMesh failed: Connection refused")
+
+
+def _sync_with(inner_pg: object) -> ReplicaGroupSync:
+    sync = object.__new__(ReplicaGroupSync)  # just the state _check_configured reads
+    sync.group, sync.rank = 1, 0
+    sync._manager = SimpleNamespace(_pg=SimpleNamespace(_pg=inner_pg), errored=lambda: _Errored())
+    sync._client = _QuorumClient(FakeLighthouse([FakeResult(3, [A, B], 7)]))
+    sync._client._quorum()
+    return sync
+
+
+def test_a_cross_group_mesh_that_could_not_be_built_restarts_the_group() -> None:
+    _sync_with(inner_pg=object())._check_configured()  # built: nothing to do
+    with pytest.raises(QuorumError, match=r"group 1 rank 0\] this rank's cross-group process group of quorum 3 could"):
+        _sync_with(inner_pg=None)._check_configured()
