@@ -23,6 +23,7 @@ Pacing (``RESILIENT_CHAOS_STEP_SLEEP``) sleeps after each step, after the digest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -126,18 +127,19 @@ class _ChaosHook:
         for span in spans:
             if span["fault"] not in self._slowed_faults:
                 self._slowed_faults.add(span["fault"])
-                append_jsonl(
-                    os.path.join(self.dir, HOOK_EVENTS_FILE),
-                    {
-                        "t": round(time.time(), 4),
-                        "event": "slowed",
-                        "group": self.group,
-                        "rank": self.rank,
-                        "step": step,
-                        "delay_s": span["delay_s"],
-                        "fault": span["fault"],
-                    },
-                )
+                with contextlib.suppress(OSError):  # before the step's first collective: never raise here
+                    append_jsonl(
+                        os.path.join(self.dir, HOOK_EVENTS_FILE),
+                        {
+                            "t": round(time.time(), 4),
+                            "event": "slowed",
+                            "group": self.group,
+                            "rank": self.rank,
+                            "step": step,
+                            "delay_s": span["delay_s"],
+                            "fault": span["fault"],
+                        },
+                    )
 
     def _maybe_corrupt(self, trainer: Any) -> None:
         if self.corrupted or not os.path.exists(corrupt_path(self.dir, self.group)):

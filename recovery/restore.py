@@ -42,7 +42,7 @@ fresh start; a missing bucket or an unreachable endpoint is an error (starting a
 silently drop a run's progress), raised on every rank, unless the RAM tier restores the run.
 
 Every rank writes one ``restore`` event to ``<run.dir>/events.jsonl`` (group, rank, step, source,
-bytes, seconds, storage_reads, excluded, run_id, incarnation, timeline), except when
+bytes, seconds, storage_reads, excluded, run_id, timeline_incarnation, timeline), except when
 ``checkpoint.resume`` is off.
 """
 

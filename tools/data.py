@@ -44,6 +44,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         workers=args.workers,
         vocab_size=args.vocab_size,
+        max_duration_s=args.max_duration,
         progress=sys.stderr.isatty(),
     )
     summary = build(config)
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=min(8, os.cpu_count() or 1),
         metavar="N",
         help="probing threads (default: CPU count, at most 8)",
+    )
+    p.add_argument(
+        "--max-duration", type=float, default=600.0, metavar="S", help="skip samples longer than S seconds (600)"
     )
     p.add_argument("--vocab-size", type=int, default=512, metavar="N", help="BPE vocabulary incl. <pad> (default 512)")
     # SUPPRESS: the subcommand's default must not overwrite a --debug given before it.

@@ -168,7 +168,7 @@ class Trainer:
         """One step attempt. A committed step moves the data cursor and the step count, saves and
         snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
         nothing and is tried again (same global batch)."""
-        self.observer.start_watchdog(self.step)
+        self.observer.attempt(self.step)
         start = time.perf_counter()
         batch, data_wait = self._next_batch()
         self.phases.add("data_wait_s", data_wait)
@@ -191,7 +191,8 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
         self.observer.committed(self.step, step_time)
-        self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
+        if self.mesh["tp"].get_local_rank() == 0:  # the ranks of a TP group share their rows: once
+            self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.
             self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))

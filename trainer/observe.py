@@ -46,9 +46,14 @@ class RunObserver:
         stamp_records(run_id=run_id, incarnation=self.incarnation)
         self.clock.mark("restore")
 
-    def start_watchdog(self, step: int) -> None:
+    def attempt(self, step: int) -> None:
+        """A step attempt begins: the watchdog starts with the first and hears every one (a retry
+        after an uncommitted step, a heal served in a quorum, are not silence)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+            return
         timeout = self.config.run.hang_timeout_s
-        if timeout <= 0 or self.watchdog is not None:
+        if timeout <= 0:
             return
         from resilient.trainer.watchdog import HangWatchdog
 

@@ -110,8 +110,8 @@ class RunOutputs:
                 append_jsonl(self.samples_path, {"step": step, "sample_ids": sample_ids})
 
     def skipped(self, step: int, entries: list[dict[str, str]], *, rank: int) -> None:
-        """``skipped.jsonl``: the documents of THIS rank's rows that could not be built. Every rank
-        writes its own (one line each, one write: appends do not interleave)."""
+        """``skipped.jsonl``: the documents of THIS rank's rows that could not be built. One rank
+        per data-parallel share writes its own (one line each, one write: appends do not interleave)."""
         for entry in entries:
             with self._side_effect(SKIPPED_FILE):
                 append_jsonl(os.path.join(self.directory, SKIPPED_FILE), {"step": step, "rank": rank, **entry})

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from resilient.dist import broadcast_json, free_port
+from resilient.dist import agree, free_port
 from resilient.errors import ConfigError
 from resilient.recovery.ram.tier import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
@@ -76,8 +76,8 @@ def _init_process_group(config: TrainConfig, device: torch.device) -> None:
 
 def build_observer(config: TrainConfig, clock: StartupClock) -> RunObserver:
     """This rank's observer; the group's incarnation is counted by rank 0 and shared (collective)."""
-    counted = next_incarnation(config.run.dir, group_id()) if dist.get_rank() == 0 else None
-    incarnation = int(broadcast_json(counted, src=0))
+    # Rank 0 counts; an error there (a full disk) is raised on every rank, not on rank 0 alone.
+    incarnation = int(agree(lambda: next_incarnation(config.run.dir, group_id()), src=0, what="counting the start"))
     return RunObserver(
         config,
         world=dist.get_world_size(),
@@ -99,7 +99,8 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
         log_every=config.run.log_every,
         steps=config.run.steps,
     )
-    peak, peak_source = peak_flops(str(device), config.run.peak_flops)
+    dtype = torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32
+    peak, peak_source = peak_flops(str(device), config.run.peak_flops, dtype)
     outputs.context = {"layout": observer.layout}
     outputs.write_config(
         config.to_dict(),

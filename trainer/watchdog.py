@@ -193,15 +193,18 @@ class HangWatchdog:
                 self._latch(e)
 
     def _report(self, step: int | None, idle_s: float) -> None:
-        _write_stacks(self.path)
-        relative = os.path.relpath(self.path, os.path.dirname(os.path.abspath(self.directory)))
+        # The first hang of an incarnation is rank<R>-<inc>.txt; a later one gets its number, so
+        # each event's path names its own dump.
+        path = self.path if self.hangs <= 1 else f"{self.path[: -len('.txt')]}-{self.hangs}.txt"
+        _write_stacks(path)
+        relative = os.path.relpath(path, os.path.dirname(os.path.abspath(self.directory)))
         logger.warning(
             "[rank %d] no step for %.1f s after step %s (timeout %.1f s): stacks of all threads in %s",
             self.rank,
             idle_s,
             step,
             self.timeout_s,
-            self.path,
+            path,
             extra={"event": "hang", "group": self.group, "rank": self.rank, "step": step, "idle_s": idle_s},
         )
         if self.on_hang is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -73,15 +72,12 @@ def test_fp32_or_unknown_gpu_is_measured(monkeypatch) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_measured_on_cpu_is_plausible_fast_and_cached() -> None:
+def test_measured_on_cpu_is_plausible_and_cached(monkeypatch) -> None:
     peak._measured.cache_clear()
-    t0 = time.perf_counter()
     flops, source = peak_flops("cpu")
-    elapsed = time.perf_counter() - t0
     assert source == "measured"
     assert math.isfinite(flops) and 1e8 <= flops <= 1e13, flops
-    assert elapsed < 2.0, elapsed
-    t0 = time.perf_counter()
-    assert peak_flops("cpu") == (flops, "measured")  # cached: no second benchmark
-    assert time.perf_counter() - t0 < 0.01
-    print(f"measured CPU peak: {flops / 1e9:.1f} GFLOP/s fp32 on {torch.get_num_threads()} threads in {elapsed:.2f} s")
+    # Cached: a second call runs no benchmark (counted, not timed: no wall-clock thresholds in tests).
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: pytest.fail("benchmarked again"))
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("benchmarked again"))
+    assert peak_flops("cpu") == (flops, "measured")

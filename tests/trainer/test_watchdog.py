@@ -84,6 +84,10 @@ def test_rearms_after_the_next_beat(tmp_path) -> None:
     finally:
         assert watchdog.stop(timeout_s=2.0)
     assert [e["step"] for e in events.events] == [1, 2]
+    # Each hang's event names its own dump: the second does not overwrite the first.
+    first, second = (e["path"] for e in events.events)
+    assert (first, second) == ("group1/hang/rank3-2.txt", "group1/hang/rank3-2-2.txt")
+    assert (tmp_path / first).exists() and (tmp_path / second).exists()
 
 
 @pytest.mark.timeout(20)

@@ -146,6 +146,8 @@ def _guarded(ext: str, kind: str, decode: Callable[[], np.ndarray]) -> np.ndarra
         return decode()
     except (MediaError, ConfigError):
         raise
+    except (MemoryError, RecursionError):
+        raise  # this process's trouble, not the file's: skipping would differ from rank to rank
     except Exception as e:  # the boundary where foreign decoder errors become ours, see above
         # Object reprs carry addresses ("<_io.BytesIO object at 0x7f..>"): the same bytes must fail
         # with the same words on every rank and every resume (the skip is logged and compared).

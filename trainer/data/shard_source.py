@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resilient.errors import ConfigError, ResilientError
+from resilient.errors import ConfigError, IntegrityError, ResilientError
 from resilient.trainer.data.config import FRAMES_PER_SECOND, DataConfig
 from resilient.trainer.data.tokens import TimedText, TokenizedSample, assemble, audio_features, video_patches
 
@@ -100,6 +100,12 @@ class ShardSource:
 
         self.config = config
         self.shards = ShardSet.open(config.shards)
+        if config.shards_fingerprint and self.shards.fingerprint != config.shards_fingerprint:
+            raise IntegrityError(
+                f"the shard build at {config.shards} changed after the config was loaded (fingerprint "
+                f"{self.shards.fingerprint}, config {config.shards_fingerprint}): a build was rewritten under a "
+                "running job; restart it, or pin data.shards_fingerprint"
+            )
         self.shards.use_cache(config.cache_dir or os.path.join(tempfile.gettempdir(), CACHE_FOLDER), config.cache_bytes)
         self._loaded_tokenizer = None
         self._pool: ThreadPoolExecutor | None = None
@@ -170,15 +176,17 @@ class ShardSource:
     def _text(self, entry, window: Window) -> tuple[np.ndarray, list[TimedText]]:
         try:
             text = self.shards.text(entry)
-        except (ValueError, KeyError) as e:  # a damaged json member: this sample only
-            raise SampleError(f"{entry.key}: unreadable text member ({e})") from e
-        lead = _encode(self._tokenizer(), text.get("text", "")) if window.number == 0 else _NO_TOKENS
+            lead_text = text.get("text", "") if window.number == 0 else ""
+            segments = [(float(s["start"]), str(s["text"])) for s in text.get("segments", [])]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged json member: this sample only
+            raise SampleError(f"{entry.key}: unreadable text member ({type(e).__name__}: {e})") from e
+        lead = _encode(self._tokenizer(), str(lead_text))
         total = clip_frames(entry.duration_s)
         timed = []
-        for segment in text.get("segments", []):
-            position = segment_position(float(segment["start"]), total)
+        for start_s, words in segments:
+            position = segment_position(start_s, total)
             if window.start <= position < window.start + window.frames:
-                timed.append(TimedText(position - window.start, _encode(self._tokenizer(), segment["text"])))
+                timed.append(TimedText(position - window.start, _encode(self._tokenizer(), words)))
         return lead, timed
 
     def _audio(self, media, entry, blobs: dict[str, bytes], window: Window) -> np.ndarray:

@@ -337,3 +337,14 @@ def test_probe_detects_a_cut_file_whose_index_survived(corpus, tmp_path) -> None
     cut.write_bytes(data[: int(len(data) * 0.7)])  # the head still decodes; the last second is gone
     with pytest.raises(ProbeError, match=r"truncated: .* of its 3\.00 s"):
         probe(str(cut))
+
+
+@pytest.mark.timeout(60)
+def test_samples_longer_than_the_limit_are_skipped_with_the_advice(corpus, tmp_path) -> None:
+    dest = str(tmp_path / "short")
+    summary = build(BuildConfig(src=corpus, dest=dest, shard_size=SHARD_SIZE, workers=2, max_duration_s=2.0))
+    skipped = [json.loads(line) for line in open(os.path.join(dest, "skipped.jsonl"))]  # noqa: SIM115
+    too_long = [s for s in skipped if "longer than --max-duration 2 s" in s["reason"]]
+    kept = [s for index in _indexes(dest) for s in index["samples"]]
+    assert too_long and all(s["duration_s"] <= 2.0 for s in kept)
+    assert len(kept) + len(too_long) == CLIPS - 1 and summary.line()

@@ -60,6 +60,9 @@ class BuildConfig:
     """Most tokens of the byte-level BPE (incl. <pad>); [257, 2**20]."""
     progress: bool = False
     """Show tqdm bars on stderr."""
+    max_duration_s: float = 600.0
+    """Longer samples are skipped: a training window decodes from its whole member (one read of
+    it per window), so an hour-long file would be read hundreds of times an epoch. Split it first."""
 
     def __post_init__(self) -> None:
         if not os.path.exists(self.src):
@@ -68,6 +71,8 @@ class BuildConfig:
             raise ConfigError(f"SRC folder {self.src!r} is empty; put media files (and captions) in it")
         if os.path.isfile(self.src) and os.path.getsize(self.src) == 0:
             raise ConfigError(f"SRC manifest {self.src!r} is empty; give one JSON object per line (id, video, audio)")
+        if not self.max_duration_s > 0:
+            raise ConfigError(f"max_duration_s must be > 0 seconds, got {self.max_duration_s}")
         if self.shard_size < 1:
             raise ConfigError(f"shard_size must be >= 1 byte, got {self.shard_size} (e.g. 256MiB)")
         if not 1 <= self.workers <= 256:
@@ -120,6 +125,16 @@ def build(config: BuildConfig) -> BuildSummary:
         candidates, skipped = discover(config.src)
         samples, probe_skips = probe_all(candidates, workers=config.workers, progress=config.progress)
         skipped += probe_skips
+        too_long = [s for s in samples if s.duration_s > config.max_duration_s]
+        samples = [s for s in samples if s.duration_s <= config.max_duration_s]
+        skipped += [
+            Skip(
+                path=s.files[0][1],
+                reason=f"{s.duration_s:.1f} s is longer than --max-duration {config.max_duration_s:g} s: "
+                "split it into shorter files (every training window reads the whole file)",
+            )
+            for s in too_long
+        ]
         for skip in skipped:
             logger.info("skipped %s: %s", skip.path, skip.reason, extra={"event": "skipped", **skip.to_json()})
         if not samples:

@@ -47,8 +47,9 @@ class Candidate:
 
 
 def sample_key(stem: str) -> str:
-    """WebDataset splits member names at the first dot, and our keys are flat names."""
-    return stem.replace("/", "_").replace(".", "_")
+    """WebDataset splits member names at the first dot, and our keys are flat names; '#' names a
+    window of a cut clip in ``samples.jsonl`` (``<key>#<window>``), so no key may hold one."""
+    return stem.replace("/", "_").replace(".", "_").replace("#", "_")
 
 
 def discover(src: str) -> tuple[list[Candidate], list[Skip]]:
