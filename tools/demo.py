@@ -242,6 +242,18 @@ def main() -> None:
     run_ram_phase(RECIPE, RAM_DIR)
     print(f"\n[demo] 5/5: real media: corpus -> WebDataset shards -> 2 ranks -> resume on 1 -> {MEDIA_DIR}", flush=True)
     run_media_phase(TINY_RECIPE, MEDIA_DIR)
+    _report()
+
+
+def _report() -> None:
+    """Where the main run's time went: report.html and summary.json (``resilient-report``)."""
+    from resilient.tools.report import write_report
+
+    summary = write_report(RUN_DIR, RUN_DIR)
+    goodput = summary.get("goodput", {})
+    print(f"\n[report] {os.path.join(RUN_DIR, 'report.html')} (goodput {goodput.get('goodput', 0):.0%})")
+    for line in summary.get("diagnoses", [])[:3]:
+        print(f"[report] {line}")
 
 
 if __name__ == "__main__":
