@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 from resilient.errors import ResilientError
 from resilient.tools.ckpt_output import parse_size
-from resilient.tools.cli import OneLineParser
+from resilient.tools.cli import OneLineParser, run_command
 
 PROG = "resilient-data"
 
@@ -89,24 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, already printed)
         return int(e.code or 0)
-    try:
-        return args.handler(args)
-    except (ResilientError, OSError) as e:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"{PROG}: error: {_one_line(e)}\n")
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"{PROG}: unexpected error: {type(e).__name__}: {_one_line(e)} (rerun with --debug)\n")
-        return 2
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
+    return run_command(PROG, lambda: args.handler(args), debug=args.debug, expected=(ResilientError, OSError))
 
 
 if __name__ == "__main__":

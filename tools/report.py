@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
-from resilient.tools.cli import OneLineParser
+from resilient.tools.cli import OneLineParser, run_command
 
 PROG = "resilient-report"
 
@@ -56,20 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from resilient.tools.report_data import ReportError
 
     out_dir = args.out or args.run_dir
-    try:
-        summary = write_report(args.run_dir, out_dir)
-    except (ReportError, OSError) as e:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"{PROG}: error: {_one_line(e)}\n")
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"{PROG}: unexpected error: {type(e).__name__}: {_one_line(e)} (rerun with --debug)\n")
-        return 2
+    return run_command(PROG, lambda: _report(args.run_dir, out_dir), debug=args.debug, expected=(ReportError, OSError))
+
+
+def _report(run_dir: str, out_dir: str) -> int:
+    summary = write_report(run_dir, out_dir)
     good = summary["goodput"]
     print(
         f"{PROG}: {summary['steps']} steps, goodput {good['goodput']:.1%} of {good['total_s']:.1f} s; "
@@ -78,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary["diagnoses"]:
         print(f"  - {line}")
     return 0
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":
