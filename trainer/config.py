@@ -85,11 +85,15 @@ class MetricsConfig:
     """A rank is slow in a phase when its time there is this many times the median of its peers."""
     straggler_windows: int = 3
     """... for this many consecutive ``rank_every`` windows: then a ``straggler`` event and a warning."""
+    tensorboard: bool = False
+    """Also write each step's metrics as TensorBoard scalars under ``group<G>/tensorboard/``
+    (``metrics.jsonl`` stays the source of truth)."""
 
     def __post_init__(self) -> None:
         check_int("metrics.rank_every", self.rank_every, 0)
         check_number("metrics.straggler_factor", self.straggler_factor, 1.0, 1000.0, open_low=True)
         check_int("metrics.straggler_windows", self.straggler_windows, 1, 10000)
+        check_bool("metrics.tensorboard", self.tensorboard)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -62,6 +62,20 @@ class StepStats:
         return out
 
 
+TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_SCALARS = (
+    "loss",
+    "text_loss",
+    "lr",
+    "grad_norm",
+    "step_time_s",
+    "data_wait_s",
+    "ckpt_stall_s",
+    "tokens_per_s",
+    "mfu",
+)
+
+
 class RunOutputs:
     """Rank 0's writer of metrics.jsonl, samples.jsonl and the progress line (a no-op elsewhere)."""
 
@@ -74,6 +88,8 @@ class RunOutputs:
         self._failed: set[str] = set()  # files whose write failed (warned once each)
         self.context: dict[str, Any] = {}
         """Fields every metrics row carries (the layout: docs/observability.md)."""
+        self.tensorboard: Any = None
+        """A ``SummaryWriter`` each step's scalars also go to (``metrics.tensorboard``), or None."""
         if enabled:
             os.makedirs(directory, exist_ok=True)
 
@@ -96,6 +112,10 @@ class RunOutputs:
             return
         with self._side_effect(METRICS_FILE):
             append_jsonl(self.metrics_path, {**stats.to_json(), **self.context})
+        if self.tensorboard is not None:
+            with self._side_effect(TENSORBOARD_DIR):
+                for name in TENSORBOARD_SCALARS:
+                    self.tensorboard.add_scalar(f"train/{name}", getattr(stats, name), stats.step)
         if stats.step % self.log_every == 0 or stats.step == self.steps:
             print(
                 f"step {stats.step:>6}/{self.steps} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "
@@ -131,8 +151,19 @@ class RunOutputs:
                 self._failed.add(name)
                 log.warning("cannot write %s in %s (%s); training goes on without it", name, self.directory, e)
 
+    def open_tensorboard(self) -> None:
+        """Start the TensorBoard writer (rank 0; torch's writer, which needs the tensorboard package)."""
+        if self.enabled:
+            from torch.utils.tensorboard import SummaryWriter  # deferred: a heavy import, off by default
+
+            self.tensorboard = SummaryWriter(os.path.join(self.directory, TENSORBOARD_DIR))
+
     def close(self) -> None:
-        """Nothing is held open (every line is one append); kept so owners close what they open."""
+        """Every JSON line is one append (nothing held open); the TensorBoard writer is flushed."""
+        if self.tensorboard is not None:
+            with self._side_effect(TENSORBOARD_DIR):
+                self.tensorboard.close()
+            self.tensorboard = None
 
 
 def sort_sample_ids(ids: set[str]) -> list[str]:

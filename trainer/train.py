@@ -102,6 +102,8 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
     dtype = torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32
     peak, peak_source = peak_flops(str(device), config.run.peak_flops, dtype)
     outputs.context = {"layout": observer.layout}
+    if config.metrics.tensorboard:
+        outputs.open_tensorboard()
     outputs.write_config(
         config.to_dict(),
         {

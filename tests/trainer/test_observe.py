@@ -73,8 +73,8 @@ def test_records_carry_run_id_incarnation_and_time_once_stamped(tmp_path: Path) 
     assert (third["run_id"], third["incarnation"], third["t"]) == ("abc", 4, 5.0)
 
 
-def _train(run_dir: Path, steps: int, faults: str, *sets: str) -> str:
-    command = [sys.executable, "-m", "resilient.tools.train", "--nproc", "2", "--config", TINY]
+def _train(run_dir: Path, steps: int, faults: str, *sets: str, nproc: int = 2) -> str:
+    command = [sys.executable, "-m", "resilient.tools.train", "--nproc", str(nproc), "--config", TINY]
     for item in (f'run.dir="{run_dir}"', f"run.steps={steps}", "parallel.tp=1", *sets):
         command += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RESILIENT_FAULTS": faults}
@@ -95,6 +95,7 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
         "metrics.rank_every=2",
         "metrics.straggler_windows=2",
         "checkpoint.persist_every=8",
+        "metrics.tensorboard=true",
     )
     ranks = read_jsonl(str(slow / "group0" / "ranks.jsonl"))
     assert [r["step"] for r in ranks] == [2, 4, 6, 8] and all(r["steps"] == 2 for r in ranks)
@@ -113,6 +114,12 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
     metrics = read_jsonl(str(slow / "group0" / "metrics.jsonl"))
     run_id = startup["run_id"]
     assert {(m["run_id"], m["incarnation"]) for m in metrics} == {(run_id, 0)} and all(m["t"] > 1e9 for m in metrics)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(slow / "group0" / "tensorboard"))
+    board.Reload()
+    losses = [(e.step, e.value) for e in board.Scalars("train/loss")]
+    assert losses == [(m["step"], pytest.approx(m["loss"], rel=1e-6)) for m in metrics]
 
     # Resumed with rank 1 stuck for 4 s in its first step: both ranks' watchdogs fire (rank 0 waits in
     # a collective), then the step completes and the run ends normally, as incarnation 1.
@@ -127,3 +134,22 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
         or "fault_point" in (slow / "group0" / "hang" / "rank1-1.txt").read_text()
     )
     assert json.loads((slow / "group0" / "incarnation.json").read_text())["incarnation"] == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_clean_run_flags_no_straggler_and_its_records_join_across_a_resume(tmp_path: Path) -> None:
+    run = tmp_path / "clean"
+    sets = ("metrics.rank_every=2", "checkpoint.persist_every=3")
+    _train(run, 6, "", *sets)
+    _train(run, 9, "", *sets, "parallel.dp_shard=1", nproc=1)  # resumed on 1 rank: incarnation 1
+    events = read_events(str(run))
+    assert [e for e in events if e["event"] == "straggler"] == []
+    metrics = read_jsonl(str(run / "group0" / "metrics.jsonl"))
+    starts = [e for e in events if e["event"] == "startup"]
+    assert [s["incarnation"] for s in starts] == [0, 1] and starts[1]["layout"]["world"] == 1
+    assert len({m["run_id"] for m in metrics}) == 1 and metrics[0]["run_id"] == starts[0]["run_id"]
+    assert [(m["step"], m["incarnation"], m["layout"]["world"]) for m in metrics] == [
+        *((s, 0, 2) for s in range(1, 7)),
+        *((s, 1, 1) for s in range(7, 10)),
+    ]
