@@ -11,11 +11,6 @@ import numpy as np
 from resilient.tools.report_data import GroupRun, RunData, group_goodput
 
 RANK_PHASES = ("data_wait_s", "compute_s", "grad_sync_s", "optimizer_s", "ckpt_stall_s", "snapshot_s")
-STRAGGLER_FACTOR = 1.5
-"""Without ``straggler`` events (older runs), a rank whose mean time in a phase is this many times
-its peers' median is listed (the trainer's own ``metrics.straggler_factor`` decides when it writes them)."""
-MIN_PHASE_S = 1e-3
-"""A phase whose peers' median is under this is noise: no ratio is taken against it."""
 DIAGNOSE_AT = 0.05
 """A cause worth a diagnosis: at least this fraction of the run (or, for stalls, of step time)."""
 STARTUP_AT = 0.20
@@ -122,8 +117,10 @@ def rank_means(group: GroupRun) -> dict[int, dict[str, float]]:
 
 
 def stragglers(run: RunData) -> list[dict[str, Any]]:
-    """The trainer's ``straggler`` events (the highest ratio per group, rank and phase); without
-    any, ranks ``STRAGGLER_FACTOR`` slower than their peers' median in ``ranks.jsonl``."""
+    """The trainer's ``straggler`` events, the highest ratio per group, rank and phase. Only those:
+    the trainer runs the one detector (``trainer/timing.StragglerWatch``: factor, consecutive
+    windows, a share of the step) on the very windows it writes to ``ranks.jsonl``; a second,
+    looser rule here flagged millisecond noise in clean runs."""
     found: dict[tuple[int, int, str], dict[str, Any]] = {}
     for e in run.events:
         if e.get("event") == "straggler":
@@ -131,19 +128,7 @@ def stragglers(run: RunData) -> list[dict[str, Any]]:
             if key not in found or e.get("ratio", 0) > found[key]["ratio"]:
                 found[key] = {"group": key[0], "rank": key[1], "phase": key[2], "ratio": float(e.get("ratio", 0))}
                 found[key].update(step=e.get("step"), source="event")
-    if found:
-        return sorted(found.values(), key=lambda s: -s["ratio"])
-    out = []
-    for group in run.groups.values():
-        means = rank_means(group)
-        for phase in RANK_PHASES:
-            for rank, values in means.items():
-                peers = [m[phase] for r, m in means.items() if r != rank]
-                median = statistics.median(peers) if peers else 0.0
-                if median >= MIN_PHASE_S and values[phase] >= STRAGGLER_FACTOR * median:
-                    ratio = round(values[phase] / median, 3)
-                    out.append({"group": group.group, "rank": rank, "phase": phase, "ratio": ratio, "source": "ranks"})
-    return sorted(out, key=lambda s: -s["ratio"])
+    return sorted(found.values(), key=lambda s: -s["ratio"])
 
 
 def hangs(run: RunData) -> list[dict[str, Any]]:

@@ -76,6 +76,13 @@ def test_smoke_scenario_passes_and_reports(tmp_path: Path, twin_cache: str) -> N
     assert report["twin"]["max_abs_diff"] is None or report["twin"]["max_abs_diff"] <= 1e-5
     png = tmp_path / "smoke" / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    # resilient-report reads the same run: the restart, the heal and goodput causes summing to its total.
+    from resilient.tools.report import write_report
+
+    summary = write_report(str(tmp_path / "smoke" / "run"), str(tmp_path / "report"))
+    causes = summary["goodput"]["causes"]
+    assert sum(c["seconds"] for c in causes.values()) == pytest.approx(summary["goodput"]["total_s"], rel=0.02)
+    assert summary["incarnations"]["count"] >= 2 and (tmp_path / "report" / "report.html").stat().st_size > 20_000
 
 
 @pytest.mark.timeout(240)

@@ -143,11 +143,11 @@ def test_diagnoses_name_the_slow_phases_and_what_to_change(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(60)
-def test_without_straggler_events_the_slow_rank_is_found_in_ranks_jsonl(tmp_path: Path) -> None:
+def test_only_the_trainers_straggler_events_name_stragglers(tmp_path: Path) -> None:
+    # ranks.jsonl shows rank 3 slower, but the trainer's detector (consecutive windows, a share of
+    # the step) did not flag it: the report does not second-guess it with a looser rule.
     summary = _report(new_style_run(tmp_path, straggler_event=False))
-    assert summary["stragglers"] == [
-        {"group": 0, "rank": 3, "phase": "compute_s", "ratio": pytest.approx(1.8), "source": "ranks"}
-    ]
+    assert summary["stragglers"] == []
 
 
 @pytest.mark.timeout(60)

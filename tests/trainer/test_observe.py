@@ -153,3 +153,10 @@ def test_a_clean_run_flags_no_straggler_and_its_records_join_across_a_resume(tmp
         *((s, 0, 2) for s in range(1, 7)),
         *((s, 1, 1) for s in range(7, 10)),
     ]
+    from resilient.tools.report import write_report
+
+    summary = write_report(str(run), str(run))
+    good = summary["goodput"]
+    assert sum(c["seconds"] for c in good["causes"].values()) == pytest.approx(good["total_s"], rel=0.02)
+    assert summary["incarnations"]["count"] == 2 and summary["stragglers"] == []
+    assert summary["step_time"]["p50"] > 0 and (run / "report.html").exists()
