@@ -15,16 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+from resilient.tools.demo_media import SETTINGS as DEMO_SETTINGS
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.toml")
-SETTINGS = [
-    'data.source="shards"',
-    "data.row_len=128",
-    "data.global_rows=2",
-    "data.max_clip_seconds=2.0",
-    "parallel.tp=1",
-    "parallel.dp_shard=1",
-]
+# The media demo's settings (tools/demo_media.py), on one rank: what the bench relates to.
+SETTINGS = [*DEMO_SETTINGS, "parallel.dp_shard=1"]
 LOADER_TARGET = 3.0
 
 
@@ -44,7 +40,7 @@ def loader_rows_per_s(shards: str, workers: int, steps: int) -> float:
     from resilient.trainer.config import load_config
     from resilient.trainer.data import OmniPipeline
 
-    sets = [f"data.shards={shards}", f"data.num_workers={workers}", "run.dir=/tmp/unused", *SETTINGS]
+    sets = [*SETTINGS, f"data.shards={shards}", f"data.num_workers={workers}", "run.dir=/tmp/unused"]
     config = load_config(TINY, sets).data.pipeline
     with OmniPipeline(config) as pipeline:
         pipeline.next_batch()

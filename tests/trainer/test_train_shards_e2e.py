@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from resilient.runfiles import read_jsonl, read_jsonl_by_step
+from resilient.tools.demo_media import SETTINGS  # the media demo's recipe changes: one list
 from resilient.trainer.config import load_config
 from resilient.trainer.data import OmniPipeline, RowKey
 from tests.procs import communicate_or_fail
@@ -26,16 +27,6 @@ pytestmark = [pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
-SETTINGS = [
-    'data.source="shards"',
-    "data.row_len=128",
-    "data.global_rows=2",
-    "data.max_clip_seconds=2.0",
-    "data.num_workers=1",
-    "data.log_samples=true",
-    "parallel.tp=1",
-    "checkpoint.persist_every=2",
-]
 
 
 def _sets(*items: str) -> list[str]:

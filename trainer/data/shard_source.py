@@ -24,12 +24,16 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from resilient.errors import ConfigError, IntegrityError, ResilientError
 from resilient.trainer.data.config import FRAMES_PER_SECOND, DataConfig
 from resilient.trainer.data.tokens import TimedText, TokenizedSample, assemble, audio_features, video_patches
+
+if TYPE_CHECKING:
+    from resilient.trainer.data.shards.format import ShardSet
 
 CACHE_FOLDER = "resilient-shard-cache"
 """Under the system temp folder when ``data.cache_dir`` is unset."""
@@ -72,12 +76,23 @@ def segment_position(start_s: float, total_frames: int) -> int:
     return min(max(math.floor(start_s * FRAMES_PER_SECOND), 0), total_frames - 1)
 
 
+_opened: dict[str, ShardSet] = {}
+"""Builds this process opened, by DEST: the config load and the row stream read the manifest and
+every index once, not twice (thousands of GETs for a large build on S3)."""
+
+
+def open_build(dest: str) -> ShardSet:
+    from resilient.trainer.data.shards.format import ShardSet  # deferred: opens storage
+
+    if dest not in _opened:
+        _opened[dest] = ShardSet.open(dest)
+    return _opened[dest]
+
+
 def resolve_build(config: DataConfig, *, vocab_given: bool) -> DataConfig:
     """``config`` with the build's fingerprint and vocabulary filled in (the model's vocab_size
     follows from it), after checking the recipe agrees with the build."""
-    from resilient.trainer.data.shards.format import ShardSet
-
-    build = ShardSet.open(config.shards)
+    build = open_build(config.shards)
     if config.shards_fingerprint and config.shards_fingerprint != build.fingerprint:
         raise ConfigError(
             f"data.shards_fingerprint={config.shards_fingerprint!r} but the build at {config.shards} has "
@@ -96,10 +111,8 @@ class ShardSource:
     """The items (sample windows) of a shard build, sized from its indexes, built on demand."""
 
     def __init__(self, config: DataConfig) -> None:
-        from resilient.trainer.data.shards.format import ShardSet  # deferred: opens storage
-
         self.config = config
-        self.shards = ShardSet.open(config.shards)
+        self.shards = open_build(config.shards)
         if config.shards_fingerprint and self.shards.fingerprint != config.shards_fingerprint:
             raise IntegrityError(
                 f"the shard build at {config.shards} changed after the config was loaded (fingerprint "
