@@ -91,7 +91,8 @@ def describe_local(fqn: str, tensor: torch.Tensor) -> LocalTensor:
             tuple(mesh.shape),
             tuple(mesh.mesh_dim_names or ()),
         )
-    box = Box((0,) * tensor.dim(), tuple(tensor.shape)) if tensor.numel() > 0 else None
+    # A meta tensor is a placeholder (resilient.state.placeholder): named here, held by other ranks.
+    box = Box((0,) * tensor.dim(), tuple(tensor.shape)) if tensor.numel() > 0 and not tensor.is_meta else None
     return LocalTensor(fqn, tuple(tensor.shape), dtype, box, tensor, (), (), ())
 
 
@@ -255,7 +256,8 @@ def plan_arrays(
     for fqn in sorted(by_fqn):
         infos = by_fqn[fqn]
         _check_consistent(fqn, infos, world_size)
-        first = infos[0][1]
+        # Placements and mesh from a rank that holds a piece (a placeholder has neither).
+        first = next((info for _, info in infos if info["box"] is not None), infos[0][1])
         shape, dtype = tuple(first["shape"]), first["dtype"]
         holders: dict[Box, list[int]] = {}
         for rank, info in infos:

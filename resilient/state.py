@@ -21,6 +21,18 @@ from resilient.errors import StateError
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
+def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor this rank names but holds none of (a parameter of another pipeline stage): its
+    global shape and dtype, no data (the meta device). In a state passed to ``Checkpointer.save``
+    it says "another rank writes this"; in a load target, "skip it here"; it is never read into."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def held_elsewhere(value: Any) -> bool:
+    """Whether ``value`` is a :func:`placeholder` (a meta tensor)."""
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
 @dataclass(slots=True)
 class Leaf:
     """One leaf of a state tree and where it hangs, so a load can replace it in place."""

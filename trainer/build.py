@@ -19,7 +19,8 @@ from resilient.storage.config import CheckpointerConfig
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.data import OmniPipeline
 from resilient.trainer.model import OmniModel
-from resilient.trainer.parallelize import build_mesh, parallelize_model
+from resilient.trainer.parallelize import build_mesh, parallelize_model, stage_mesh
+from resilient.trainer.pipeline import OmniStage, Stages, prune_to_stages, rank_stages, stage_layers
 from resilient.trainer.schedule import build_optimizer, build_scheduler
 from resilient.trainer.state import TrainingParts
 
@@ -45,11 +46,12 @@ def resolve_device(name: str) -> torch.device:
 def check_world_size(config: TrainConfig, world_size: int) -> None:
     """Fail before any collective when the launcher started a different number of ranks."""
     p = config.parallel
-    if p.dp_shard * p.tp != world_size:
+    if p.world_size != world_size:
         raise ConfigError(
-            f"parallel.dp_shard={p.dp_shard} x parallel.tp={p.tp} = {p.dp_shard * p.tp} ranks, but "
-            f"{world_size} were started: launch {p.dp_shard * p.tp} ranks (--nproc-per-node) or set "
-            f"--set parallel.dp_shard=... --set parallel.tp=... so that their product is {world_size}"
+            f"parallel.pp={p.pp} x parallel.dp_shard={p.dp_shard} x parallel.tp={p.tp} = {p.world_size} ranks, "
+            f"but {world_size} were started: launch {p.world_size} ranks (--nproc-per-node) or set "
+            f"--set parallel.pp=... --set parallel.dp_shard=... --set parallel.tp=... so that their product "
+            f"is {world_size}"
         )
 
 
@@ -62,18 +64,54 @@ def seed_everything(seed: int) -> None:
 
 
 def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, TrainingParts]:
-    """Mesh, parallelized model, optimizer, scheduler and this rank's data pipeline."""
-    mesh = build_mesh(config.parallel.dp_shard, config.parallel.tp, device.type)
+    """Mesh, parallelized model (and pipeline stages), optimizer, scheduler and this rank's data."""
+    p = config.parallel
+    mesh = build_mesh(p.dp_shard, p.tp, device.type, pp=p.pp)
     # Same seed on every rank: each rank cuts its shards from an identical full model, no broadcast.
     model = OmniModel(config.model, seed=config.run.seed).to(device)
-    parallelize_model(model, mesh, config.parallel)
+    stages, global_params = None, {}
+    if p.pp == 1:
+        parallelize_model(model, mesh, p)
+    else:
+        stages, global_params = build_stages(config, model, mesh, device)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.decay_steps)
-    # Data-parallel rank = dp_shard coordinate: tensor-parallel peers share their batch.
-    pipeline = OmniPipeline(
-        config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=config.parallel.dp_shard
+    # Data-parallel rank = dp_shard coordinate: tensor-parallel and pipeline peers share their batch.
+    pipeline = OmniPipeline(config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=p.dp_shard)
+    parts = TrainingParts(
+        model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline, stages=stages, global_params=global_params
     )
-    return mesh, TrainingParts(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
+    return mesh, parts
+
+
+def build_stages(
+    config: TrainConfig, model: OmniModel, mesh: DeviceMesh, device: torch.device
+) -> tuple[Stages, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Cut ``model`` (in place) down to this rank's pipeline stages, parallelize each on the
+    rank's ``dp_shard x tp`` mesh, and build the schedule; also returns the global shape and dtype of
+    every parameter of the whole model (the checkpoint names them all on every rank)."""
+    p, data = config.parallel, config.data.pipeline
+    layers = stage_layers(config.model.n_layers, p.num_stages)
+    indices = rank_stages(p, mesh["pp"].get_local_rank())
+    global_params = {name: (tuple(t.shape), t.dtype) for name, t in model.named_parameters()}
+    prune_to_stages(model, layers, indices)
+    stages = [
+        OmniStage(model, layers[i], first=i == 0, last=i == p.num_stages - 1) for i in indices
+    ]
+    for stage in stages:
+        parallelize_model(stage, stage_mesh(mesh), p)
+    rows = data.global_rows // p.dp_shard // p.microbatches
+    dtype = torch.bfloat16 if p.mixed_precision == "bf16" else config.model.torch_dtype
+    runner = Stages(
+        stages,
+        indices,
+        p,
+        group=mesh["pp"].get_group(),
+        device=device,
+        boundary_shape=(rows, data.row_len, config.model.dim),
+        boundary_dtype=dtype,
+    )
+    return runner, global_params
 
 
 def build_checkpointer(config: TrainConfig, saves_log: str | None) -> Checkpointer:

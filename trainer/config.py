@@ -253,12 +253,34 @@ class TrainConfig:
             )
         if self.replica.enabled:
             check_rows_divisible(data.global_rows, self.parallel.dp_shard, self.replica.groups)
+        self._check_pipeline_and_sequence()
         if not self.checkpoint.url:
             self.checkpoint.url = default_ckpt_url(self.run.dir)
         try:  # a wrong scheme or bucket is known here, before any worker starts
             parse_url(self.checkpoint.url)
         except ConfigError as e:
             raise ConfigError(f"checkpoint.url: {e}") from e
+
+    def _check_pipeline_and_sequence(self) -> None:
+        p, data = self.parallel, self.data.pipeline
+        rows = data.global_rows // p.dp_shard
+        if p.pp > 1 and rows % p.microbatches:
+            fits = [m for m in range(1, rows + 1) if rows % m == 0]
+            raise ConfigError(
+                f"parallel.pp_microbatches={p.microbatches} must divide the {rows} rows each data-parallel "
+                f"rank takes per step (data.global_rows={data.global_rows} / parallel.dp_shard={p.dp_shard}): "
+                f"use one of {fits}"
+            )
+        if p.pp > 1 and p.pp_schedule == "interleaved1F1B" and p.microbatches % p.pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches={p.microbatches} must be a multiple of parallel.pp={p.pp} under "
+                "pp_schedule='interleaved1F1B' (its rounds run pp microbatches at a time)"
+            )
+        if p.sequence_parallel and data.row_len % p.tp:
+            raise ConfigError(
+                f"parallel.sequence_parallel needs parallel.tp={p.tp} to divide data.row_len={data.row_len} "
+                "(each tensor-parallel rank holds an equal slice of every row)"
+            )
 
     @property
     def decay_steps(self) -> int:

@@ -33,7 +33,7 @@ from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
 from resilient.trainer.build import StepHook, load_step_hooks
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.model import BATCH_KEYS, count_loss_tokens, flops_per_token
+from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, flops_per_token
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
@@ -78,6 +78,8 @@ class Trainer:
         self.outputs = outputs
         self.device = device
         self.dp_group = mesh["dp_shard"].get_group()
+        self.pp_group = mesh["pp"].get_group() if parts.stages is not None else None
+        """The ranks of this rank's pipeline (None without pipelining)."""
         self.sync: StepSync = LocalSync()
         """Sums and commit vote across replica groups (ReplicatedTrainer puts its torchft sync here)."""
         self.step = 0
@@ -120,7 +122,7 @@ class Trainer:
             peer=peer,
             resume=self.config.checkpoint.resume,
             say=self.outputs.message,
-            layout=f"dp_shard={p.dp_shard} x tp={p.tp}",
+            layout=p.describe(),
             load_step=self.config.checkpoint.load_step,
         )
         self.restored_from = result.source
@@ -226,19 +228,16 @@ class Trainer:
             dist.all_reduce(global_tokens, op=dist.ReduceOp.SUM, group=self.dp_group)
             self.sync.allreduce_sum(global_tokens)
         with self.phases.timed("compute_s"):  # FSDP2's reduce-scatter runs inside backward: counted here
-            out = self.parts.model(inputs, loss_normalizer=global_tokens)
-            out.loss.backward()
+            outs = self._forward_backward(inputs, global_tokens)
         with self.phases.timed("grad_sync_s"):
             # FSDP2 summed the gradients over dp_shard; summing over the groups makes the gradient of
             # the global mean loss, identical bits in every group (one reduction result, broadcast).
             self.sync.allreduce_gradients(self.parts.model.parameters())
             grad_norm = self._clip_gradients()
-        # Each rank's loss is its summed loss over the GLOBAL token count: the sum is the global mean.
-        skipped = torch.tensor(float(len(batch.get("skipped", ()))), dtype=torch.float64)
-        sums = torch.stack(
-            [out.loss.detach().double(), out.text_loss_sum.double(), out.num_text_tokens.double(), skipped]
-        )
+        sums = self._loss_sums(outs, len(batch.get("skipped", ())))
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
+        if self.pp_group is not None:  # only the last stage's ranks hold the loss
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.pp_group)
         self.sync.allreduce_sum(sums)
         lr = self.parts.optimizer.param_groups[0]["lr"]
         committed = self.sync.should_commit()
@@ -262,13 +261,46 @@ class Trainer:
             data_skipped=int(data_skipped),
         )
 
+    def _forward_backward(self, inputs: dict[str, torch.Tensor], global_tokens: torch.Tensor) -> list[OmniOutput]:
+        """Gradients of this rank's share of the step into ``.grad``; the outputs that carry the
+        loss (one, or under pipelining one per microbatch on the last stage and none elsewhere)."""
+        if self.parts.stages is not None:
+            return self.parts.stages.step(inputs, global_tokens)
+        out = self.parts.model(inputs, loss_normalizer=global_tokens)
+        out.loss.backward()
+        return [out]
+
+    @staticmethod
+    def _loss_sums(outs: list[OmniOutput], skipped: int) -> torch.Tensor:
+        """[loss, text loss sum, text tokens, skipped documents] of this rank, to be summed over the
+        data-parallel ranks (and pipeline stages: only ranks with outputs count the skipped)."""
+        if not outs:
+            return torch.zeros(4, dtype=torch.float64)
+        rows = [
+            torch.stack([o.loss.detach().double(), o.text_loss_sum.double(), o.num_text_tokens.double()])
+            for o in outs
+        ]
+        return torch.cat([torch.stack(rows).sum(0), torch.tensor([float(skipped)], dtype=torch.float64)])
+
     def _clip_gradients(self) -> float:
         # inf when clipping is off: still returns the norm for the metrics, and scales by exactly 1.
         max_norm = self.config.optim.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.parts.model.parameters(), max_norm)
+        params = list(self.parts.model.parameters())
+        if self.pp_group is None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            return float(norm)
+        # Each stage holds some of the parameters: the total norm sums the stages' squared norms
+        # (as torchtitan's pipeline-aware clip does), then every stage scales by the same factor.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        return float(norm)
+        squared = norm.double().pow(2)
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
+        total = squared.sqrt().to(norm.dtype)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
 
     def _stats(self, result: StepResult, step_time: float, data_wait: float, ckpt_stall: float) -> StepStats:
         return StepStats(
@@ -320,7 +352,11 @@ class Trainer:
             # The last checkpoint must not be skipped as busy (if_busy="skip"): drain first.
             self.checkpointer.wait()
         state = capture_state(self.parts, self.step, self.tokens_seen)
-        metadata = {"config": self.config.to_dict(), "world_size": self.mesh.size()}
+        metadata = {
+            "config": self.config.to_dict(),
+            "world_size": self.mesh.size(),
+            "mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=True)),
+        }
         handle = self.checkpointer.save(self.step, state, metadata=metadata)
         if handle.done() and handle.stats is not None and handle.stats.outcome == "skipped":
             log.warning(

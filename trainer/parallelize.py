@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 from resilient.errors import ConfigError
 from resilient.trainer.parallel_config import (  # noqa: F401  (re-exported: the public names of parallelize)
     ACTIVATION_CHECKPOINTING,
+    FULL_MESH_DIM_NAMES,
     MESH_DIM_NAMES,
     MIXED_PRECISION,
     ParallelConfig,
@@ -59,24 +60,37 @@ _BLOCK_PLAN: dict[str, ParallelStyle] = {
 }
 
 
-def build_mesh(dp_shard: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
-    """A 2-D DeviceMesh named ("dp_shard", "tp") over the default process group; tp is the inner dim.
+def build_mesh(dp_shard: int, tp: int, device_type: str = "cpu", *, pp: int = 1) -> DeviceMesh:
+    """The group's DeviceMesh over the default process group: ("dp_shard", "tp"), or with pp > 1
+    ("pp", "dp_shard", "tp"); tp is the inner dim, pp the outer.
 
     tp innermost: consecutive ranks (one node's GPUs under torchrun) share the tp groups, whose
-    per-block all-reduces are the most latency-bound traffic.
+    per-block all-reduces are the most latency-bound traffic; pp outermost, as in torchtitan: its
+    point-to-point activations are the least latency-bound and may cross nodes.
     """
     if not dist.is_initialized():
         raise ConfigError("build_mesh needs an initialized default process group (dist.init_process_group)")
     world = dist.get_world_size()
-    if dp_shard * tp != world:
-        raise ConfigError(f"dp_shard={dp_shard} × tp={tp} = {dp_shard * tp} must equal the world size {world}")
-    return init_device_mesh(device_type, (dp_shard, tp), mesh_dim_names=MESH_DIM_NAMES)
+    if pp * dp_shard * tp != world:
+        raise ConfigError(
+            f"pp={pp} × dp_shard={dp_shard} × tp={tp} = {pp * dp_shard * tp} must equal the world size {world}"
+        )
+    if pp == 1:
+        return init_device_mesh(device_type, (dp_shard, tp), mesh_dim_names=MESH_DIM_NAMES)
+    return init_device_mesh(device_type, (pp, dp_shard, tp), mesh_dim_names=FULL_MESH_DIM_NAMES)
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ("dp_shard", "tp") mesh a stage's parameters live on (the mesh itself without pp)."""
+    return mesh if mesh.ndim == 2 else mesh[MESH_DIM_NAMES]
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> nn.Module:
     """Apply TP, activation checkpointing and FSDP2 to ``model`` in place; returns it.
 
-    Call on the fully initialized, unsharded model, built identically (same seed) on every rank:
+    ``model``: an ``OmniModel`` or one pipeline stage of it (``resilient.trainer.pipeline.OmniStage``,
+    which holds the embeddings or heads only on the first or last stage). Call on the fully
+    initialized, unsharded model, built identically (same seed) on every rank:
     shards are cut locally, nothing is broadcast. Afterwards call the model only through
     ``forward`` (FSDP2 gathers parameters in hooks around it), build the optimizer over
     ``model.parameters()``, and normalize the loss globally (see the module docstring).
@@ -110,7 +124,10 @@ def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         # Vocabulary-sharded logits, gathered so the loss runs unchanged on every tp rank.
         "text_head": ColwiseParallel(output_layouts=Replicate()),
     }
-    parallelize_module(model, tp_mesh, root_plan, src_data_rank=None)
+    # A pipeline stage holds the embedding (first stage) or the head (last stage), or neither.
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan, src_data_rank=None)
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if own and not all(isinstance(p, DTensor) for p in own):
@@ -149,11 +166,14 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, config: ParallelConfig) -
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
+    # Under pipelining a block runs once per microbatch: keep its parameters gathered from its
+    # first forward to its backward (torchtitan's default) instead of all-gathering them again.
+    reshard = config.pp == 1
     # One FSDP unit per block (its all-gather overlaps the previous block's compute), and the root
     # unit for embeddings, projections, final norm and heads.
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum, not mean, over dp_shard (see the module docstring). Forcing plain SUM also avoids

@@ -18,8 +18,8 @@ points at the first batch the next step trains on, so a resume neither repeats n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,8 +27,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim.lr_scheduler import LambdaLR
 
 from resilient.rng import capture_rng_state, restore_rng_state
+from resilient.state import held_elsewhere, placeholder
 from resilient.trainer.data import OmniPipeline
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
+
+if TYPE_CHECKING:
+    from resilient.trainer.pipeline import Stages
 
 
 @dataclass(slots=True)
@@ -36,9 +40,17 @@ class TrainingParts:
     """The stateful pieces of a run, as the checkpoint sees them."""
 
     model: nn.Module
+    """The rank model: the whole model, or under pipelining the part this rank's stages run (its
+    parameters under their global names; the optimizer and the checkpoint go through it)."""
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     pipeline: OmniPipeline
+    """The data pipeline."""
+    stages: Stages | None = None
+    """Under pipelining, this rank's stages and their schedule (what a step calls instead of the model)."""
+    global_params: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    """Under pipelining, every parameter of the whole model (in its order): global shape and dtype
+    by name; empty without pipelining (``model`` then holds them all)."""
 
 
 def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str, Any]:
@@ -47,8 +59,14 @@ def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str
     ``get_state_dict`` materializes the optimizer's moments on a fresh optimizer (a zero-lr step
     on zero gradients), which is what a load needs as a target; a fresh run never calls this before
     its first real step, so its Adam step counter is not shifted by that initialization.
+
+    Under pipelining every rank names every parameter: those of other stages as placeholders
+    (``resilient.state.held_elsewhere``), so the checkpoint's keys, global shapes and optimizer
+    param group are the same whatever the stage split, and any split loads them.
     """
     model_state, optim_state = get_state_dict(parts.model, parts.optimizer)
+    if parts.global_params:
+        _name_other_stages(model_state, optim_state, parts.global_params)
     return {
         "model": model_state,
         "optim": optim_state,
@@ -59,13 +77,41 @@ def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str
     }
 
 
+def _name_other_stages(
+    model_state: dict[str, Any], optim_state: dict[str, Any], global_params: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> None:
+    # Every parameter has the same optimizer state keys (AdamW: step, exp_avg, exp_avg_sq): a local
+    # entry is the template for the others' (a rank always holds at least one block).
+    template = next(iter(optim_state["state"].values()))
+    for name, (shape, dtype) in global_params.items():
+        if name in model_state:
+            continue
+        model_state[name] = placeholder(shape, dtype)
+        optim_state["state"][name] = {
+            key: placeholder(() if value.dim() == 0 else shape, value.dtype) for key, value in template.items()
+        }
+    # One param group holding every parameter, in the whole model's order: the value a run
+    # without pipelining saves, the same on every rank.
+    for group in optim_state["param_groups"]:
+        group["params"] = list(global_params)
+
+
 def apply_state(parts: TrainingParts, state: dict[str, Any]) -> tuple[int, int]:
     """Put a loaded state (filled in place by ``Checkpointer.load``) into the live objects.
 
     Returns (step, tokens_seen). The data state's fingerprint is checked by the pipeline: a
     checkpoint of another data stream raises RestoreError instead of resuming on wrong data.
+    Placeholders of other pipeline stages are dropped, and the param group keeps only this rank's
+    parameters.
     """
-    set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    local = {name for name, _ in parts.model.named_parameters()}
+    model_state = {k: v for k, v in state["model"].items() if not held_elsewhere(v)}
+    optim = state["optim"]
+    optim_state = {
+        "state": {k: v for k, v in optim["state"].items() if k in local},
+        "param_groups": [{**g, "params": [n for n in g["params"] if n in local]} for g in optim["param_groups"]],
+    }
+    set_state_dict(parts.model, parts.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     load_scheduler_state(parts.scheduler, state["scheduler"])
     parts.pipeline.load_state_dict(state["data"])
     restore_rng_state(state["rng"])

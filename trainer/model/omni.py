@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -108,22 +109,18 @@ class OmniModel(nn.Module):
         all data-parallel ranks instead, so that summing gradients across ranks gives the gradient of
         the global mean loss whatever each rank's share of tokens. Values below 1 are taken as 1.
         """
-        hidden = self.features(batch)
-        return self._loss(hidden, batch, loss_normalizer)
+        hidden = self.run_blocks(self.embed(batch), batch, self.layers.values())
+        return self.head_loss(hidden, batch, loss_normalizer)
 
     def features(self, batch: dict[str, object]) -> torch.Tensor:
         """Final-norm hidden states [B, L, dim]. Call through ``forward`` once the model is sharded."""
-        positions = batch["positions"]
-        hidden = self._embed(batch)
-        # Gather the tables at temporal positions; unsqueeze for the heads dimension.
-        cos = self.rope_cos[positions].unsqueeze(2)
-        sin = self.rope_sin[positions].unsqueeze(2)
-        mask = document_causal_mask(batch["doc_ids"])
-        for block in self.layers.values():
-            hidden = block(hidden, cos, sin, mask)
-        return self.norm(hidden)
+        return self.norm(self.run_blocks(self.embed(batch), batch, self.layers.values()))
 
-    def _embed(self, batch: dict[str, object]) -> torch.Tensor:
+    # The three parts of ``forward``, each touching only its own modules, so that a copy of the model
+    # that holds some of them (a pipeline stage, built outside this package) can run its part.
+
+    def embed(self, batch: dict[str, object]) -> torch.Tensor:
+        """The residual stream's input [B, L, dim]: token, audio and video embeddings plus modality."""
         modality = batch["modality"]
         # Inputs of other modalities are 0 by contract; masking anyway keeps a stray value (or the
         # token-0 embedding looked up at every non-text position) out of the residual stream.
@@ -132,6 +129,25 @@ class OmniModel(nn.Module):
         audio = self.audio_proj(batch["audio_frames"].to(dtype)) * (modality == Modality.AUDIO).unsqueeze(-1)
         video = self.video_proj(batch["video_patches"].to(dtype)) * (modality == Modality.VIDEO).unsqueeze(-1)
         return (text + audio + video).to(dtype) + self.modality_embeddings(modality)
+
+    def run_blocks(
+        self, hidden: torch.Tensor, batch: dict[str, object], blocks: Iterable[nn.Module]
+    ) -> torch.Tensor:
+        """``hidden`` through ``blocks`` (in order) under the batch's positions and document mask."""
+        positions = batch["positions"]
+        # Gather the tables at temporal positions; unsqueeze for the heads dimension.
+        cos = self.rope_cos[positions].unsqueeze(2)
+        sin = self.rope_sin[positions].unsqueeze(2)
+        mask = document_causal_mask(batch["doc_ids"])
+        for block in blocks:
+            hidden = block(hidden, cos, sin, mask)
+        return hidden
+
+    def head_loss(
+        self, hidden: torch.Tensor, batch: dict[str, object], loss_normalizer: float | torch.Tensor | None
+    ) -> OmniOutput:
+        """Final norm, heads and loss of the last block's output (see ``forward``)."""
+        return self._loss(self.norm(hidden), batch, loss_normalizer)
 
     def _loss(
         self, hidden: torch.Tensor, batch: dict[str, object], loss_normalizer: float | torch.Tensor | None
