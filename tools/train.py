@@ -63,9 +63,9 @@ from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, help="ranks of the group (default: parallel.dp_shard x tp of the recipe)")
+    parser.add_argument("--nproc", type=int, help="ranks of the group (default: parallel.pp x dp_shard x tp of the recipe)")
     parser.add_argument("--replica-groups", type=int, help="replica groups under a torchft quorum")
-    parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= dp_shard x tp)")
+    parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= pp x dp_shard x tp)")
     parser.add_argument("--lighthouse", default="", help="URL of a running torchft lighthouse (default: start one)")
     parser.add_argument(
         "--max-restarts",
@@ -109,7 +109,7 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         "(with --replica-groups: where node 0 starts the job's lighthouse)",
     )
     nodes.add_argument("--rdzv-id", help="the job's rendezvous id: the same on every node, new for each launch")
-    nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (default: dp_shard x tp / nodes)")
+    nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (default: pp x dp_shard x tp / nodes)")
     emit = parser.add_argument_group("cluster files (print, do not run)")
     emit.add_argument(
         "--emit",
@@ -166,8 +166,8 @@ def emit_files(args: argparse.Namespace) -> int:
 def _check_group_ranks(world_size: int, nproc_per_group: int) -> None:
     if nproc_per_group != world_size:
         raise ConfigError(
-            f"--nproc-per-group {nproc_per_group} but parallel.dp_shard x tp = {world_size} ranks per group: "
-            f"set parallel.dp_shard / parallel.tp so that their product is {nproc_per_group}"
+            f"--nproc-per-group {nproc_per_group} but parallel.pp x dp_shard x tp = {world_size} ranks per group: "
+            f"set parallel.pp / parallel.dp_shard / parallel.tp so that their product is {nproc_per_group}"
         )
 
 

@@ -111,15 +111,15 @@ def trainer_args(args: argparse.Namespace) -> list[str]:
 
 
 def check_nproc(config: TrainConfig, nproc: int | None) -> int:
-    """``--nproc`` as given, or the recipe's dp_shard x tp; ConfigError when the two disagree."""
+    """``--nproc`` as given, or the recipe's pp x dp_shard x tp; ConfigError when the two disagree."""
     p = config.parallel
     if nproc is None:
-        return p.dp_shard * p.tp
-    if nproc != p.dp_shard * p.tp:
+        return p.world_size
+    if nproc != p.world_size:
         raise ConfigError(
-            f"--nproc {nproc} but parallel.dp_shard={p.dp_shard} x parallel.tp={p.tp} = {p.dp_shard * p.tp} "
-            f"ranks: drop --nproc (it defaults to {p.dp_shard * p.tp}), or set parallel.dp_shard / parallel.tp "
-            f"so that their product is {nproc}"
+            f"--nproc {nproc} but parallel.pp={p.pp} x parallel.dp_shard={p.dp_shard} x parallel.tp={p.tp} = "
+            f"{p.world_size} ranks: drop --nproc (it defaults to {p.world_size}), or set parallel.pp / "
+            f"parallel.dp_shard / parallel.tp so that their product is {nproc}"
         )
     return nproc
 

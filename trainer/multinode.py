@@ -166,7 +166,7 @@ def rendezvous_of(args: argparse.Namespace) -> Rendezvous | None:
 
 
 def split_ranks(world_size: int, max_nodes: int, nproc_per_node: int | None, nproc: int | None) -> int:
-    """Ranks per node for a recipe of ``world_size`` (= parallel.dp_shard x tp) ranks on
+    """Ranks per node for a recipe of ``world_size`` (= parallel.pp x dp_shard x tp) ranks on
     ``max_nodes`` nodes: ``--nproc-per-node`` as given, or the recipe's ranks split evenly.
     ConfigError when the recipe, ``--nproc`` and ``--nproc-per-node`` disagree.
 
@@ -175,12 +175,12 @@ def split_ranks(world_size: int, max_nodes: int, nproc_per_node: int | None, npr
     fix = "set parallel.dp_shard / parallel.tp so that their product is"
     if nproc is not None and nproc != world_size:
         raise ConfigError(
-            f"--nproc {nproc} but parallel.dp_shard x tp = {world_size} ranks: drop --nproc, or {fix} {nproc}"
+            f"--nproc {nproc} but parallel.pp x dp_shard x tp = {world_size} ranks: drop --nproc, or {fix} {nproc}"
         )
     if nproc_per_node is None:
         if world_size % max_nodes:
             raise ConfigError(
-                f"parallel.dp_shard x parallel.tp = {world_size} ranks do not split evenly over {max_nodes} nodes: "
+                f"parallel.pp x dp_shard x tp = {world_size} ranks do not split evenly over {max_nodes} nodes: "
                 f"{fix} a multiple of {max_nodes}, or change --nnodes"
             )
         return world_size // max_nodes
@@ -189,6 +189,6 @@ def split_ranks(world_size: int, max_nodes: int, nproc_per_node: int | None, npr
     if nproc_per_node * max_nodes != world_size:
         raise ConfigError(
             f"--nnodes {max_nodes} x --nproc-per-node {nproc_per_node} = {nproc_per_node * max_nodes} ranks but "
-            f"parallel.dp_shard x tp = {world_size}: {fix} {nproc_per_node * max_nodes}, or drop --nproc-per-node"
+            f"parallel.pp x dp_shard x tp = {world_size}: {fix} {nproc_per_node * max_nodes}, or drop --nproc-per-node"
         )
     return nproc_per_node

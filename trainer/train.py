@@ -152,11 +152,21 @@ def build_ram_tier(config: TrainConfig, group_directory: str) -> RamTier:
         group=group_id(),
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        fingerprint={"dp_shard": config.parallel.dp_shard, "tp": config.parallel.tp},
+        fingerprint=ram_fingerprint(config),
         stats_path=os.path.join(group_directory, RAM_FILE),
     )
     ram.start()
     return ram
+
+
+def ram_fingerprint(config: TrainConfig) -> dict[str, int]:
+    """The layout a RAM snapshot was taken on: restored only onto the same one (a snapshot holds
+    each rank's own shards). ``pp`` only when pipelining, so older snapshots keep matching."""
+    p = config.parallel
+    layout = {"dp_shard": p.dp_shard, "tp": p.tp}
+    if p.pp > 1:
+        layout.update(pp=p.pp, pp_stages=p.num_stages)
+    return layout
 
 
 def main(argv: list[str] | None = None) -> int:

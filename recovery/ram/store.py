@@ -60,7 +60,7 @@ from resilient.errors import ConfigError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.node_id import sanitize
 from resilient.recovery.ram.timeline import incarnation_of
-from resilient.state import Leaf
+from resilient.state import Leaf, held_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,11 @@ def _json_crc(body: dict[str, Any]) -> int:
 
 
 def local_tensors(leaves: dict[str, Leaf]) -> dict[str, torch.Tensor]:
-    """This rank's own bytes of every tensor leaf (a DTensor's local shard): what a snapshot holds."""
+    """This rank's own bytes of every tensor leaf (a DTensor's local shard): what a snapshot holds.
+    A placeholder (another pipeline stage's parameter) holds no bytes here and is left out."""
     out = {}
     for fqn, leaf in leaves.items():
-        if leaf.is_tensor:
+        if leaf.is_tensor and not held_elsewhere(leaf.value):
             value = leaf.value
             out[fqn] = value.to_local() if isinstance(value, DTensor) else value
     return out
