@@ -108,7 +108,8 @@ def build_stages(
         p,
         group=mesh["pp"].get_group(),
         device=device,
-        boundary_shape=(rows, data.row_len, config.model.dim),
+        # Under sequence parallelism each tp rank hands on its slice of the sequence.
+        boundary_shape=(rows, data.row_len // (p.tp if p.sequence_parallel else 1), config.model.dim),
         boundary_dtype=dtype,
     )
     return runner, global_params

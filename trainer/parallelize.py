@@ -28,11 +28,14 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -57,6 +60,27 @@ _BLOCK_PLAN: dict[str, ParallelStyle] = {
     "feed_forward.w1": ColwiseParallel(),
     "feed_forward.w3": ColwiseParallel(),
     "feed_forward.w2": RowwiseParallel(),
+}
+
+# The same plan with sequence parallelism (Korthikanti et al. 2022, as in torchtitan): between the
+# tensor-parallel regions the residual stream and the norms hold 1/tp of the sequence. Entering
+# attention or the MLP all-gathers the sequence (instead of nothing); leaving, the row-parallel output
+# is reduce-scattered along it (instead of all-reduced): the same bytes on the wire, and the norms'
+# activations and the residual stream take 1/tp of the memory.
+_SEQUENCE_PARALLEL_BLOCK_PLAN: dict[str, ParallelStyle] = {
+    "attention_norm": SequenceParallel(),
+    "attention": PrepareModuleInput(
+        input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+    ),
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "ffn_norm": SequenceParallel(),
+    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
 }
 
 
@@ -103,7 +127,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig
         )
     check_model_compatible(config, model.config)
     if config.tp > 1:
-        _apply_tensor_parallel(model, mesh["tp"])
+        _apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
     if config.activation_checkpointing == "full":
         for block in model.layers.values():
             # The composable API keeps parameter FQNs unchanged (checkpoint_wrapper would insert
@@ -113,11 +137,14 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig
     return model
 
 
-def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     # src_data_rank=None: each rank cuts its shard from its own full copy (identical by the seeded
     # init), as fully_shard does, instead of broadcasting every weight from tp rank 0.
+    plan = _SEQUENCE_PARALLEL_BLOCK_PLAN if sequence_parallel else _BLOCK_PLAN
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _BLOCK_PLAN, src_data_rank=None)
+        parallelize_module(block, tp_mesh, plan, src_data_rank=None)
+    if sequence_parallel:
+        _shard_sequence_between_blocks(model, tp_mesh)
     root_plan: dict[str, ParallelStyle] = {
         # Vocabulary-sharded lookup, summed across tp (a row lives on one rank; the others add 0).
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -134,6 +161,25 @@ def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             if any(isinstance(p, DTensor) for p in own):
                 raise ConfigError(f"module {name!r} mixes tensor-parallel and plain parameters")
             parallelize_module(module, tp_mesh, _ReplicateOnTP(), src_data_rank=None)
+
+
+def _shard_sequence_between_blocks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Cut the (replicated) embeddings' output along the sequence before the first block, and gather
+    the final norm's output back whole for the heads (they select positions by boolean masks over
+    the whole row). A pipeline stage without the first block or the final norm receives or hands
+    on the sequence-sharded stream as it is."""
+    first = model.layers["0"] if "0" in model.layers else None
+    if first is not None:
+        scatter = PrepareModuleInput(
+            input_layouts=(Replicate(), None, None, None),
+            desired_input_layouts=(Shard(1), None, None, None),
+            use_local_output=True,  # the residual stream stays a plain tensor, as it is between blocks
+        )
+        parallelize_module(first, tp_mesh, scatter)
+    if getattr(model, "norm", None) is not None:
+        parallelize_module(model.norm, tp_mesh, SequenceParallel(), src_data_rank=None)
+        gather = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))
+        parallelize_module(model.norm, tp_mesh, gather)
 
 
 class _ReplicateOnTP(ParallelStyle):
