@@ -105,8 +105,11 @@ def render_inspect(summary: dict) -> None:
         f"  {shown}{summary['tensor_count']} tensors, {human(summary['total_bytes'])}; versions "
         + ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
     )
+    if summary.get("save_mesh"):
+        print(f"  save-time mesh {_mesh(summary['save_mesh'])}")
     for mesh in summary["meshes"]:
-        print(f"  mesh {dict(zip(mesh['dim_names'], mesh['shape'], strict=False)) or mesh['shape']}")
+        label = "tensor mesh" if summary.get("save_mesh") else "mesh"
+        print(f"  {label} {dict(zip(mesh['dim_names'], mesh['shape'], strict=False)) or mesh['shape']}")
     print(f"\n  {'tensor':<48} {'shape':<16} {'dtype':<9} {'size':>10}  {'shard':<14} {'inner':<14} placements")
     for t in summary["tensors"]:
         print(

@@ -63,7 +63,9 @@ from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, help="ranks of the group (default: parallel.pp x dp_shard x tp of the recipe)")
+    parser.add_argument(
+        "--nproc", type=int, help="ranks of the group (default: parallel.pp x dp_shard x tp of the recipe)"
+    )
     parser.add_argument("--replica-groups", type=int, help="replica groups under a torchft quorum")
     parser.add_argument("--nproc-per-group", type=int, help="ranks per replica group (= pp x dp_shard x tp)")
     parser.add_argument("--lighthouse", default="", help="URL of a running torchft lighthouse (default: start one)")

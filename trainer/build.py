@@ -79,7 +79,12 @@ def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, 
     # Data-parallel rank = dp_shard coordinate: tensor-parallel and pipeline peers share their batch.
     pipeline = OmniPipeline(config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=p.dp_shard)
     parts = TrainingParts(
-        model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline, stages=stages, global_params=global_params
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        pipeline=pipeline,
+        stages=stages,
+        global_params=global_params,
     )
     return mesh, parts
 
@@ -95,9 +100,7 @@ def build_stages(
     indices = rank_stages(p, mesh["pp"].get_local_rank())
     global_params = {name: (tuple(t.shape), t.dtype) for name, t in model.named_parameters()}
     prune_to_stages(model, layers, indices)
-    stages = [
-        OmniStage(model, layers[i], first=i == 0, last=i == p.num_stages - 1) for i in indices
-    ]
+    stages = [OmniStage(model, layers[i], first=i == 0, last=i == p.num_stages - 1) for i in indices]
     for stage in stages:
         parallelize_model(stage, stage_mesh(mesh), p)
     rows = data.global_rows // p.dp_shard // p.microbatches

@@ -263,6 +263,12 @@ class TrainConfig:
 
     def _check_pipeline_and_sequence(self) -> None:
         p, data = self.parallel, self.data.pipeline
+        if p.num_stages > self.model.n_layers:
+            raise ConfigError(
+                f"parallel.pp={p.pp} with pp_schedule={p.pp_schedule!r} makes {p.num_stages} pipeline stages "
+                f"but model.n_layers={self.model.n_layers}: every stage needs a transformer block; lower "
+                "parallel.pp, use pp_schedule='1F1B', or raise model.n_layers"
+            )
         rows = data.global_rows // p.dp_shard
         if p.pp > 1 and rows % p.microbatches:
             fits = [m for m in range(1, rows + 1) if rows % m == 0]

@@ -277,8 +277,7 @@ class Trainer:
         if not outs:
             return torch.zeros(4, dtype=torch.float64)
         rows = [
-            torch.stack([o.loss.detach().double(), o.text_loss_sum.double(), o.num_text_tokens.double()])
-            for o in outs
+            torch.stack([o.loss.detach().double(), o.text_loss_sum.double(), o.num_text_tokens.double()]) for o in outs
         ]
         return torch.cat([torch.stack(rows).sum(0), torch.tensor([float(skipped)], dtype=torch.float64)])
 

@@ -59,10 +59,12 @@ class ParallelConfig:
                 f"must be one of {list(ACTIVATION_CHECKPOINTING)}"
             )
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ConfigError(
-                f"ParallelConfig.pp_schedule={self.pp_schedule!r} must be one of {list(PP_SCHEDULES)}"
-            )
-        if not isinstance(self.pp_microbatches, int) or isinstance(self.pp_microbatches, bool) or self.pp_microbatches < 0:
+            raise ConfigError(f"ParallelConfig.pp_schedule={self.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
+        if (
+            not isinstance(self.pp_microbatches, int)
+            or isinstance(self.pp_microbatches, bool)
+            or self.pp_microbatches < 0
+        ):
             raise ConfigError(
                 f"ParallelConfig.pp_microbatches={self.pp_microbatches!r} must be an integer >= 0 (0: 2 x pp)"
             )
@@ -100,39 +102,36 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """The layout as the run's messages name it, e.g. 'pp=2 x dp_shard=2 x tp=1'."""
-        return f"pp={self.pp} x dp_shard={self.dp_shard} x tp={self.tp}" if self.pp > 1 else (
-            f"dp_shard={self.dp_shard} x tp={self.tp}"
+        return (
+            f"pp={self.pp} x dp_shard={self.dp_shard} x tp={self.tp}"
+            if self.pp > 1
+            else (f"dp_shard={self.dp_shard} x tp={self.tp}")
         )
 
 
 def check_context_parallel(cp: int) -> None:
-    """Context parallelism stays off: torch 2.13's ring attention does not run this model.
+    """Context parallelism stays off: torch 2.13's ring attention cannot run this model.
 
-    Measured (see docs/parallelism.md): ``context_parallel`` dispatches only the CUDA flash and
-    memory-efficient SDPA kernels, and neither takes the model's boolean document-causal mask.
+    Measured on torch 2.13 (docs/parallelism.md): ``context_parallel`` dispatches only the CUDA
+    flash / memory-efficient / cuDNN SDPA ops (the CPU kernel fails with "does not have a sharding
+    strategy registered"), its ring loop supports ``is_causal`` only, and every ring handler rejects
+    an attention mask ("attn_bias is not supported yet"), while this model's attention is
+    document-causal under a boolean mask (packed rows).
     """
     if cp != 1:
         raise ConfigError(
             f"ParallelConfig.cp={cp}: context parallelism is not supported: torch 2.13's ring attention "
-            "(torch.distributed.tensor.experimental.context_parallel) handles neither this model's "
-            "document-causal attention mask nor the CPU/gloo backend; set parallel.cp=1 and split long "
-            "rows with parallel.sequence_parallel (tp > 1) or a shorter data.row_len"
+            "(context_parallel) runs only CUDA flash/efficient/cuDNN attention with is_causal=True and "
+            "takes no attention mask, and this model masks attention per document; set parallel.cp=1 and "
+            "shard long rows' activations with parallel.sequence_parallel=true (tp > 1)"
         )
 
 
 def check_model_compatible(config: ParallelConfig, model_config: object) -> None:
-    """Raise ConfigError unless tp divides every dimension it splits (heads, MLP width, vocabulary)
-    and the pipeline has a layer for every stage.
+    """Raise ConfigError unless tp divides every dimension it splits (heads, MLP width, vocabulary).
 
-    ``model_config`` needs ``n_heads``, ``n_kv_heads``, ``ffn_hidden_dim``, ``vocab_size``, ``n_layers``.
+    ``model_config`` needs ``n_heads``, ``n_kv_heads``, ``ffn_hidden_dim`` and ``vocab_size``.
     """
-    layers = getattr(model_config, "n_layers")
-    if config.num_stages > layers:
-        raise ConfigError(
-            f"ParallelConfig.pp={config.pp} with pp_schedule={config.pp_schedule!r} makes "
-            f"{config.num_stages} stages but ModelConfig.n_layers={layers}: every stage needs a "
-            f"transformer block; lower parallel.pp, use pp_schedule='1F1B', or raise model.n_layers"
-        )
     for field in ("n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size"):
         size = getattr(model_config, field)
         if size % config.tp:

@@ -168,14 +168,13 @@ def _shard_sequence_between_blocks(model: nn.Module, tp_mesh: DeviceMesh) -> Non
     the final norm's output back whole for the heads (they select positions by boolean masks over
     the whole row). A pipeline stage without the first block or the final norm receives or hands
     on the sequence-sharded stream as it is."""
-    first = model.layers["0"] if "0" in model.layers else None
-    if first is not None:
+    if "0" in model.layers:
         scatter = PrepareModuleInput(
             input_layouts=(Replicate(), None, None, None),
             desired_input_layouts=(Shard(1), None, None, None),
             use_local_output=True,  # the residual stream stays a plain tensor, as it is between blocks
         )
-        parallelize_module(first, tp_mesh, scatter)
+        parallelize_module(model.layers["0"], tp_mesh, scatter)
     if getattr(model, "norm", None) is not None:
         parallelize_module(model.norm, tp_mesh, SequenceParallel(), src_data_rank=None)
         gather = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))

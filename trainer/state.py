@@ -78,7 +78,9 @@ def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str
 
 
 def _name_other_stages(
-    model_state: dict[str, Any], optim_state: dict[str, Any], global_params: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
+    global_params: dict[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> None:
     # Every parameter has the same optimizer state keys (AdamW: step, exp_avg, exp_avg_sq): a local
     # entry is the template for the others' (a rank always holds at least one block).

@@ -282,6 +282,9 @@ def summarize(ref: CheckpointRef, patterns: list[str] | None = None) -> dict:
         "tensor_count": len(m.arrays),
         "versions": m.versions,
         "meshes": [{"dim_names": list(n), "shape": list(s)} for n, s in meshes],
+        # The trainer's whole mesh (with its pp dim), which tensors' own meshes do not show: a
+        # pipeline stage's parameters live on that stage's dp_shard x tp mesh.
+        "save_mesh": m.metadata.get("mesh") if isinstance(m.metadata, dict) else None,
         "tensors": tensors,
         "values": values,
         "metadata": m.metadata,

@@ -110,6 +110,15 @@ def test_to_dict_round_trips() -> None:
         ("parallel.tp=0", r"\[parallel\] ParallelConfig.tp=0"),
         ("parallel.tp=3", r"parallel.tp does not fit the model: ParallelConfig.tp=3 must divide"),
         ("parallel.dp_shard=3", r"parallel.dp_shard=3 must divide data.global_rows=8 .*\[1, 2, 4, 8\]"),
+        ("parallel.pp=0", r"\[parallel\] ParallelConfig.pp=0 must be an integer >= 1"),
+        ("parallel.pp=3", r"parallel.pp=3 with pp_schedule='1F1B' makes 3 pipeline stages but model.n_layers=2"),
+        (
+            "parallel.pp_schedule='gpipe'",
+            r"ParallelConfig.pp_schedule='gpipe' must be one of \['1F1B', 'interleaved1F1B'\]",
+        ),
+        ("parallel.pp_microbatches=-1", r"ParallelConfig.pp_microbatches=-1 must be an integer >= 0"),
+        ("parallel.sequence_parallel=1", r"parallel.sequence_parallel=1 must be true or false"),
+        ("parallel.cp=2", r"ParallelConfig.cp=2: context parallelism is not supported: .* set parallel.cp=1"),
         ("model.audio_dim=80", r"model.audio_dim=80 must equal the data's audio_dim=16"),
         ("model.max_positions=8", r"model.max_positions=8 must be >= 69"),
         ("optim.betas=[0.9]", r"optim.betas=\[0.9\] must be a list of two numbers"),
@@ -124,6 +133,46 @@ def test_to_dict_round_trips() -> None:
 def test_bad_keys_and_values_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.pp=2", "parallel.pp_schedule='interleaved1F1B'"], r"makes 4 pipeline stages but model.n_layers=2"),
+        (["parallel.pp=2", "parallel.pp_microbatches=3"], r"pp_microbatches=3 must divide the 4 rows .*\[1, 2, 4\]"),
+        (
+            [
+                "parallel.pp=2",
+                "model.n_layers=4",
+                "parallel.pp_schedule='interleaved1F1B'",
+                "parallel.pp_microbatches=1",
+            ],
+            r"pp_microbatches=1 must be a multiple of parallel.pp=2",
+        ),
+        (["parallel.tp=1", "parallel.sequence_parallel=true"], r"sequence_parallel=true needs tp > 1"),
+        (
+            [
+                "parallel.tp=4",
+                "model.n_heads=4",
+                "model.n_kv_heads=4",
+                "data.row_len=130",
+                "parallel.sequence_parallel=true",
+            ],
+            r"needs parallel.tp=4 to divide data.row_len=130",
+        ),
+    ],
+)
+def test_bad_pipeline_and_sequence_settings_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_pipeline_settings_resolve() -> None:
+    config = load_config(TINY, ["parallel.pp=2", "model.n_layers=4", "parallel.pp_schedule='interleaved1F1B'"])
+    p = config.parallel
+    assert (p.world_size, p.num_stages, p.stages_per_rank, p.microbatches) == (8, 4, 2, 4)
+    assert p.describe() == "pp=2 x dp_shard=2 x tp=2"
+    assert load_config(TINY).parallel.describe() == "dp_shard=2 x tp=2"
 
 
 def test_bad_recipe_files(tmp_path: Path) -> None:
@@ -151,6 +200,6 @@ def test_world_size_mismatch_fails_before_any_collective(monkeypatch, capsys) ->
     monkeypatch.setenv("RANK", "0")
     assert main(["--config", TINY, "--set", "run.dir=/nonexistent"]) == CONFIG_ERROR_EXIT
     err = capsys.readouterr().err
-    assert "parallel.dp_shard=2 x parallel.tp=2 = 4 ranks, but 2 were started" in err
+    assert "parallel.pp=1 x parallel.dp_shard=2 x parallel.tp=2 = 4 ranks, but 2 were started" in err
     assert main(["--config", TINY, "--set", "run.stepz=1"]) == CONFIG_ERROR_EXIT
     assert "unknown key run.stepz" in capsys.readouterr().err

@@ -19,9 +19,7 @@ sample must be consumed exactly once per epoch across the resume. (Stopping clea
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,103 +28,55 @@ import pytest
 import torch
 
 from resilient import Checkpointer
-from resilient.runfiles import read_jsonl_by_step
 from resilient.trainer.config import load_config
-from tests.procs import communicate_or_fail
+from tests.trainer.e2e_runs import (
+    STEPS,
+    STOP_AT,
+    TINY,
+    crashed_copy,
+    load_tensors,
+    logged_steps,
+    run_job,
+    set_args,
+    step_metrics,
+    step_samples,
+    torchrun,
+)
 
 pytestmark = [pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.toml")
-STEPS, STOP_AT = 8, 4
-RUN_TIMEOUT_S = 150
 HOOK = "tests.trainer.train_hooks:record_steps"
-
-
-def _run(command: list[str], timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """Run a launcher; on timeout kill it and every process under it (torchrun's workers live in
-    sessions of their own, so killing torchrun alone would orphan them)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_GROUP": "0"}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = communicate_or_fail(proc, timeout_s, str(command))
-    report = f"{command} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    assert (proc.returncode == 0) == expect_ok, report
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def _overrides(run_dir: Path, *extra: str) -> list[str]:
-    items = [f'run.dir="{run_dir}"', "data.log_samples=true", f"run.steps={STEPS}", *extra]
-    return [arg for item in items for arg in ("--set", item)]
-
-
-def _torchrun(nproc: int, run_dir: Path, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command += ["-m", "resilient.trainer", "--config", TINY, *_overrides(run_dir, *extra)]
-    return _run(command, expect_ok=expect_ok)
-
-
-def _crashed_copy(source: Path, target: Path, last_checkpoint: int) -> Path:
-    """``source``'s logs and its checkpoints up to ``last_checkpoint``: the directory a crash leaves
-    when the steps after that checkpoint ran and were logged but no later checkpoint committed."""
-    newer = {f"step-{s:09d}" for s in Checkpointer(str(source / "ckpt")).steps() if s > last_checkpoint}
-    shutil.copytree(source / "ckpt", target / "ckpt", ignore=lambda _, names: [n for n in names if n in newer])
-    shutil.copytree(source / "group0", target / "group0")
-    return target
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train")
     full = root / "full"
-    _torchrun(4, full, f"run.step_hooks={json.dumps([HOOK])}")
-    split = _crashed_copy(full, root / "split", STOP_AT)
-    resumed = _torchrun(4, split)
+    torchrun(4, full, f"run.step_hooks={json.dumps([HOOK])}")
+    split = crashed_copy(full, root / "split", STOP_AT)
+    resumed = torchrun(4, split)
     assert f"resumed from step {STOP_AT}" in resumed.stdout
-    reshard = _crashed_copy(full, root / "reshard", STOP_AT)
+    reshard = crashed_copy(full, root / "reshard", STOP_AT)
     launcher = [sys.executable, "-m", "resilient.tools.train", "--nproc", "2", "--config", TINY]
-    moved = _run([*launcher, *_overrides(reshard, "parallel.tp=1")])
+    moved = run_job([*launcher, *set_args(reshard, "parallel.tp=1")])
     assert f"resumed from step {STOP_AT}" in moved.stdout and "dp_shard=2 x tp=1" in moved.stdout
     return {"full": full, "split": split, "reshard": reshard}
 
 
-def _logged_steps(run_dir: Path, name: str) -> list[int]:
-    """Steps in the order their lines were written (a redone step appears again)."""
-    with open(run_dir / "group0" / name) as f:
-        return [json.loads(line)["step"] for line in f]
-
-
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    return read_jsonl_by_step(str(run_dir / "group0" / "metrics.jsonl"))
-
-
-def _samples(run_dir: Path) -> dict[int, list[str]]:
-    return {s: r["sample_ids"] for s, r in read_jsonl_by_step(str(run_dir / "group0" / "samples.jsonl")).items()}
-
-
-def _load_tensors(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """Every array of a committed step, in full, loaded by one process with no process group."""
-    ckpt = run_dir / "ckpt"
-    with open(ckpt / f"step-{step:09d}" / "manifest.json") as f:
-        arrays = json.load(f)["arrays"]
-    state = {fqn: torch.empty(a["shape"], dtype=getattr(torch, a["dtype"])) for fqn, a in arrays.items()}
-    assert Checkpointer(str(ckpt)).load(state, step=step, strict=False) == step
-    return state
-
-
 @pytest.mark.timeout(600)
 def test_resume_on_same_mesh_is_bit_identical(runs: dict[str, Path]) -> None:
-    full, split = _metrics(runs["full"]), _metrics(runs["split"])
+    full, split = step_metrics(runs["full"]), step_metrics(runs["split"])
     assert list(full) == list(split) == list(range(1, STEPS + 1))
     redone = list(range(STOP_AT + 1, STEPS + 1))
     for name in ("split", "reshard"):  # the resumed runs appended the steps they redid
         for log in ("metrics.jsonl", "samples.jsonl"):
-            assert _logged_steps(runs[name], log) == list(range(1, STEPS + 1)) + redone, (name, log)
+            assert logged_steps(runs[name], log) == list(range(1, STEPS + 1)) + redone, (name, log)
     for step in full:
         assert split[step]["loss"] == full[step]["loss"], f"step {step}"
         assert split[step]["grad_norm"] == full[step]["grad_norm"], f"step {step}"
     assert Checkpointer(str(runs["full"] / "ckpt")).steps() == [4, 8]
     assert Checkpointer(str(runs["split"] / "ckpt")).steps() == [4, 8]
-    expected, got = _load_tensors(runs["full"], STEPS), _load_tensors(runs["split"], STEPS)
+    expected, got = load_tensors(runs["full"], STEPS), load_tensors(runs["split"], STEPS)
     assert sorted(got) == sorted(expected)
     assert any(fqn.startswith("optim.state.") for fqn in expected)
     for fqn, tensor in expected.items():
@@ -135,22 +85,22 @@ def test_resume_on_same_mesh_is_bit_identical(runs: dict[str, Path]) -> None:
 
 @pytest.mark.timeout(600)
 def test_resume_on_other_mesh_sees_same_samples(runs: dict[str, Path]) -> None:
-    assert _samples(runs["reshard"]) == _samples(runs["full"])
-    full, moved = _metrics(runs["full"]), _metrics(runs["reshard"])
+    assert step_samples(runs["reshard"]) == step_samples(runs["full"])
+    full, moved = step_metrics(runs["full"]), step_metrics(runs["reshard"])
     assert list(moved) == list(full)
     for step in full:
         # tp=1 adds the row-parallel partial sums in another order: equal up to float rounding.
         assert moved[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-4), f"step {step}"
-    expected, got = _load_tensors(runs["full"], STEPS), _load_tensors(runs["reshard"], STEPS)
+    expected, got = load_tensors(runs["full"], STEPS), load_tensors(runs["reshard"], STEPS)
     for fqn in (f for f in expected if f.startswith("model.")):
         torch.testing.assert_close(got[fqn], expected[fqn], rtol=1e-3, atol=1e-4, msg=fqn)
 
 
 @pytest.mark.timeout(600)
 def test_loss_falls(runs: dict[str, Path]) -> None:
-    losses = [record["loss"] for record in _metrics(runs["full"]).values()]
+    losses = [record["loss"] for record in step_metrics(runs["full"]).values()]
     assert sum(losses[-2:]) / 2 < 0.8 * losses[0], losses
-    record = _metrics(runs["full"])[STEPS]
+    record = step_metrics(runs["full"])[STEPS]
     assert record["tokens"] == 8 * 128 and record["tokens_per_s"] > 0 and 0 < record["mfu"] < 1
     for key in ("step_time_s", "data_wait_s", "ckpt_stall_s"):
         assert record[key] >= 0, key
@@ -160,7 +110,7 @@ def test_loss_falls(runs: dict[str, Path]) -> None:
 def test_every_sample_once_per_epoch_across_resume(runs: dict[str, Path]) -> None:
     num_samples = load_config(TINY).data.pipeline.num_samples
     for name in ("split", "reshard"):
-        samples = _samples(runs[name])
+        samples = step_samples(runs[name])
         assert list(samples) == list(range(1, STEPS + 1)), name
         seen = Counter(sid for ids in samples.values() for sid in ids)
         assert max(seen.values()) == 1, f"{name}: repeated {[s for s, n in seen.items() if n > 1]}"
@@ -184,8 +134,8 @@ def test_step_hooks_run_on_every_rank_after_each_committed_step(runs: dict[str, 
 def test_resume_with_other_data_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
     shutil.copytree(runs["full"] / "ckpt", tmp_path / "ckpt")
     # One plain process (no torchrun): the trainer makes itself a one-rank world.
-    overrides = _overrides(tmp_path, "parallel.dp_shard=1", "parallel.tp=1", "data.seed=1")
-    failed = _run([sys.executable, "-m", "resilient.trainer", "--config", TINY, *overrides], expect_ok=False)
+    overrides = set_args(tmp_path, "parallel.dp_shard=1", "parallel.tp=1", "data.seed=1")
+    failed = run_job([sys.executable, "-m", "resilient.trainer", "--config", TINY, *overrides], expect_ok=False)
     assert "data-pipeline fingerprint mismatch" in failed.stderr
     assert "seed: checkpoint 0, pipeline 1" in failed.stderr
     assert Checkpointer(str(tmp_path / "ckpt")).steps() == [4, 8]  # nothing written over

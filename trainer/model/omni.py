@@ -130,9 +130,7 @@ class OmniModel(nn.Module):
         video = self.video_proj(batch["video_patches"].to(dtype)) * (modality == Modality.VIDEO).unsqueeze(-1)
         return (text + audio + video).to(dtype) + self.modality_embeddings(modality)
 
-    def run_blocks(
-        self, hidden: torch.Tensor, batch: dict[str, object], blocks: Iterable[nn.Module]
-    ) -> torch.Tensor:
+    def run_blocks(self, hidden: torch.Tensor, batch: dict[str, object], blocks: Iterable[nn.Module]) -> torch.Tensor:
         """``hidden`` through ``blocks`` (in order) under the batch's positions and document mask."""
         positions = batch["positions"]
         # Gather the tables at temporal positions; unsqueeze for the heads dimension.
