@@ -103,16 +103,16 @@ def build_stages(
     stages = [OmniStage(model, layers[i], first=i == 0, last=i == p.num_stages - 1) for i in indices]
     for stage in stages:
         parallelize_model(stage, stage_mesh(mesh), p)
-    rows = data.global_rows // p.dp_shard // p.microbatches
     dtype = torch.bfloat16 if p.mixed_precision == "bf16" else config.model.torch_dtype
+    # Under sequence parallelism each tp rank hands on its slice of the sequence.
+    length = data.row_len // (p.tp if p.sequence_parallel else 1)
     runner = Stages(
         stages,
         indices,
         p,
         group=mesh["pp"].get_group(),
         device=device,
-        # Under sequence parallelism each tp rank hands on its slice of the sequence.
-        boundary_shape=(rows, data.row_len // (p.tp if p.sequence_parallel else 1), config.model.dim),
+        boundary=(length, config.model.dim),
         boundary_dtype=dtype,
     )
     return runner, global_params

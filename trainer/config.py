@@ -269,13 +269,17 @@ class TrainConfig:
                 f"but model.n_layers={self.model.n_layers}: every stage needs a transformer block; lower "
                 "parallel.pp, use pp_schedule='1F1B', or raise model.n_layers"
             )
-        rows = data.global_rows // p.dp_shard
-        if p.pp > 1 and rows % p.microbatches:
-            fits = [m for m in range(1, rows + 1) if rows % m == 0]
+        # Replica groups split a step's rows over the groups taking part: every count may occur.
+        sharers = range(1, (self.replica.groups if self.replica.enabled else 1) + 1)
+        all_rows = sorted({data.global_rows // (p.dp_shard * k) for k in sharers})
+        bad = [rows for rows in all_rows if rows % p.microbatches]
+        if p.pp > 1 and bad:
+            fits = [m for m in range(1, all_rows[0] + 1) if all(rows % m == 0 for rows in all_rows)]
             raise ConfigError(
-                f"parallel.pp_microbatches={p.microbatches} must divide the {rows} rows each data-parallel "
-                f"rank takes per step (data.global_rows={data.global_rows} / parallel.dp_shard={p.dp_shard}): "
-                f"use one of {fits}"
+                f"parallel.pp_microbatches={p.microbatches} must divide the {bad[0]} rows a data-parallel "
+                f"rank takes per step (data.global_rows={data.global_rows} / parallel.dp_shard={p.dp_shard}"
+                + (" / groups taking part" if self.replica.enabled else "")
+                + f"): use one of {fits}"
             )
         if p.pp > 1 and p.pp_schedule == "interleaved1F1B" and p.microbatches % p.pp:
             raise ConfigError(

@@ -115,7 +115,12 @@ def _loss_of_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Stages:
-    """This rank's pipeline stages and the schedule that runs one step of them."""
+    """This rank's pipeline stages and the schedule that runs one step of them.
+
+    One schedule per microbatch size, built on first use: its example shapes make the schedule's
+    metadata static (no shape-inference round trip, which exchanges pickled objects), and replica
+    groups change a rank's rows per step with the number of groups that take part in it.
+    """
 
     def __init__(
         self,
@@ -125,38 +130,41 @@ class Stages:
         *,
         group: torch.distributed.ProcessGroup,
         device: torch.device,
-        boundary_shape: tuple[int, ...],
+        boundary: tuple[int, int],
         boundary_dtype: torch.dtype,
     ) -> None:
-        self.stages = stages
+        """``boundary``: (sequence length, width) of the residual stream a stage hands on."""
+        self.stages, self.stage_indices, self.config = stages, stage_indices, config
         self.microbatches = config.microbatches
+        self.group, self.device = group, device
+        self.boundary, self.boundary_dtype = boundary, boundary_dtype
+        self._schedules: dict[int, PipelineScheduleSingle | PipelineScheduleMulti] = {}
+
+    def schedule_for(self, rows: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
+        """The schedule for microbatches of ``rows`` rows (built the first time)."""
+        if rows not in self._schedules:
+            self._schedules[rows] = self._build_schedule(rows)
+        return self._schedules[rows]
+
+    def _build_schedule(self, rows: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
         # The residual stream carries gradients back across stages: the examples say so.
-        example = torch.empty(boundary_shape, dtype=boundary_dtype, device="meta", requires_grad=True)
+        example = torch.empty((rows, *self.boundary), dtype=self.boundary_dtype, device="meta", requires_grad=True)
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
-        # Example inputs and outputs make the schedule's metadata static: no shape-inference round
-        # trip (which exchanges pickled objects) before the first step.
         pipeline_stages = [
             PipelineStage(
                 stage,
                 index,
-                config.num_stages,
-                device,
+                self.config.num_stages,
+                self.device,
                 input_args=() if stage.is_first else (example,),
                 output_args=(loss,) if stage.is_last else (example,),
-                group=group,
+                group=self.group,
             )
-            for stage, index in zip(stages, stage_indices, strict=True)
+            for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
-        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
-        if config.pp_schedule == "1F1B":
-            self.schedule = Schedule1F1B(
-                pipeline_stages[0], self.microbatches, loss_fn=_loss_of_output, scale_grads=False
-            )
-        else:
-            self.schedule = ScheduleInterleaved1F1B(
-                pipeline_stages, self.microbatches, loss_fn=_loss_of_output, scale_grads=False
-            )
-        self.is_last = any(stage.is_last for stage in stages)
+        if self.config.pp_schedule == "1F1B":
+            return Schedule1F1B(pipeline_stages[0], self.microbatches, loss_fn=_loss_of_output, scale_grads=False)
+        return ScheduleInterleaved1F1B(pipeline_stages, self.microbatches, loss_fn=_loss_of_output, scale_grads=False)
 
     def step(self, batch: dict[str, torch.Tensor], loss_normalizer: torch.Tensor) -> list[OmniOutput]:
         """Forward and backward over the microbatches of ``batch``; the last stage's outputs per
@@ -164,6 +172,12 @@ class Stages:
         for stage in self.stages:
             stage.loss_normalizer = loss_normalizer
             stage.outputs = []
+        rows = batch["text_tokens"].shape[0]
+        if rows % self.microbatches:
+            raise ConfigError(
+                f"this rank's {rows} rows per step do not split into parallel.pp_microbatches={self.microbatches}"
+            )
+        schedule = self.schedule_for(rows // self.microbatches)
         placeholder = torch.zeros(self.microbatches, device=loss_normalizer.device)
-        self.schedule.step(target=placeholder, return_outputs=False, **batch)
+        schedule.step(target=placeholder, return_outputs=False, **batch)
         return [out for stage in self.stages if stage.is_last for out in stage.outputs]

@@ -31,10 +31,11 @@ HOOK = "tests.recovery.replica_hooks:pace"
 RUN_TIMEOUT_S = 150
 
 
-def _launch(run_dir: Path, steps: int, env: dict[str, str]) -> subprocess.Popen:
+def _launch(run_dir: Path, steps: int, env: dict[str, str], *extra: str) -> subprocess.Popen:
     sets = [
         f'run.dir="{run_dir}"',
         "parallel.tp=1",
+        *extra,
         f"run.steps={steps}",
         "data.log_samples=true",
         "checkpoint.persist_every=4",
@@ -172,6 +173,30 @@ def test_group_killed_keeps_training_heals_and_ends_identical(tmp_path: Path) ->
     }
     (run_dir / "measured.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
+
+
+@pytest.mark.timeout(240)
+def test_pipelined_group_killed_heals_from_the_peer_whose_stages_match(tmp_path: Path) -> None:
+    """Each group pipelines the model over its 2 ranks (pp=2); killing the last stage of group 1 heals
+    it from group 1's peer rank in group 0, which holds the same stage."""
+    run_dir, steps, kill_at, hold_at = tmp_path / "run", 12, 4, 7
+    env = {"RESILIENT_TEST_STEP_SLEEP": "0.15", "RESILIENT_TEST_HOLD_STEP": str(hold_at)}
+    pipelined = ("parallel.pp=2", "parallel.dp_shard=1", "model.n_layers=4")
+    proc = _launch(run_dir, steps, env, *pipelined)
+    _wait_for_step(run_dir, 1, kill_at, proc)
+    _kill(run_dir, 1, 1)
+    _finish(proc, run_dir)
+
+    events = read_events(str(run_dir))
+    restart = next(e for e in events if e["event"] == "start" and e["group"] == 1 and e["attempt"] > 0)
+    assert restart["source"] == "peer" and restart["step"] > kill_at
+    healed = [e for e in events if e["event"] == "step" and e["group"] == 1 and e["t"] > restart["t"] and e["healed"]]
+    assert healed and healed[0]["committed"] and healed[0]["participants"] == 2
+    assert healed[0]["heal_bytes"] > 0
+    _final_digests(run_dir, steps)
+    _check_exactly_once(run_dir, steps)
+    config = json.loads((run_dir / "group1" / "config.json").read_text())
+    assert config["parallel"]["pp"] == 2
 
 
 @pytest.mark.timeout(240)
