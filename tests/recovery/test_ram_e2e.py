@@ -166,6 +166,26 @@ def test_node_lost_its_ranks_restore_from_the_buddy(tmp_path: Path, twin: Path) 
 
 
 @pytest.mark.timeout(400)
+def test_pipelined_node_lost_its_stage_restores_from_the_buddy(tmp_path: Path, twin: Path) -> None:
+    """pp=2: each rank (its own node) holds one stage; the node of stage 1 loses its store, and its
+    rank restores that stage's snapshot from the buddy. The twin ran pp=1 x dp_shard=2 on the same
+    data: the same samples, losses equal up to the order of float sums."""
+    pipelined = ("parallel.pp=2", "parallel.dp_shard=1", "model.n_layers=2")
+    run_dir, _, restarted = _faulted(tmp_path, wipe=[1], extra=pipelined)
+    assert [r["source"] for r in restarted] == ["own", "buddy"]
+    assert restarted[0]["step"] == restarted[1]["step"] >= 4
+    assert [r["storage_reads"] for r in restarted] == [0, 0]
+    # A stage's snapshot holds that stage's parameters only: the two ranks restore different bytes.
+    assert restarted[0]["bytes"] != restarted[1]["bytes"]
+    ran, ref = (read_jsonl_by_step(str(d / "group0" / "metrics.jsonl")) for d in (run_dir, twin))
+    assert list(ran) == list(ref) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert abs(ran[step]["loss"] - ref[step]["loss"]) < 1e-4, step
+    samples, ref_samples = (read_jsonl_by_step(str(d / "group0" / "samples.jsonl")) for d in (run_dir, twin))
+    assert {s: r["sample_ids"] for s, r in samples.items()} == {s: r["sample_ids"] for s, r in ref_samples.items()}
+
+
+@pytest.mark.timeout(400)
 def test_node_and_its_buddy_lost_fall_back_to_storage_exactly_once(tmp_path: Path, twin: Path) -> None:
     run_dir, _, restarted = _faulted(tmp_path, wipe=[0, 1], extra=("checkpoint.persist_every=4",))
     assert [r["source"] for r in restarted] == ["persistent", "persistent"]
