@@ -138,15 +138,25 @@ class Stages:
         self.microbatches = config.microbatches
         self.group, self.device = group, device
         self.boundary, self.boundary_dtype = boundary, boundary_dtype
-        self._schedules: dict[int, PipelineScheduleSingle | PipelineScheduleMulti] = {}
+        self._schedules: dict[int, tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]] = {}
 
     def schedule_for(self, rows: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
         """The schedule for microbatches of ``rows`` rows (built the first time)."""
+        return self._built(rows)[0]
+
+    def pipeline_stages(self, rows: int) -> list[PipelineStage]:
+        """The ``PipelineStage`` of each of this rank's stages in the schedule for ``rows`` rows
+        (what a benchmark instruments: their ``forward_one_chunk`` / ``backward_one_chunk``)."""
+        return self._built(rows)[1]
+
+    def _built(self, rows: int) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]:
         if rows not in self._schedules:
             self._schedules[rows] = self._build_schedule(rows)
         return self._schedules[rows]
 
-    def _build_schedule(self, rows: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    def _build_schedule(
+        self, rows: int
+    ) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]:
         # The residual stream carries gradients back across stages: the examples say so.
         example = torch.empty((rows, *self.boundary), dtype=self.boundary_dtype, device="meta", requires_grad=True)
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
@@ -162,9 +172,14 @@ class Stages:
             )
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
+        schedule: PipelineScheduleSingle | PipelineScheduleMulti
         if self.config.pp_schedule == "1F1B":
-            return Schedule1F1B(pipeline_stages[0], self.microbatches, loss_fn=_loss_of_output, scale_grads=False)
-        return ScheduleInterleaved1F1B(pipeline_stages, self.microbatches, loss_fn=_loss_of_output, scale_grads=False)
+            schedule = Schedule1F1B(pipeline_stages[0], self.microbatches, loss_fn=_loss_of_output, scale_grads=False)
+        else:
+            schedule = ScheduleInterleaved1F1B(
+                pipeline_stages, self.microbatches, loss_fn=_loss_of_output, scale_grads=False
+            )
+        return schedule, pipeline_stages
 
     def step(self, batch: dict[str, torch.Tensor], loss_normalizer: torch.Tensor) -> list[OmniOutput]:
         """Forward and backward over the microbatches of ``batch``; the last stage's outputs per

@@ -236,10 +236,13 @@ EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
         (["--emit", "k8s", "--config", TINY, "--rdzv-id", "x"], "error: --emit writes --rdzv-id"),
         (["--emit", "slurm", "--config", TINY, "--nnodes", "2:x"], "error: --nnodes '2:x' must be N or MIN:MAX"),
         (["--emit", "mpi", "--config", TINY], "argument --emit: invalid choice: 'mpi'"),
-        (["--emit", "slurm", "--config", TINY, "--nnodes", "3"], "error: parallel.dp_shard x parallel.tp = 4 ranks"),
+        (["--emit", "slurm", "--config", TINY, "--nnodes", "3"], "error: parallel.pp x dp_shard x tp = 4 ranks"),
         (["--emit", "k8s", "--config", TINY, "--nproc-per-node", "4"], "error: --nnodes 2 x --nproc-per-node 4 = 8"),
         (["--emit", "k8s", "--config", TINY, "--shm-size", "1GB"], "error: --shm-size '1GB'"),
-        ([*EMIT_GROUPS, "--nproc-per-group", "2"], "error: --nproc-per-group 2 but parallel.dp_shard x tp = 4 ranks"),
+        (
+            [*EMIT_GROUPS, "--nproc-per-group", "2"],
+            "error: --nproc-per-group 2 but parallel.pp x dp_shard x tp = 4 ranks",
+        ),
         ([*EMIT_GROUPS, "--nproc-per-group", "4", "--nproc-per-node", "8"], "not --nproc-per-node"),
         # Flags the job file would silently drop, and a value that would break out of it.
         (["--emit", "k8s", "--config", TINY, "--lighthouse", "http://h:1"], "does not write --lighthouse"),

@@ -167,7 +167,7 @@ def test_replica_groups_spread_over_nodes() -> None:
     [
         (["--nnodes", "3", *JOIN], "4 ranks do not split evenly over 3 nodes"),
         (["--nnodes", "2", *JOIN, "--nproc-per-node", "4"], "--nnodes 2 x --nproc-per-node 4 = 8 ranks"),
-        (["--nnodes", "2", *JOIN, "--nproc", "8"], "--nproc 8 but parallel.dp_shard x tp = 4 ranks"),
+        (["--nnodes", "2", *JOIN, "--nproc", "8"], "--nproc 8 but parallel.pp x dp_shard x tp = 4 ranks"),
     ],
 )
 def test_recipe_that_does_not_fit_the_nodes_is_one_line_exit_2(
