@@ -80,6 +80,9 @@ class Trainer:
         self.dp_group = mesh["dp_shard"].get_group()
         self.pp_group = mesh["pp"].get_group() if parts.stages is not None else None
         """The ranks of this rank's pipeline (None without pipelining)."""
+        first_stage = parts.stages is None or mesh["pp"].get_local_rank() == 0
+        self._shares_rows_first = first_stage and mesh["tp"].get_local_rank() == 0
+        """Whether this rank speaks for the ranks that share its rows (tp peers, pipeline stages)."""
         self.sync: StepSync = LocalSync()
         """Sums and commit vote across replica groups (ReplicatedTrainer puts its torchft sync here)."""
         self.step = 0
@@ -193,7 +196,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
         self.observer.committed(self.step, step_time)
-        if self.mesh["tp"].get_local_rank() == 0:  # the ranks of a TP group share their rows: once
+        if self._shares_rows_first:  # the ranks of a TP group and of a pipeline share their rows: once
             self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.

@@ -32,7 +32,7 @@ class RunObserver:
         self.clock = clock
         self.phases = StepPhases()
         p = config.parallel
-        self.layout = {"world": world, "dp_shard": p.dp_shard, "tp": p.tp, "groups": config.replica.groups}
+        self.layout = {"world": world, "pp": p.pp, "dp_shard": p.dp_shard, "tp": p.tp, "groups": config.replica.groups}
         m = config.metrics
         self._stragglers = StragglerWatch(m.straggler_factor, m.straggler_windows)
         self._started = False

@@ -108,7 +108,7 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
     assert [(e["rank"], e["phase"], e["step"]) for e in stragglers] == [(1, "compute_s", 4)], stragglers
     assert "rank 1 is a straggler: compute_s" in err
     (startup,) = [e for e in events if e["event"] == "startup"]
-    assert startup["layout"] == {"world": 2, "dp_shard": 2, "tp": 1, "groups": 1}
+    assert startup["layout"] == {"world": 2, "pp": 1, "dp_shard": 2, "tp": 1, "groups": 1}
     assert list(startup["phases"]) == ["imports_s", "process_group_s", "model_s", "restore_s", "first_step_s"]
     assert startup["total_s"] == pytest.approx(sum(startup["phases"].values()), abs=0.01)
     metrics = read_jsonl(str(slow / "group0" / "metrics.jsonl"))
