@@ -32,7 +32,6 @@ schedule's alone; read it next to the theory, and the step-time ratio as this ma
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -46,12 +45,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from resilient.dist import free_port
-from resilient.runfiles import EVENTS_FILE, METRICS_FILE, SAVES_FILE, group_file, read_jsonl, read_jsonl_by_step
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from resilient.dist import free_port  # noqa: E402
+from resilient.runfiles import (  # noqa: E402
+    EVENTS_FILE,
+    METRICS_FILE,
+    SAVES_FILE,
+    group_file,
+    read_jsonl,
+    read_jsonl_by_step,
+)
+from tests.procs import kill_tree  # noqa: E402  (the same tree kill the e2e tests use)
 
 DEMO = str(ROOT / "configs" / "demo.toml")
 LAYOUT_DEGREES = {"pp2": {"pp": 2, "dp_shard": 1}, "pp1": {"pp": 1, "dp_shard": 2}}
@@ -77,18 +83,6 @@ def _median(values: Iterable[float]) -> float:
 # -- processes ------------------------------------------------------------------------------------
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    # torchrun's workers live in sessions of their own: killing the launcher alone orphans them.
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    proc.kill()
-
-
 def _torchrun(args: list[str], log_path: str, timeout_s: float) -> None:
     """Run ``torchrun --nproc-per-node 2 <args>`` on a free port; its output goes to ``log_path``;
     raise with the log's tail if it fails or runs past ``timeout_s`` (its whole tree is killed)."""
@@ -99,7 +93,7 @@ def _torchrun(args: list[str], log_path: str, timeout_s: float) -> None:
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc)
+            kill_tree(proc)
             proc.wait(timeout=30)
             rc = None
     if rc != 0:

@@ -82,3 +82,13 @@ def run_world(fn: Callable, world: int, *args: Any, timeout_s: float = 180, env:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks (world=0: one process, no group)."""
     procs, out = start_world(fn, world, *args, env=env)
     return collect(procs, out, timeout_s)
+
+
+def outcome(fn: Callable[[], Any]) -> str:
+    """ "ok", or the error ``fn`` raised on this rank as "Type: message": what multi-rank tests
+    compare across ranks (every rank must see the same outcome)."""
+    try:
+        fn()
+        return "ok"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient import Checkpointer
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import communicate_or_fail
+from tests.trainer.e2e_runs import load_tensors
 
 pytestmark = [pytest.mark.e2e]
 
@@ -89,15 +89,6 @@ def _restores(run_dir: Path) -> list[dict]:
     return [e for e in read_events(str(run_dir)) if e["event"] == "restore"]
 
 
-def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpt = run_dir / "ckpt"
-    with open(ckpt / f"step-{STEPS:09d}" / "manifest.json") as f:
-        arrays = json.load(f)["arrays"]
-    state = {fqn: torch.empty(a["shape"], dtype=getattr(torch, a["dtype"])) for fqn, a in arrays.items()}
-    assert Checkpointer(str(ckpt)).load(state, step=STEPS, strict=False) == STEPS
-    return state
-
-
 def _assert_same_as_twin(run_dir: Path, twin: Path) -> None:
     """Losses of every step, every step's samples, and the final tensors equal the twin's, bit for bit."""
     ran, ref = (read_jsonl_by_step(str(d / "group0" / "metrics.jsonl")) for d in (run_dir, twin))
@@ -105,7 +96,7 @@ def _assert_same_as_twin(run_dir: Path, twin: Path) -> None:
     assert [ran[s]["loss"] for s in ran] == [ref[s]["loss"] for s in ref]
     samples, ref_samples = (read_jsonl_by_step(str(d / "group0" / "samples.jsonl")) for d in (run_dir, twin))
     assert {s: r["sample_ids"] for s, r in samples.items()} == {s: r["sample_ids"] for s, r in ref_samples.items()}
-    expected, got = _final_tensors(twin), _final_tensors(run_dir)
+    expected, got = load_tensors(twin, STEPS), load_tensors(run_dir, STEPS)
     assert sorted(got) == sorted(expected) and any(k.startswith("optim.state.") for k in got)
     for fqn, tensor in expected.items():
         assert torch.equal(got[fqn], tensor), fqn

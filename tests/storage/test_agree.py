@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.dist import run_world
+from tests.dist import outcome, run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -31,14 +31,6 @@ def _patched(module, name: str, value):
         setattr(module, name, real)
 
 
-def _outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except Exception as e:  # what this rank saw: compared across ranks
-        return f"{type(e).__name__}: {e}"
-
-
 def _latest_write_fails(rank: int, root: str) -> dict:
     """The manifest is durable, then moving `latest` fails on the coordinator."""
     from resilient import Checkpointer
@@ -50,8 +42,8 @@ def _latest_write_fails(rank: int, root: str) -> dict:
     with _patched(commit, "update_latest", broken_latest):
         ckpt = Checkpointer(root)
         handle = ckpt.save(1, _state(rank, 1.0))
-        result = {"handle": _outcome(lambda: handle.wait(timeout=30)), "wait": _outcome(ckpt.wait)}
-        result["next"] = _outcome(lambda: ckpt.save(2, _state(rank, 2.0)).wait(timeout=30))
+        result = {"handle": outcome(lambda: handle.wait(timeout=30)), "wait": outcome(ckpt.wait)}
+        result["next"] = outcome(lambda: ckpt.save(2, _state(rank, 2.0)).wait(timeout=30))
         result["steps"] = ckpt.steps()
         ckpt.close()
     return result
@@ -72,7 +64,7 @@ def _ambiguous_receipt(rank: int, root: str) -> dict:
     with _patched(persist, "write_receipt", lost_response if rank == 1 else real):
         ckpt = Checkpointer(root)
         handle = ckpt.save(1, _state(rank, 1.0))
-        result = {"handle": _outcome(lambda: handle.wait(timeout=30)), "wait": _outcome(ckpt.wait)}
+        result = {"handle": outcome(lambda: handle.wait(timeout=30)), "wait": outcome(ckpt.wait)}
         result["steps"] = ckpt.steps()
         ckpt.close()
     return result
@@ -87,10 +79,10 @@ def _late_coordinator(rank: int, root: str) -> dict:
         os.environ["RESILIENT_FAULTS"] = "persist.regions_written=pause:2.2@rank0"
     ckpt = Checkpointer(root, config=CheckpointerConfig(commit_timeout_s=1.5))
     ckpt.save(1, _state(rank, 1.0))
-    result = {"wait": _outcome(ckpt.wait)}  # raised here on every rank, or on none
+    result = {"wait": outcome(ckpt.wait)}  # raised here on every rank, or on none
     os.environ.pop("RESILIENT_FAULTS", None)
     ckpt.config.commit_timeout_s = 60.0  # the next save must not depend on this machine's load
-    result["next"] = _outcome(lambda: ckpt.save(2, _state(rank, 2.0)).wait(timeout=30))
+    result["next"] = outcome(lambda: ckpt.save(2, _state(rank, 2.0)).wait(timeout=30))
     result["steps"] = ckpt.steps()
     ckpt.close()
     return result
@@ -110,7 +102,7 @@ def _one_rank_cannot_read(rank: int, root: str) -> dict:
         raise IntegrityError("injected: chunk w/c/0 crc32c mismatch")
 
     with _patched(module, "read_into", corrupt if rank == 1 else module.read_into):
-        result = {"load": _outcome(lambda: ckpt.load({"w": torch.zeros(8)}))}
+        result = {"load": outcome(lambda: ckpt.load({"w": torch.zeros(8)}))}
     dist.barrier()  # the next collective: every rank gets here (the old code left rank 0 past it)
     ckpt.close()
     return result
@@ -122,8 +114,8 @@ def _different_steps(rank: int, root: str) -> dict:
     from resilient import Checkpointer, CheckpointerConfig
 
     ckpt = Checkpointer(root, config=CheckpointerConfig(commit_timeout_s=5.0))  # the old code: fail fast
-    result = {"save": _outcome(lambda: ckpt.save(1 + rank, _state(rank, 1.0)))}
-    result["next"] = _outcome(lambda: ckpt.save(3, _state(rank, 3.0)).wait(timeout=30))
+    result = {"save": outcome(lambda: ckpt.save(1 + rank, _state(rank, 1.0)))}
+    result["next"] = outcome(lambda: ckpt.save(3, _state(rank, 3.0)).wait(timeout=30))
     ckpt.close()
     return result
 

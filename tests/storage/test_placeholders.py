@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dist import run_world
+from tests.dist import outcome, run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
 
@@ -28,14 +28,6 @@ def _value(fqn: str) -> torch.Tensor:
     base = {"a": 10, "b": 20, "c": 30, "d": 40}[fqn]
     n = int(np.prod(SHAPES[fqn]))
     return (torch.arange(n) + base).reshape(SHAPES[fqn]).to(DTYPES[fqn])
-
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except Exception as e:  # what this rank saw: compared across ranks
-        return f"{type(e).__name__}: {e}"
 
 
 def _stage_state(rank: int, mesh, fill=_value) -> dict:
@@ -91,8 +83,8 @@ def _stages(rank: int, world: int, root: str) -> dict:
         from resilient.state import placeholder
 
         state["model"]["b"] = placeholder(SHAPES["b"], DTYPES["b"])
-    result["orphan"] = _outcome(lambda: orphan.save(1, state).wait(timeout=30))
-    result["orphan_next"] = _outcome(lambda: orphan.save(2, _stage_state(rank, mesh)).wait(timeout=30))
+    result["orphan"] = outcome(lambda: orphan.save(1, state).wait(timeout=30))
+    result["orphan_next"] = outcome(lambda: orphan.save(2, _stage_state(rank, mesh)).wait(timeout=30))
     result["orphan_steps"] = orphan.steps()
     orphan.close()
 
@@ -103,7 +95,7 @@ def _stages(rank: int, world: int, root: str) -> dict:
         from resilient.state import placeholder
 
         state["model"]["a"] = placeholder((6, 5), DTYPES["a"])
-    result["wrong_shape"] = _outcome(lambda: wrong.save(1, state).wait(timeout=30))
+    result["wrong_shape"] = outcome(lambda: wrong.save(1, state).wait(timeout=30))
     result["wrong_steps"] = wrong.steps()
     wrong.close()
     return result
