@@ -104,7 +104,7 @@ class _ChaosHook:
     def __call__(self, step: int, trainer: Any) -> None:
         self.arm()
         self._maybe_corrupt(trainer)
-        digest = _params_digest(trainer.parts.model)
+        digest = _params_digest(trainer.parts.model, trainer.pp_group)
         if self.rank == 0:
             record = {
                 "t": round(time.time(), 4),
@@ -197,11 +197,11 @@ def _read_slow_spans(path: str) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: not a JSON list of slow spans ({e}); it is written by the chaos harness") from e
 
 
-def _params_digest(model: Any) -> str:
-    """sha256 over the full parameters (collective within the group under FSDP/TP)."""
+def _params_digest(model: Any, pp_group: Any) -> str:
+    """sha256 over the full parameters, every pipeline stage's (collective within the group)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return state_digest(get_model_state_dict(model))
+    return state_digest(get_model_state_dict(model), group=pp_group)
 
 
 def chaos_hook(trainer: Any) -> _ChaosHook | None:

@@ -9,6 +9,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, MutableMapping, MutableSequence
 from dataclasses import dataclass
@@ -148,21 +149,33 @@ def set_leaf(leaf: Leaf, value: Any) -> None:
         raise StateError(f"cannot restore {leaf.fqn!r} in place: its container is immutable")
 
 
-def state_digest(state: Any) -> str:
-    """sha256 over every tensor of a nested dict, keys in sorted order, each named by its dotted
-    path: two ranks, replicas or runs hold the same bits iff their digests match.
+def state_digest(state: Any, *, group: Any = None) -> str:
+    """sha256 over every tensor of a nested dict, each named by its dotted path: two ranks,
+    replicas or runs hold the same bits iff their digests match. The digest of the sorted
+    per-tensor hashes, so it does not depend on which rank held which tensor.
 
     DTensors are gathered whole (``full_tensor``), so under FSDP/TP this is a collective: call it
-    on every rank of the mesh. Non-tensor leaves do not count (they are compared as JSON)."""
-    import hashlib
+    on every rank of the mesh. With ``group`` (a pipeline's ranks, each holding other tensors), the
+    tensors of every rank of the group count: a collective over it too (the hashes travel as JSON).
+    Non-tensor leaves do not count (they are compared as JSON)."""
+    hashes = {key: _tensor_sha256(key, value) for key, value in _tensor_items(state, "")}
+    if group is not None:
+        from resilient.dist import all_gather_json
 
+        for part in all_gather_json(hashes, group=group):
+            hashes.update(part)
+    h = hashlib.sha256()
+    for key in sorted(hashes):
+        h.update(f"{key}={hashes[key]}\n".encode())
+    return h.hexdigest()
+
+
+def _tensor_sha256(key: str, value: torch.Tensor) -> str:
     from torch.distributed.tensor import DTensor
 
-    h = hashlib.sha256()
-    for key, value in _tensor_items(state, ""):
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        h.update(key.encode())
-        h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    h = hashlib.sha256(key.encode())
+    h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -85,8 +85,8 @@ def run_world(fn: Callable, world: int, *args: Any, timeout_s: float = 180, env:
 
 
 def outcome(fn: Callable[[], Any]) -> str:
-    """ "ok", or the error ``fn`` raised on this rank as "Type: message": what multi-rank tests
-    compare across ranks (every rank must see the same outcome)."""
+    """What ``fn`` did on this rank: "ok", or the error it raised as "Type: message" (multi-rank
+    tests compare it across ranks: every rank must see the same outcome)."""
     try:
         fn()
         return "ok"

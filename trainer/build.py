@@ -68,10 +68,12 @@ def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, 
     p = config.parallel
     mesh = build_mesh(p.dp_shard, p.tp, device.type, pp=p.pp)
     # Same seed on every rank: each rank cuts its shards from an identical full model, no broadcast.
-    model = OmniModel(config.model, seed=config.run.seed).to(device)
+    # Under pipelining the whole model is built on the CPU and only this rank's stages go to the
+    # device: a GPU never holds the other stages.
+    model = OmniModel(config.model, seed=config.run.seed)
     stages, global_params = None, {}
     if p.pp == 1:
-        parallelize_model(model, mesh, p)
+        parallelize_model(model.to(device), mesh, p)
     else:
         stages, global_params = build_stages(config, model, mesh, device)
     optimizer = build_optimizer(model, config.optim)
@@ -100,6 +102,7 @@ def build_stages(
     indices = rank_stages(p, mesh["pp"].get_local_rank())
     global_params = {name: (tuple(t.shape), t.dtype) for name, t in model.named_parameters()}
     prune_to_stages(model, layers, indices)
+    model.to(device)
     stages = [OmniStage(model, layers[i], first=i == 0, last=i == p.num_stages - 1) for i in indices]
     for stage in stages:
         parallelize_model(stage, stage_mesh(mesh), p)

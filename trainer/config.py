@@ -262,6 +262,10 @@ class TrainConfig:
             raise ConfigError(f"checkpoint.url: {e}") from e
 
     def _check_pipeline_and_sequence(self) -> None:
+        """The [parallel] keys that depend on the model and the data: a stage per block at least,
+        microbatches that split every row count a rank may take, sequence slices of equal length.
+        (pp_schedule and pp_microbatches are ignored at pp=1, so a pipelined recipe resumes on
+        pp=1 by overriding pp alone.)"""
         p, data = self.parallel, self.data.pipeline
         if p.num_stages > self.model.n_layers:
             raise ConfigError(
@@ -272,9 +276,14 @@ class TrainConfig:
         # Replica groups split a step's rows over the groups taking part: every count may occur.
         sharers = range(1, (self.replica.groups if self.replica.enabled else 1) + 1)
         all_rows = sorted({data.global_rows // (p.dp_shard * k) for k in sharers})
+        if p.pp > 1 and p.microbatches < p.pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches={p.microbatches} must be >= parallel.pp={p.pp}: the schedule keeps "
+                "every stage busy with a microbatch of its own (0 takes 2 x pp)"
+            )
         bad = [rows for rows in all_rows if rows % p.microbatches]
         if p.pp > 1 and bad:
-            fits = [m for m in range(1, all_rows[0] + 1) if all(rows % m == 0 for rows in all_rows)]
+            fits = [m for m in range(p.pp, all_rows[0] + 1) if all(rows % m == 0 for rows in all_rows)]
             raise ConfigError(
                 f"parallel.pp_microbatches={p.microbatches} must divide the {bad[0]} rows a data-parallel "
                 f"rank takes per step (data.global_rows={data.global_rows} / parallel.dp_shard={p.dp_shard}"

@@ -81,7 +81,7 @@ class Trainer:
         self.pp_group = mesh["pp"].get_group() if parts.stages is not None else None
         """The ranks of this rank's pipeline (None without pipelining)."""
         first_stage = parts.stages is None or mesh["pp"].get_local_rank() == 0
-        self._shares_rows_first = first_stage and mesh["tp"].get_local_rank() == 0
+        self._logs_group_skips = first_stage and mesh["tp"].get_local_rank() == 0
         """Whether this rank speaks for the ranks that share its rows (tp peers, pipeline stages)."""
         self.sync: StepSync = LocalSync()
         """Sums and commit vote across replica groups (ReplicatedTrainer puts its torchft sync here)."""
@@ -196,7 +196,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
         self.observer.committed(self.step, step_time)
-        if self._shares_rows_first:  # the ranks of a TP group and of a pipeline share their rows: once
+        if self._logs_group_skips:  # the ranks of a TP group and of a pipeline share their rows: once
             self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.
@@ -237,7 +237,7 @@ class Trainer:
             # the global mean loss, identical bits in every group (one reduction result, broadcast).
             self.sync.allreduce_gradients(self.parts.model.parameters())
             grad_norm = self._clip_gradients()
-        sums = self._loss_sums(outs, len(batch.get("skipped", ())))
+        sums = self._loss_sums(outs, len(batch.get("skipped", ())), self.device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
         if self.pp_group is not None:  # only the last stage's ranks hold the loss
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.pp_group)
@@ -274,15 +274,17 @@ class Trainer:
         return [out]
 
     @staticmethod
-    def _loss_sums(outs: list[OmniOutput], skipped: int) -> torch.Tensor:
+    def _loss_sums(outs: list[OmniOutput], skipped: int, device: torch.device) -> torch.Tensor:
         """[loss, text loss sum, text tokens, skipped documents] of this rank, to be summed over the
-        data-parallel ranks (and pipeline stages: only ranks with outputs count the skipped)."""
+        data-parallel ranks (and pipeline stages: only ranks with outputs count the skipped). On the
+        device on every rank: the process group picks gloo or NCCL by the tensor's device."""
         if not outs:
-            return torch.zeros(4, dtype=torch.float64)
+            return torch.zeros(4, dtype=torch.float64, device=device)
         rows = [
             torch.stack([o.loss.detach().double(), o.text_loss_sum.double(), o.num_text_tokens.double()]) for o in outs
         ]
-        return torch.cat([torch.stack(rows).sum(0), torch.tensor([float(skipped)], dtype=torch.float64)])
+        counted = torch.tensor([float(skipped)], dtype=torch.float64, device=device)
+        return torch.cat([torch.stack(rows).sum(0).to(device), counted])
 
     def _clip_gradients(self) -> float:
         # inf when clipping is off: still returns the norm for the metrics, and scales by exactly 1.

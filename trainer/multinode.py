@@ -171,7 +171,7 @@ def split_ranks(world_size: int, max_nodes: int, nproc_per_node: int | None, npr
     ConfigError when the recipe, ``--nproc`` and ``--nproc-per-node`` disagree.
 
     An elastic job (``--nnodes MIN:MAX``) is sized for MAX nodes: the trainer checks that the ranks
-    that met are dp_shard x tp, so a rendezvous of fewer nodes stops with that one-line error."""
+    that met are pp x dp_shard x tp, so a rendezvous of fewer nodes stops with that one-line error."""
     fix = "set parallel.pp / parallel.dp_shard / parallel.tp so that their product is"
     if nproc is not None and nproc != world_size:
         raise ConfigError(

@@ -133,6 +133,11 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig
             # The composable API keeps parameter FQNs unchanged (checkpoint_wrapper would insert
             # "_checkpoint_wrapped_module." into every name the checkpoint stores).
             checkpoint(block, preserve_rng_state=False)
+    if config.tp > 1 and config.sequence_parallel:
+        # After checkpointing, so that the first block's pre-hooks run checkpoint's first: it saves
+        # the block's inputs before the sequence is cut, and its recompute (which calls the block
+        # again, cutting hook included) then cuts the same whole input once, not a cut one twice.
+        _cut_sequence_before_first_block(model, mesh["tp"])
     _apply_fsdp(model, mesh["dp_shard"], config)
     return model
 
@@ -144,7 +149,7 @@ def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_pa
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan, src_data_rank=None)
     if sequence_parallel:
-        _shard_sequence_between_blocks(model, tp_mesh)
+        _gather_sequence_after_final_norm(model, tp_mesh)
     root_plan: dict[str, ParallelStyle] = {
         # Vocabulary-sharded lookup, summed across tp (a row lives on one rank; the others add 0).
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -163,11 +168,9 @@ def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_pa
             parallelize_module(module, tp_mesh, _ReplicateOnTP(), src_data_rank=None)
 
 
-def _shard_sequence_between_blocks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Cut the (replicated) embeddings' output along the sequence before the first block, and gather
-    the final norm's output back whole for the heads (they select positions by boolean masks over
-    the whole row). A pipeline stage without the first block or the final norm receives or hands
-    on the sequence-sharded stream as it is."""
+def _cut_sequence_before_first_block(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Cut the (replicated) embeddings' output along the sequence as it enters the first block. A
+    pipeline stage without the first block receives the sequence-sharded stream as it is."""
     if "0" in model.layers:
         scatter = PrepareModuleInput(
             input_layouts=(Replicate(), None, None, None),
@@ -175,6 +178,12 @@ def _shard_sequence_between_blocks(model: nn.Module, tp_mesh: DeviceMesh) -> Non
             use_local_output=True,  # the residual stream stays a plain tensor, as it is between blocks
         )
         parallelize_module(model.layers["0"], tp_mesh, scatter)
+
+
+def _gather_sequence_after_final_norm(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The final norm runs on the sequence slice, its output gathered back whole for the heads
+    (they select positions by boolean masks over the whole row). A stage without it hands on the
+    sequence-sharded stream as it is."""
     if getattr(model, "norm", None) is not None:
         parallelize_module(model.norm, tp_mesh, SequenceParallel(), src_data_rank=None)
         gather = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))

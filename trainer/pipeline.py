@@ -114,6 +114,9 @@ def _loss_of_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+
+
 class Stages:
     """This rank's pipeline stages and the schedule that runs one step of them.
 
@@ -138,9 +141,9 @@ class Stages:
         self.microbatches = config.microbatches
         self.group, self.device = group, device
         self.boundary, self.boundary_dtype = boundary, boundary_dtype
-        self._schedules: dict[int, tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]] = {}
+        self._schedules: dict[int, tuple[Schedule, list[PipelineStage]]] = {}
 
-    def schedule_for(self, rows: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    def schedule_for(self, rows: int) -> Schedule:
         """The schedule for microbatches of ``rows`` rows (built the first time)."""
         return self._built(rows)[0]
 
@@ -149,14 +152,12 @@ class Stages:
         (what a benchmark instruments: their ``forward_one_chunk`` / ``backward_one_chunk``)."""
         return self._built(rows)[1]
 
-    def _built(self, rows: int) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]:
+    def _built(self, rows: int) -> tuple[Schedule, list[PipelineStage]]:
         if rows not in self._schedules:
             self._schedules[rows] = self._build_schedule(rows)
         return self._schedules[rows]
 
-    def _build_schedule(
-        self, rows: int
-    ) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]:
+    def _build_schedule(self, rows: int) -> tuple[Schedule, list[PipelineStage]]:
         # The residual stream carries gradients back across stages: the examples say so.
         example = torch.empty((rows, *self.boundary), dtype=self.boundary_dtype, device="meta", requires_grad=True)
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
@@ -172,7 +173,7 @@ class Stages:
             )
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
-        schedule: PipelineScheduleSingle | PipelineScheduleMulti
+        schedule: Schedule
         if self.config.pp_schedule == "1F1B":
             schedule = Schedule1F1B(pipeline_stages[0], self.microbatches, loss_fn=_loss_of_output, scale_grads=False)
         else:
@@ -193,6 +194,6 @@ class Stages:
                 f"this rank's {rows} rows per step do not split into parallel.pp_microbatches={self.microbatches}"
             )
         schedule = self.schedule_for(rows // self.microbatches)
-        placeholder = torch.zeros(self.microbatches, device=loss_normalizer.device)
-        schedule.step(target=placeholder, return_outputs=False, **batch)
+        unused_targets = torch.zeros(self.microbatches, device=loss_normalizer.device)
+        schedule.step(target=unused_targets, return_outputs=False, **batch)
         return [out for stage in self.stages if stage.is_last for out in stage.outputs]

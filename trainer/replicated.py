@@ -227,8 +227,9 @@ class ReplicatedTrainer(Trainer):
         model_state, optim_state = get_state_dict(self.parts.model, self.parts.optimizer)
         digest = {
             "step": self.step,
-            "params_sha256": state_digest(model_state),
-            "optim_sha256": state_digest(optim_state["state"]),
+            # Over the pipeline's ranks: every stage's tensors count, not rank 0's alone.
+            "params_sha256": state_digest(model_state, group=self.pp_group),
+            "optim_sha256": state_digest(optim_state["state"], group=self.pp_group),
             "heals": self.heals,
         }
         if self.outputs.enabled:

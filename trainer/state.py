@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim.lr_scheduler import LambdaLR
 
+from resilient.errors import StateError
 from resilient.rng import capture_rng_state, restore_rng_state
 from resilient.state import held_elsewhere, placeholder
 from resilient.trainer.data import OmniPipeline
@@ -93,9 +94,12 @@ def _name_other_stages(
             key: placeholder(() if value.dim() == 0 else shape, value.dtype) for key, value in template.items()
         }
     # One param group holding every parameter, in the whole model's order: the value a run
-    # without pipelining saves, the same on every rank.
-    for group in optim_state["param_groups"]:
-        group["params"] = list(global_params)
+    # without pipelining saves, the same on every rank. (Several groups would need each group's
+    # global members: build_optimizer makes one.)
+    groups = optim_state["param_groups"]
+    if len(groups) != 1:
+        raise StateError(f"pipelined checkpoints support one optimizer param group, the optimizer has {len(groups)}")
+    groups[0]["params"] = list(global_params)
 
 
 def apply_state(parts: TrainingParts, state: dict[str, Any]) -> tuple[int, int]:

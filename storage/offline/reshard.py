@@ -29,6 +29,9 @@ _SHARD = re.compile(r"^_?S\((\d+)")
 KNOWN_DIM_NAMES = ("dp_shard", "tp")
 """The trainer's mesh dims (``resilient.trainer.parallelize.MESH_DIM_NAMES``; storage may not import
 the trainer, a test holds the two equal)."""
+SPLITS_NO_TENSOR = ("pp",)
+"""Trainer mesh dims that split no tensor: pipeline stages split the layers (a tensor lives whole on
+its stage's dp_shard x tp mesh), so ``--mesh pp=2,dp_shard=4,tp=2`` lays out as dp_shard=4,tp=2."""
 ChunkRule = tuple[str, tuple[int, ...], tuple[int, ...] | None]  # glob, shard shape, inner shape
 
 
@@ -71,6 +74,8 @@ def _dim_for(info: TensorInfo, name: str) -> tuple[int | None, str]:
     """The tensor dim the mesh dim ``name`` splits, or None and why it does not apply."""
     if not info.shape:
         return None, "0-d: a scalar is never split"
+    if name in SPLITS_NO_TENSOR:
+        return None, "pipeline stages split the layers, not a tensor"
     if name in info.mesh_dim_names:
         placement = info.placements[info.mesh_dim_names.index(name)]
         match = _SHARD.match(placement)
@@ -101,12 +106,12 @@ def check_mesh_names(mesh: dict[str, int], infos: list[TensorInfo]) -> None:
     """Reject a dim name that neither the trainer's mesh nor this checkpoint's mesh has: a typo
     (``tp_size=4``) would otherwise split nothing and say nothing."""
     saved = [n for n in dict.fromkeys(n for i in infos for n in i.mesh_dim_names) if n not in KNOWN_DIM_NAMES]
-    known = [*KNOWN_DIM_NAMES, *saved]
+    known = [*KNOWN_DIM_NAMES, *SPLITS_NO_TENSOR, *saved]
     for name in mesh:
         if name not in known:
             also = f", and {', '.join(saved)} from this checkpoint's mesh" if saved else ""
             raise ConfigError(
-                f"--mesh dimension {name!r} is unknown; known: {', '.join(KNOWN_DIM_NAMES)} "
+                f"--mesh dimension {name!r} is unknown; known: {', '.join(KNOWN_DIM_NAMES + SPLITS_NO_TENSOR)} "
                 f"(the trainer's mesh){also}; e.g. --mesh dp_shard=8,tp=4"
             )
 
@@ -116,6 +121,8 @@ def not_applied(mesh: dict[str, int], infos: list[TensorInfo]) -> list[dict]:
     split by anything, are left out: they would fill every group)."""
     groups: dict[tuple[str, str], list[str]] = {}
     for name, size in mesh.items():
+        if name in SPLITS_NO_TENSOR:
+            continue
         for info in infos:
             dim, why = _dim_for(info, name)
             if size > 1 and dim is None and info.shape:

@@ -179,6 +179,21 @@ def test_reshard_knows_the_trainers_mesh_dims():
     assert KNOWN_DIM_NAMES == MESH_DIM_NAMES
 
 
+def test_reshard_mesh_with_pp_lays_out_as_without_it(tmp_path, saved, cli):
+    """pp splits layers, not tensors: the save-time mesh inspect prints (with pp) is a valid target."""
+    root, _ = saved
+    _saved_on_mesh(root, {"model.embed.weight": ["S(0)", "R"], "model.proj.weight": ["S(0)", "S(1)"]})
+    with_pp = cli.json("reshard", root, str(tmp_path / "pp"), "--mesh", "pp=2,dp_shard=4,tp=2")
+    without = cli.json("reshard", root, str(tmp_path / "flat"), "--mesh", "dp_shard=4,tp=2")
+    assert with_pp["not_applied"] == without["not_applied"]
+    assert all(g["dim"] != "pp" for g in with_pp["not_applied"])
+    shards = {
+        name: {t["fqn"]: t["shard_shape"] for t in cli.json("inspect", str(tmp_path / name))["tensors"]}
+        for name in ("pp", "flat")
+    }
+    assert shards["pp"] == shards["flat"]
+
+
 def test_reshard_mesh_names_checked_not_applied_named_meshes_recorded(tmp_path, saved, cli):
     """Issue 13 item 13: an unknown --mesh name was accepted and split nothing; a dim that splits
     no tensor said nothing; metadata recorded the target mesh as resharded_from.mesh."""

@@ -153,7 +153,16 @@ def _worker_2x2() -> dict:
     _check_placements(mesh)
     plain = _check_parallel_matches(mesh, ParallelConfig(dp_shard=2, tp=2), batch, ref, TOLERANCE)
     ac = ParallelConfig(dp_shard=2, tp=2, activation_checkpointing="full")
-    return {"max_grad_diff": max(plain, _check_parallel_matches(mesh, ac, batch, ref, TOLERANCE)), "configs": 2}
+    checkpointed = _check_parallel_matches(mesh, ac, batch, ref, TOLERANCE)
+    # Sequence parallelism: the same loss, gradients and step, the activations between TP regions
+    # split along the sequence (24 tokens over tp=2).
+    sp = ParallelConfig(dp_shard=2, tp=2, sequence_parallel=True)
+    sequence = _check_parallel_matches(mesh, sp, batch, ref, TOLERANCE)
+    # With checkpointing too: its recompute calls the first block again, which cut an already cut
+    # sequence once (the cutting hook ran before checkpoint's) until the hook order was fixed.
+    sp_ac = ParallelConfig(dp_shard=2, tp=2, sequence_parallel=True, activation_checkpointing="full")
+    both = _check_parallel_matches(mesh, sp_ac, batch, ref, TOLERANCE)
+    return {"max_grad_diff": max(plain, checkpointed, sequence, both), "configs": 4}
 
 
 def _worker_2x1() -> dict:
@@ -186,9 +195,9 @@ def _check_mixed_precision(mesh, batch: dict, ref: dict) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(180)
-def test_tp2_fsdp2_matches_single_process() -> None:
+def test_tp2_fsdp2_and_sequence_parallel_match_single_process() -> None:
     results = _spawn(4, _worker_2x2)
-    assert [r["configs"] for r in results] == [2, 2, 2, 2]
+    assert [r["configs"] for r in results] == [4, 4, 4, 4]
     assert all(r["max_grad_diff"] <= 1e-4 for r in results), results
 
 

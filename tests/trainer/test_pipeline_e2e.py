@@ -1,13 +1,15 @@
 """Pipeline parallelism end to end: real torchrun jobs of the tiny recipe (4 layers) on gloo.
 
-Five jobs, each on 2 ranks, shared by the tests below:
+Six jobs shared by the tests below:
 
-- ``pp2``: pp=2 (1F1B, 4 microbatches), 8 steps, checkpoints at 4 and 8;
-- ``pp1``: pp=1 x dp_shard=2 on the same data, 8 steps;
+- ``pp2``: pp=2 x dp_shard=2 (1F1B, 4 microbatches; 4 ranks), 8 steps, checkpoints at 4 and 8;
+- ``pp1``: pp=1 x dp_shard=2 (2 ranks) on the same data, 8 steps;
 - ``split``: ``pp2``'s directory as a crash after step 8 leaves it had the step-8 checkpoint never
-  committed, resumed on pp=2: it redoes steps 5-8;
+  committed, resumed on pp=2 x dp_shard=2: it redoes steps 5-8;
 - ``to_pp1``: the same crash resumed on pp=1 x dp_shard=2 through the ``resilient-train`` launcher;
-- ``to_pp2``: ``pp1``'s crash resumed on pp=2 under the interleaved 1F1B schedule (4 stages).
+- ``to_one``: the same crash resumed in one plain process (no torchrun);
+- ``to_pp2``: ``pp1``'s crash resumed on pp=2 x tp=2 with sequence parallelism, the interleaved
+  1F1B schedule (4 stages) and activation checkpointing (4 ranks).
 """
 
 from __future__ import annotations
@@ -39,28 +41,40 @@ from tests.trainer.e2e_runs import (
 pytestmark = [pytest.mark.e2e]
 
 LAYERS = "model.n_layers=4"
-PP2 = ("parallel.pp=2", "parallel.dp_shard=1", "parallel.tp=1", "parallel.pp_microbatches=4", LAYERS)
+PP2 = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=1", "parallel.pp_microbatches=4", LAYERS)
 PP1 = ("parallel.pp=1", "parallel.dp_shard=2", "parallel.tp=1", LAYERS)
-INTERLEAVED = (*PP2, 'parallel.pp_schedule="interleaved1F1B"')
+ONE = ("parallel.pp=1", "parallel.dp_shard=1", "parallel.tp=1", LAYERS)
+PP2_TP2 = (
+    "parallel.pp=2",
+    "parallel.dp_shard=1",
+    "parallel.tp=2",
+    "parallel.sequence_parallel=true",
+    'parallel.pp_schedule="interleaved1F1B"',
+    'parallel.activation_checkpointing="full"',
+    LAYERS,
+)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pipeline")
     pp2, pp1 = root / "pp2", root / "pp1"
-    torchrun(2, pp2, *PP2)
+    torchrun(4, pp2, *PP2)
     torchrun(2, pp1, *PP1)
     split = crashed_copy(pp2, root / "split", STOP_AT)
-    resumed = torchrun(2, split, *PP2)
-    assert f"resumed from step {STOP_AT}" in resumed.stdout and "pp=2 x dp_shard=1 x tp=1" in resumed.stdout
+    resumed = torchrun(4, split, *PP2)
+    assert f"resumed from step {STOP_AT}" in resumed.stdout and "pp=2 x dp_shard=2 x tp=1" in resumed.stdout
     to_pp1 = crashed_copy(pp2, root / "to_pp1", STOP_AT)
     launcher = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
     moved = run_job([*launcher, *set_args(to_pp1, *PP1)])
     assert f"resumed from step {STOP_AT}" in moved.stdout and "dp_shard=2 x tp=1" in moved.stdout
+    to_one = crashed_copy(pp2, root / "to_one", STOP_AT)
+    moved = run_job([sys.executable, "-m", "resilient.trainer", "--config", TINY, *set_args(to_one, *ONE)])
+    assert f"resumed from step {STOP_AT}" in moved.stdout and "dp_shard=1 x tp=1" in moved.stdout
     to_pp2 = crashed_copy(pp1, root / "to_pp2", STOP_AT)
-    moved = torchrun(2, to_pp2, *INTERLEAVED)
-    assert f"resumed from step {STOP_AT}" in moved.stdout and "pp=2 x dp_shard=1 x tp=1" in moved.stdout
-    return {"pp2": pp2, "pp1": pp1, "split": split, "to_pp1": to_pp1, "to_pp2": to_pp2}
+    moved = torchrun(4, to_pp2, *PP2_TP2)
+    assert f"resumed from step {STOP_AT}" in moved.stdout and "pp=2 x dp_shard=1 x tp=2" in moved.stdout
+    return {"pp2": pp2, "pp1": pp1, "split": split, "to_pp1": to_pp1, "to_one": to_one, "to_pp2": to_pp2}
 
 
 @pytest.mark.timeout(600)
@@ -89,7 +103,7 @@ def test_same_layout_resume_is_bit_identical(runs: dict[str, Path]) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("name", "source"), [("to_pp1", "pp2"), ("to_pp2", "pp1")])
+@pytest.mark.parametrize(("name", "source"), [("to_pp1", "pp2"), ("to_one", "pp2"), ("to_pp2", "pp1")])
 def test_resume_across_pipeline_layouts_is_exactly_once(runs: dict[str, Path], name: str, source: str) -> None:
     moved, straight = step_metrics(runs[name]), step_metrics(runs[source])
     assert list(moved) == list(range(1, STEPS + 1))
@@ -115,12 +129,15 @@ def test_checkpoints_keep_global_names_and_shapes_whatever_the_split(runs: dict[
         assert pipelined[fqn].shape == tensor.shape, fqn
     ref, _ = open_newest_readable(str(runs["pp1"] / "ckpt"), None)
     unpipelined_groups = summarize(ref)["values"]["optim.param_groups"]
-    for run in ("pp2", "to_pp2"):
+    saved_on = {"pp2": {"pp": 2, "dp_shard": 2, "tp": 1}, "to_pp2": {"pp": 2, "dp_shard": 1, "tp": 2}}
+    for run, mesh in saved_on.items():
         ref, _ = open_newest_readable(str(runs[run] / "ckpt"), None)
         summary = summarize(ref)
-        assert summary["save_mesh"] == {"pp": 2, "dp_shard": 1, "tp": 1}, run
+        assert summary["save_mesh"] == mesh, run
         # One value for all ranks (not one per rank), equal to what a run without pipelining saves.
         assert summary["values"]["optim.param_groups"] == unpipelined_groups, run
+    shown = run_job([sys.executable, "-m", "resilient.tools.ckpt", "inspect", str(runs["pp2"] / "ckpt")])
+    assert "save-time mesh pp=2 x dp_shard=2 x tp=1" in shown.stdout
     manifest = json.loads((runs["pp1"] / "ckpt" / f"step-{STEPS:09d}" / "manifest.json").read_text())
     assert manifest["metadata"]["mesh"] == {"dp_shard": 2, "tp": 1}
     assert Checkpointer(str(runs["to_pp2"] / "ckpt")).steps() == [STOP_AT, STEPS]

@@ -139,16 +139,19 @@ def test_bad_keys_and_values_name_the_key(override: str, message: str) -> None:
     ("overrides", "message"),
     [
         (["parallel.pp=2", "parallel.pp_schedule='interleaved1F1B'"], r"makes 4 pipeline stages but model.n_layers=2"),
-        (["parallel.pp=2", "parallel.pp_microbatches=3"], r"pp_microbatches=3 must divide the 4 rows .*\[1, 2, 4\]"),
+        (["parallel.pp=2", "parallel.pp_microbatches=3"], r"pp_microbatches=3 must divide the 4 rows .*\[2, 4\]"),
         (
             [
                 "parallel.pp=2",
+                "parallel.dp_shard=1",
+                "data.global_rows=12",
                 "model.n_layers=4",
                 "parallel.pp_schedule='interleaved1F1B'",
-                "parallel.pp_microbatches=1",
+                "parallel.pp_microbatches=3",
             ],
-            r"pp_microbatches=1 must be a multiple of parallel.pp=2",
+            r"pp_microbatches=3 must be a multiple of parallel.pp=2",
         ),
+        (["parallel.pp=2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 must be >= parallel.pp=2"),
         (["parallel.tp=1", "parallel.sequence_parallel=true"], r"sequence_parallel=true needs tp > 1"),
         (
             [
