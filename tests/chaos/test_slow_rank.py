@@ -138,7 +138,7 @@ def _run_steps(tmp_path: Path, monkeypatch, *, group: int, rank: int, steps: int
     monkeypatch.setenv("RANK", str(rank))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    trainer = SimpleNamespace(group=group, step=0, parts=SimpleNamespace(model=model), before_compute=[])
+    trainer = SimpleNamespace(group=group, step=0, parts=SimpleNamespace(model=model), before_compute=[], pp_group=None)
     trainer.parts.model(torch.ones(2, 4))  # warm-up: the first call of an op is slow (dispatch, allocation)
     hook = chaos_hook(trainer)
     assert hook is not None
@@ -174,7 +174,9 @@ def test_hook_slows_the_named_rank_over_the_span_only(tmp_path: Path, monkeypatc
 def test_a_span_armed_mid_run_is_picked_up_after_the_next_step(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(CHAOS_DIR_ENV, str(tmp_path / "chaos"))
     monkeypatch.setenv("RANK", "0")
-    trainer = SimpleNamespace(group=0, step=0, parts=SimpleNamespace(model=torch.nn.Linear(4, 4)), before_compute=[])
+    trainer = SimpleNamespace(
+        group=0, step=0, parts=SimpleNamespace(model=torch.nn.Linear(4, 4)), before_compute=[], pp_group=None
+    )
     hook = chaos_hook(trainer)
     assert hook is not None and hook.slow_spans == []
     path = slow_path(str(tmp_path / "chaos"), 0)
