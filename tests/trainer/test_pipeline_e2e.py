@@ -6,10 +6,11 @@ Six jobs shared by the tests below:
 - ``pp1``: pp=1 x dp_shard=2 (2 ranks) on the same data, 8 steps;
 - ``split``: ``pp2``'s directory as a crash after step 8 leaves it had the step-8 checkpoint never
   committed, resumed on pp=2 x dp_shard=2: it redoes steps 5-8;
-- ``to_pp1``: the same crash resumed on pp=1 x dp_shard=2 through the ``resilient-train`` launcher;
+- ``to_pp1``: the same crash resumed on pp=1 x dp_shard=2;
 - ``to_one``: the same crash resumed in one plain process (no torchrun);
 - ``to_pp2``: ``pp1``'s crash resumed on pp=2 x tp=2 with sequence parallelism, the interleaved
-  1F1B schedule (4 stages) and activation checkpointing (4 ranks).
+  1F1B schedule (4 stages) and activation checkpointing, through the ``resilient-train`` launcher
+  (which starts pp x dp_shard x tp = 4 ranks).
 """
 
 from __future__ import annotations
@@ -65,14 +66,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     resumed = torchrun(4, split, *PP2)
     assert f"resumed from step {STOP_AT}" in resumed.stdout and "pp=2 x dp_shard=2 x tp=1" in resumed.stdout
     to_pp1 = crashed_copy(pp2, root / "to_pp1", STOP_AT)
-    launcher = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
-    moved = run_job([*launcher, *set_args(to_pp1, *PP1)])
+    moved = torchrun(2, to_pp1, *PP1)
     assert f"resumed from step {STOP_AT}" in moved.stdout and "dp_shard=2 x tp=1" in moved.stdout
     to_one = crashed_copy(pp2, root / "to_one", STOP_AT)
     moved = run_job([sys.executable, "-m", "resilient.trainer", "--config", TINY, *set_args(to_one, *ONE)])
     assert f"resumed from step {STOP_AT}" in moved.stdout and "dp_shard=1 x tp=1" in moved.stdout
     to_pp2 = crashed_copy(pp1, root / "to_pp2", STOP_AT)
-    moved = torchrun(4, to_pp2, *PP2_TP2)
+    launcher = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
+    moved = run_job([*launcher, *set_args(to_pp2, *PP2_TP2)])
     assert f"resumed from step {STOP_AT}" in moved.stdout and "pp=2 x dp_shard=1 x tp=2" in moved.stdout
     return {"pp2": pp2, "pp1": pp1, "split": split, "to_pp1": to_pp1, "to_one": to_one, "to_pp2": to_pp2}
 
