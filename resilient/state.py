@@ -158,15 +158,17 @@ def state_digest(state: Any, *, group: Any = None) -> str:
     on every rank of the mesh. With ``group`` (a pipeline's ranks, each holding other tensors), the
     tensors of every rank of the group count: a collective over it too (the hashes travel as JSON).
     Non-tensor leaves do not count (they are compared as JSON)."""
-    hashes = {key: _tensor_sha256(key, value) for key, value in _tensor_items(state, "")}
+    hashes = {key: {_tensor_sha256(key, value)} for key, value in _tensor_items(state, "")}
     if group is not None:
         from resilient.dist import all_gather_json
 
-        for part in all_gather_json(hashes, group=group):
-            hashes.update(part)
+        for part in all_gather_json({k: sorted(v) for k, v in hashes.items()}, group=group):
+            for key, values in part.items():
+                # A key two ranks hold with different bits keeps both: the digest shows the split.
+                hashes.setdefault(key, set()).update(values)
     h = hashlib.sha256()
     for key in sorted(hashes):
-        h.update(f"{key}={hashes[key]}\n".encode())
+        h.update(f"{key}={','.join(sorted(hashes[key]))}\n".encode())
     return h.hexdigest()
 
 

@@ -16,6 +16,7 @@ the data section unless the recipe sets them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -274,21 +275,29 @@ class TrainConfig:
                 "parallel.pp, use pp_schedule='1F1B', or raise model.n_layers"
             )
         # Replica groups split a step's rows over the groups taking part: every count may occur.
-        sharers = range(1, (self.replica.groups if self.replica.enabled else 1) + 1)
-        all_rows = sorted({data.global_rows // (p.dp_shard * k) for k in sharers})
+        groups = self.replica.groups if self.replica.enabled else 1
+        rows_by_groups = {k: data.global_rows // (p.dp_shard * k) for k in range(1, groups + 1)}
         if p.pp > 1 and p.microbatches < p.pp:
             raise ConfigError(
                 f"parallel.pp_microbatches={p.microbatches} must be >= parallel.pp={p.pp}: the schedule keeps "
-                "every stage busy with a microbatch of its own (0 takes 2 x pp)"
+                "every stage busy with a microbatch of its own (pp_microbatches=0 means 2 x pp)"
             )
-        bad = [rows for rows in all_rows if rows % p.microbatches]
+        bad = {k: rows for k, rows in rows_by_groups.items() if rows % p.microbatches}
         if p.pp > 1 and bad:
-            fits = [m for m in range(p.pp, all_rows[0] + 1) if all(rows % m == 0 for rows in all_rows)]
+            k, rows = next(iter(bad.items()))
+            step = p.pp if p.pp_schedule == "interleaved1F1B" else 1
+            fits = [
+                m
+                for m in range(p.pp, min(rows_by_groups.values()) + 1, step)
+                if all(r % m == 0 for r in rows_by_groups.values())
+            ]
+            shared = f" shared by {k} replica group(s)" if self.replica.enabled else ""
+            multiple = p.microbatches * p.dp_shard * math.lcm(*range(1, groups + 1))
+            advice = f"use one of {fits}" if fits else f"raise data.global_rows to a multiple of {multiple}"
             raise ConfigError(
-                f"parallel.pp_microbatches={p.microbatches} must divide the {bad[0]} rows a data-parallel "
-                f"rank takes per step (data.global_rows={data.global_rows} / parallel.dp_shard={p.dp_shard}"
-                + (" / groups taking part" if self.replica.enabled else "")
-                + f"): use one of {fits}"
+                f"parallel.pp_microbatches={p.microbatches} must divide the {rows} rows a data-parallel rank "
+                f"takes per step (data.global_rows={data.global_rows} / parallel.dp_shard={p.dp_shard}{shared}): "
+                f"{advice}"
             )
         if p.pp > 1 and p.pp_schedule == "interleaved1F1B" and p.microbatches % p.pp:
             raise ConfigError(

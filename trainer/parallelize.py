@@ -134,9 +134,9 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig
             # "_checkpoint_wrapped_module." into every name the checkpoint stores).
             checkpoint(block, preserve_rng_state=False)
     if config.tp > 1 and config.sequence_parallel:
-        # After checkpointing, so that the first block's pre-hooks run checkpoint's first: it saves
-        # the block's inputs before the sequence is cut, and its recompute (which calls the block
-        # again, cutting hook included) then cuts the same whole input once, not a cut one twice.
+        # After checkpointing, so that checkpoint's pre-hook on the first block runs before the cut's:
+        # it saves the block's inputs before the sequence is cut, and its recompute (which calls the
+        # block again, cutting hook included) then cuts the same whole input once, not a cut one twice.
         _cut_sequence_before_first_block(model, mesh["tp"])
     _apply_fsdp(model, mesh["dp_shard"], config)
     return model

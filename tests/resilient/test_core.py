@@ -166,3 +166,21 @@ def test_an_unwritable_event_log_never_raises_and_is_warned_once(tmp_path, caplo
     warned = [r.getMessage() for r in caplog.records if "the run goes on without them" in r.getMessage()]
     assert len(warned) == 1 and runfiles.events_path(str(tmp_path)) in warned[0], warned
     assert list((tmp_path / runfiles.EVENTS_FILE).iterdir()) == []
+
+
+def _stage_digests(rank: int, world: int) -> dict:
+    # Rank 0 holds "a", rank 1 holds "b" (two pipeline stages); "b" changes when asked.
+    group = torch.distributed.group.WORLD
+    held = {"a": torch.arange(4.0)} if rank == 0 else {"b": torch.ones(3)}
+    changed = {"a": torch.arange(4.0)} if rank == 0 else {"b": torch.zeros(3)}
+    return {"held": state_digest(held, group=group), "changed": state_digest(changed, group=group)}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_state_digest_over_a_group_covers_every_rank_s_tensors() -> None:
+    results = run_world(_stage_digests, 2, timeout_s=90)
+    assert results[0] == results[1], "every rank of the group gets the same digest"
+    whole = state_digest({"a": torch.arange(4.0), "b": torch.ones(3)})
+    assert results[0]["held"] == whole, "split over two ranks = the same tensors in one process"
+    assert results[0]["changed"] != results[0]["held"], "a change on rank 1 alone changes rank 0's digest"

@@ -152,6 +152,15 @@ def test_bad_keys_and_values_name_the_key(override: str, message: str) -> None:
             r"pp_microbatches=3 must be a multiple of parallel.pp=2",
         ),
         (["parallel.pp=2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 must be >= parallel.pp=2"),
+        (
+            ["replica.enabled=true", "replica.groups=2", "parallel.pp=2", "parallel.dp_shard=1"]
+            + ["data.global_rows=12", "parallel.pp_microbatches=4"],
+            r"must divide the 6 rows .* shared by 2 replica group\(s\)\): use one of \[2, 3, 6\]",
+        ),
+        (
+            ["replica.enabled=true", "replica.groups=2", "parallel.pp=2", "data.global_rows=4"],
+            r"pp_microbatches=4 must divide the 2 rows .*: raise data.global_rows to a multiple of 16",
+        ),
         (["parallel.tp=1", "parallel.sequence_parallel=true"], r"sequence_parallel=true needs tp > 1"),
         (
             [
