@@ -107,8 +107,13 @@ def _check_parallel_matches(mesh, parallel: ParallelConfig, batch: dict, ref: di
     local = {key: value[start : start + rows] for key, value in batch.items()}
     global_tokens = _dp_sum(count_loss_tokens(local), mesh)
     assert int(global_tokens) == int(ref["num_loss_tokens"])
+    # What reaches the second block: under sequence parallelism 1/tp of each row's tokens.
+    lengths: list[int] = []
+    model.layers["1"].register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
 
     out = model(local, loss_normalizer=global_tokens)
+    seq = local["text_tokens"].shape[1]
+    assert lengths[0] == (seq // parallel.tp if parallel.sequence_parallel else seq)
     out.loss.backward()
     assert int(_dp_sum(out.num_loss_tokens, mesh)) == int(ref["num_loss_tokens"])
     torch.testing.assert_close(_dp_sum(out.loss, mesh), ref["loss"], **tolerance)
