@@ -189,9 +189,11 @@ class Stages:
             stage.loss_normalizer = loss_normalizer
             stage.outputs = []
         rows = batch["text_tokens"].shape[0]
-        if rows % self.microbatches:
+        if rows % self.microbatches:  # the config check rules this out; the same on every rank if not
+            fits = [m for m in range(1, rows + 1) if rows % m == 0]
             raise ConfigError(
-                f"this rank's {rows} rows per step do not split into parallel.pp_microbatches={self.microbatches}"
+                f"this rank's {rows} rows per step do not split into parallel.pp_microbatches="
+                f"{self.microbatches}: set parallel.pp_microbatches to one of {fits}"
             )
         schedule = self.schedule_for(rows // self.microbatches)
         unused_targets = torch.zeros(self.microbatches, device=loss_normalizer.device)

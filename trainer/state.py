@@ -98,7 +98,11 @@ def _name_other_stages(
     # global members: build_optimizer makes one.)
     groups = optim_state["param_groups"]
     if len(groups) != 1:
-        raise StateError(f"pipelined checkpoints support one optimizer param group, the optimizer has {len(groups)}")
+        raise StateError(
+            f"pipelined checkpoints support one optimizer param group, the optimizer has {len(groups)}: "
+            "build it over the rank model's parameters as one group (trainer/schedule.build_optimizer), "
+            "or train with parallel.pp=1"
+        )
     groups[0]["params"] = list(global_params)
 
 
