@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import mmap
 import secrets
 import socket
 import struct
@@ -92,7 +93,7 @@ class Message:
     op: str
     key: str
     meta: dict
-    payload: bytearray | memoryview  # a bytearray of its own, or the destination it was received into
+    payload: bytearray | memoryview  # fresh memory of its own (fresh_buffer), or the destination it was received into
 
 
 Destination = Callable[[str, str, dict, int], "memoryview | None"]
@@ -254,7 +255,7 @@ class Session:
         self._check(self._tag(self._mac(self._recv_tag, 2 * seq, prefix, header)), head_tag)
         op, key, meta = _decode_header(header)
         view = destination(op, key, meta, payload_len) if destination is not None else None
-        payload: bytearray | memoryview = bytearray(payload_len) if view is None else view
+        payload: bytearray | memoryview = fresh_buffer(payload_len) if view is None else view
         mac = self._mac(self._recv_tag, 2 * seq + 1, prefix, header)
         if view is DISCARD:
             self._recv_discarding(payload_len, mac)
@@ -285,6 +286,24 @@ class Session:
             piece = scratch[: min(_CHUNK_BYTES, nbytes - offset)]
             _recv_exactly(self.sock, piece, f"a payload (its chunk at byte {offset} of {nbytes})")
             mac.authenticate_additional_data(piece)
+
+
+MAPPED_BUFFER_MIN_BYTES = 8 << 20
+"""From this size on a received payload lands in a fresh anonymous mapping faulted in whole by the
+kernel (``MAP_POPULATE``) instead of a ``bytearray``, which Python zero-fills page fault by page
+fault. Measured here for a 256 MiB snapshot fetched from a buddy at restore, in the restoring rank:
+0.23-0.28 s against 0.31-0.32 s. Transparent huge pages (``MADV_HUGEPAGE``) were faster alone
+(0.08 s) and slower in a rank holding its training state (0.64-0.74 s: direct compaction), so no."""
+
+
+def fresh_buffer(nbytes: int) -> bytearray | memoryview:
+    """Writable memory for ``nbytes`` received bytes: a memoryview over a private anonymous mapping
+    for big payloads (the view keeps the mapping alive, and ``torch.frombuffer`` on it keeps the
+    view alive), a bytearray for small ones."""
+    if nbytes < MAPPED_BUFFER_MIN_BYTES:
+        return bytearray(nbytes)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(-1, nbytes, flags=flags))
 
 
 def client_handshake(sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> tuple[Session, int]:

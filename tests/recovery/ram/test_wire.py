@@ -6,6 +6,7 @@ than the socket buffers flow while the receiver reads.
 
 from __future__ import annotations
 
+import mmap
 import pathlib
 import secrets
 import socket
@@ -13,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from resilient.recovery.ram import wire
 
@@ -77,6 +79,20 @@ def test_large_frame_round_trips_bit_exact(pair, into_destination):
     if into_destination:
         assert np.array_equal(landing, data)  # received in place: no bounce buffer
         assert np.shares_memory(np.asarray(message.payload), landing)
+    else:  # a fresh mapping faulted in by the kernel, not a bytearray Python zero-fills
+        assert isinstance(message.payload, memoryview) and isinstance(message.payload.obj, mmap.mmap)
+        assert not message.payload.readonly
+
+
+def test_fresh_buffers_are_bytearrays_when_small_and_populated_mappings_when_big():
+    small = wire.fresh_buffer(wire.MAPPED_BUFFER_MIN_BYTES - 1)
+    big = wire.fresh_buffer(wire.MAPPED_BUFFER_MIN_BYTES)
+    assert isinstance(small, bytearray) and len(small) == wire.MAPPED_BUFFER_MIN_BYTES - 1
+    assert isinstance(big, memoryview) and big.nbytes == wire.MAPPED_BUFFER_MIN_BYTES
+    big[-1] = 7  # writable, and tensors viewing it keep it alive
+    tensor = torch.frombuffer(big, dtype=torch.uint8)
+    del big
+    assert tensor[-1].item() == 7 and tensor[:-1].sum().item() == 0
 
 
 @pytest.mark.parametrize("where", ["payload", "header", "head_tag", "tag", "payload_len"])
