@@ -124,7 +124,7 @@ def _raw_entries(tree: tuple[list[str], list[tuple[str, int]]], root: str) -> No
     created with the same calls (mkdir; O_EXCL open + write + close) from one reused buffer, then
     made durable with one syncfs, as our writer does for this many files on a local file system.
     No planning, no encoding, no checksums, no commit: what is left is the file system's cost of
-    one array (a directory, its zarr.json, its chunk folder and shard) per tensor."""
+    one array (a directory, its zarr.json and its shard object) per tensor."""
     from resilient.storage.localwrite import _SYNCFS
 
     dirs, files = tree

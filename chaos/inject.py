@@ -110,10 +110,10 @@ def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
         record.note = f"no committed step under {root} yet: nothing corrupted"
         return
     step = steps[0] if record.spec.target == "oldest" else steps[-1]
-    chunks = sorted(
+    chunks = sorted(  # shard objects: every file of the attempt but the JSON (zarr.json, receipts)
         (os.path.getsize(p), p)
-        for p in glob.glob(os.path.join(root, f"step-{step:09d}", "attempt-*", "**", "c", "**"), recursive=True)
-        if os.path.isfile(p)
+        for p in glob.glob(os.path.join(root, f"step-{step:09d}", "attempt-*", "**"), recursive=True)
+        if os.path.isfile(p) and not p.endswith(".json")
     )
     if not chunks:
         record.note = f"step {step} has no chunk file"

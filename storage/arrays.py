@@ -13,6 +13,7 @@ import re
 
 from resilient.errors import IntegrityError, StorageError
 from resilient.layout import ArrayPlan
+from resilient.manifest import FORMAT_VERSION, ArrayEntry
 from resilient.storage.objects import memory_context
 from resilient.storage.url import Location
 
@@ -29,13 +30,26 @@ def _fill_value(dtype: str):
     return 0
 
 
-def array_metadata(shape: list[int], dtype: str, shard_shape: list[int], inner_shape: list[int]) -> dict:
+def chunk_key_encoding(format_version: int) -> dict:
+    """How shard objects are named (``shardfile.chunk_key`` builds the same keys)."""
+    if format_version >= 2:
+        return {"name": "v2", "configuration": {"separator": "."}}
+    return {"name": "default", "configuration": {"separator": "/"}}
+
+
+def array_metadata(
+    shape: list[int],
+    dtype: str,
+    shard_shape: list[int],
+    inner_shape: list[int],
+    format_version: int = FORMAT_VERSION,
+) -> dict:
     """The zarr v3 array metadata (without ``zarr_format``/``node_type``, as TensorStore takes it)."""
     return {
         "shape": list(shape),
         "data_type": dtype,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": chunk_key_encoding(format_version),
         "fill_value": _fill_value(dtype),
         "codecs": [
             {
@@ -52,7 +66,13 @@ def array_metadata(shape: list[int], dtype: str, shard_shape: list[int], inner_s
 
 
 def plan_metadata(plan: ArrayPlan) -> dict:
+    """Metadata of an array this resilient writes (the current format version)."""
     return array_metadata(list(plan.shape), plan.dtype, list(plan.shard_shape), list(plan.inner_shape))
+
+
+def entry_metadata(entry: ArrayEntry) -> dict:
+    """Metadata of an array a manifest names, in that manifest's format version."""
+    return array_metadata(entry.shape, entry.dtype, entry.shard_shape, entry.inner_shape, entry.format_version)
 
 
 def zarr_array_document(metadata: dict, attributes: dict) -> dict:

@@ -21,7 +21,7 @@ import torch
 from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
-from resilient.storage.arrays import array_metadata, open_array, read_error
+from resilient.storage.arrays import entry_metadata, open_array, read_error
 from resilient.storage.localread import can_read_locally, read_local
 from resilient.storage.url import Location
 
@@ -64,7 +64,7 @@ def read_tensorstore(
     for t in targets:
         e = t.entry
         if e.fqn not in opened:
-            meta = array_metadata(e.shape, e.dtype, e.shard_shape, e.inner_shape)
+            meta = entry_metadata(e)
             opened[e.fqn] = open_array(location, f"{attempt_key}/{e.path}", meta, context)
     inflight: deque = deque()
     inflight_bytes = 0

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from resilient.layout import Box
-from resilient.storage.arrays import array_metadata, make_context, open_array, read_error
+from resilient.storage.arrays import entry_metadata, make_context, open_array, read_error
 from resilient.storage.offline.catalog import CheckpointRef
 from resilient.storage.offline.streaming import Pending
 
@@ -116,7 +116,7 @@ class ResilientSource:
         for fqn in fqns:
             if fqn not in self._opened:
                 a = self.ref.manifest.arrays[fqn]
-                meta = array_metadata(a.shape, a.dtype, a.shard_shape, a.inner_shape)
+                meta = entry_metadata(a)
                 self._opened[fqn] = open_array(
                     self.ref.location, f"{self.ref.attempt_key}/{a.path}", meta, self._context
                 )

@@ -27,6 +27,7 @@ from resilient.manifest import ArrayEntry
 from resilient.storage.offline.catalog import CheckpointRef, DamagedStep, select
 from resilient.storage.offline.sources import ResilientSource
 from resilient.storage.offline.streaming import Pipeline, c_order_blocks
+from resilient.storage.shardfile import chunk_key
 
 
 @dataclass(slots=True)
@@ -70,8 +71,8 @@ class StepReport:
 
 
 def shard_key(entry: ArrayEntry, index: tuple[int, ...]) -> str:
-    """Key of a shard object relative to the attempt (zarr v3 default encoding, '/' separator)."""
-    return "/".join([entry.path, "c", *map(str, index)])
+    """Key of a shard object relative to the attempt, in the manifest's format version."""
+    return f"{entry.path}/{chunk_key(index, entry.format_version)}"
 
 
 def region_shards(entry: ArrayEntry, box: Box) -> list[tuple[int, ...]]:

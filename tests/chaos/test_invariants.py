@@ -80,25 +80,17 @@ def test_commits_verify_fails_on_a_bad_step_and_on_an_undetected_corruption(tmp_
     ckpt.save(2, {"w": torch.ones(4096)}).wait()
     assert inv.commits_verify(run, {})["ok"]
     # The scenario says it corrupted step 1, but nothing was flipped: detection missed it.
-    verdict = inv.commits_verify(run, {1: "w/c/0"})
+    verdict = inv.commits_verify(run, {1: "w/0"})
     assert not verdict["ok"] and "injected corruption NOT detected" in verdict["reason"]
-    chunks = [
-        os.path.join(d, f)
-        for d, _, fs in os.walk(os.path.join(run.checkpoint_url, "step-000000002"))
-        for f in fs
-        if f"{os.sep}c{os.sep}" in os.path.join(d, f)
-    ]
-    data = bytearray(Path(chunks[0]).read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    Path(chunks[0]).write_bytes(bytes(data))
+    _flip_a_chunk_byte(os.path.join(run.checkpoint_url, "step-000000002"))
     verdict = inv.commits_verify(run, {})
     assert not verdict["ok"] and "1 committed step(s) fail verification" in verdict["reason"], verdict
     assert inv.commits_verify(run, {2: "w"})["ok"], "a corruption the scenario made, and detected, passes"
 
 
 def _flip_a_chunk_byte(step_dir: str) -> None:
-    chunks = sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs if f"{os.sep}c{os.sep}" in os.path.join(d, f)
+    chunks = sorted(  # shard objects: "0", "1.0", ... (the rest is JSON)
+        os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs if f.replace(".", "").isdigit()
     )
     data = bytearray(Path(chunks[0]).read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -24,9 +24,9 @@ from tests.recovery.policy import events, restore_with, save, snapshot, start_ru
 pytestmark = pytest.mark.timeout(60)
 
 
-def _flip_chunk(root: Path, step: int, fqn: str, chunk: str = "0/0") -> None:
-    """Flip one data byte of ``fqn``'s shard object ``c/<chunk>`` of ``step`` (its crc32c then fails)."""
-    (path,) = glob.glob(str(root / step_dir(step) / "attempt-*" / fqn.replace(".", "/") / "c" / chunk))
+def _flip_chunk(root: Path, step: int, fqn: str, chunk: str = "0.0") -> None:
+    """Flip one data byte of ``fqn``'s shard object ``<chunk>`` of ``step`` (its crc32c then fails)."""
+    (path,) = glob.glob(str(root / step_dir(step) / "attempt-*" / fqn.replace(".", "/") / chunk))
     data = bytearray(Path(path).read_bytes())
     data[len(data) // 4] ^= 0x5A
     Path(path).write_bytes(data)
@@ -162,7 +162,7 @@ def _save_damage_restore(rank: int, world: int, root: str, run_dir: str) -> dict
             ckpt.save(step, _sharded(step, mesh)).wait()
         barrier()
         if rank == 0:
-            _flip_chunk(Path(root), 4, "model.w", chunk="1/0")  # the rows only rank 1 reads
+            _flip_chunk(Path(root), 4, "model.w", chunk="1.0")  # the rows only rank 1 reads
         barrier()
         loaded: dict[str, Any] = {}
         result = restore(lambda: _sharded(0, mesh), loaded.update, checkpointer=ckpt, ram=None, run_dir=run_dir)

@@ -36,16 +36,19 @@ def _random_tensor(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tenso
     return torch.randn(shape, generator=g).to(torch_dtype(dtype))
 
 
-def _write(root: Path, data: torch.Tensor, dtype: str, shard: tuple[int, ...], inner: tuple[int, ...]):
-    """Write ``data`` as one zarr array through TensorStore (the writer of real checkpoints)."""
+def _write(
+    root: Path, data: torch.Tensor, dtype: str, shard: tuple[int, ...], inner: tuple[int, ...], version: int = 2
+):
+    """Write ``data`` as one zarr array through TensorStore (the writer of real checkpoints), with
+    the shard keys of format ``version``."""
     location = parse_url(str(root))
     shape = list(data.shape)
-    meta = array_metadata(shape, dtype, list(shard), list(inner))
+    meta = array_metadata(shape, dtype, list(shard), list(inner), version)
     store = open_array(location, f"{ATTEMPT}/x", meta, make_context(location)).result()
     from resilient.dtypes import to_numpy
 
     store.write(to_numpy(data)).result()
-    entry = ArrayEntry("x", "x", shape, dtype, list(shard), list(inner), data.nbytes, [], [], [], [])
+    entry = ArrayEntry("x", "x", shape, dtype, list(shard), list(inner), data.nbytes, [], [], [], [], version)
     return location, entry
 
 
@@ -91,10 +94,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("version", [1, 2], ids=["format_v1", "format_v2"])
 @pytest.mark.parametrize(("shape", "dtype", "shard", "inner"), CASES, ids=[c[1] for c in CASES])
-def test_equals_tensorstore_for_many_boxes(tmp_path, shape, dtype, shard, inner):
+def test_equals_tensorstore_for_many_boxes(tmp_path, shape, dtype, shard, inner, version):
     data = _random_tensor(shape, dtype, seed=len(shape))
-    location, entry = _write(tmp_path, data, dtype, shard, inner)
+    location, entry = _write(tmp_path, data, dtype, shard, inner, version)
     boxes = [Box((0,) * len(shape), shape), *_random_boxes(shape, 25, seed=3)]
     boxes += [b for parts in (2, 3, 5) for b in _reshard_boxes(shape, parts)]
     for box in boxes:
@@ -104,9 +108,10 @@ def test_equals_tensorstore_for_many_boxes(tmp_path, shape, dtype, shard, inner)
         assert torch.equal(ours, data[box.slices()]), box
 
 
-def test_zero_dim_array(tmp_path):
+@pytest.mark.parametrize("version", [1, 2], ids=["format_v1", "format_v2"])
+def test_zero_dim_array(tmp_path, version):
     data = torch.tensor(3.25)
-    location, entry = _write(tmp_path, data, "float32", (), ())
+    location, entry = _write(tmp_path, data, "float32", (), (), version)
     ours = _read(location, entry, Box((), ()), direct=True)
     assert ours.shape == () and ours.item() == 3.25
 
@@ -165,7 +170,7 @@ def written(tmp_path):
 
 def test_flipped_byte_names_inner_chunk_and_shard(written):
     root, location, entry, data = written
-    path = _shard_file(root, "c/1/0")
+    path = _shard_file(root, "1.0")
     offset, _ = _index(path, SHARD, INNER)[2]
     raw = bytearray(path.read_bytes())
     raw[int(offset) + 5] ^= 0x01
@@ -174,7 +179,7 @@ def test_flipped_byte_names_inner_chunk_and_shard(written):
         _read(location, entry, Box((0, 0), SHAPE), direct=True)
     msg = str(info.value)
     assert "checksum mismatch in tensor 'x' at step 1" in msg
-    assert "inner chunk {2, 0} of shard object 'c/1/0'" in msg and str(path) in msg
+    assert "inner chunk {2, 0} of shard object '1.0'" in msg and str(path) in msg
     # a box that does not touch the damaged chunk still loads, and a partial read of it fails
     assert torch.equal(_read(location, entry, Box((0, 0), (70, 8)), direct=True), data[:70])
     with pytest.raises(IntegrityError, match=r"inner chunk \{2, 0\}"):
@@ -183,31 +188,31 @@ def test_flipped_byte_names_inner_chunk_and_shard(written):
 
 def test_flipped_crc_byte_is_caught(written):
     root, location, entry, _ = written
-    path = _shard_file(root, "c/0/0")
+    path = _shard_file(root, "0.0")
     offset, nbytes = _index(path, SHARD, INNER)[0]
     raw = bytearray(path.read_bytes())
     raw[int(offset + nbytes) - 1] ^= 0x80
     path.write_bytes(bytes(raw))
-    with pytest.raises(IntegrityError, match=r"inner chunk \{0, 0\} of shard object 'c/0/0'"):
+    with pytest.raises(IntegrityError, match=r"inner chunk \{0, 0\} of shard object '0.0'"):
         _read(location, entry, Box((0, 0), (5, 8)), direct=True)
 
 
 def test_damaged_index_is_an_integrity_error(written):
     root, location, entry, _ = written
-    path = _shard_file(root, "c/0/0")
+    path = _shard_file(root, "0.0")
     raw = bytearray(path.read_bytes())
     raw[-CRC_BYTES - 3] ^= 0x10
     path.write_bytes(bytes(raw))
-    with pytest.raises(IntegrityError, match=r"checksum mismatch .* the index of shard object 'c/0/0'"):
+    with pytest.raises(IntegrityError, match=r"checksum mismatch .* the index of shard object '0.0'"):
         _read(location, entry, Box((0, 0), (10, 8)), direct=True)
 
 
 def test_truncated_shard_is_an_integrity_error(written):
     root, location, entry, _ = written
-    path = _shard_file(root, "c/1/0")
+    path = _shard_file(root, "1.0")
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(IntegrityError, match=r"tensor 'x' at step 1\b.*shard object 'c/1/0'"):
+    with pytest.raises(IntegrityError, match=r"tensor 'x' at step 1\b.*shard object '1.0'"):
         _read(location, entry, Box((50, 0), (50, 8)), direct=True)
     path.write_bytes(raw[:10])  # shorter than the index itself
     with pytest.raises(IntegrityError, match=r"shorter than its index"):
@@ -216,7 +221,7 @@ def test_truncated_shard_is_an_integrity_error(written):
 
 def test_index_pointing_past_the_data_or_absent_chunk(written):
     root, location, entry, _ = written
-    path = _shard_file(root, "c/0/0")
+    path = _shard_file(root, "0.0")
     raw = path.read_bytes()
     body_len = len(raw) - index_nbytes(SHARD, INNER)
     rows = [
@@ -235,20 +240,20 @@ def test_index_pointing_past_the_data_or_absent_chunk(written):
 
 def test_deleted_shard_is_missing_data(written):
     root, location, entry, data = written
-    os.remove(_shard_file(root, "c/1/0"))
-    with pytest.raises(IntegrityError, match=r"tensor 'x' at step 1 is missing data: shard object 'c/1/0'"):
+    os.remove(_shard_file(root, "1.0"))
+    with pytest.raises(IntegrityError, match=r"tensor 'x' at step 1 is missing data: shard object '1.0'"):
         _read(location, entry, Box((40, 0), (20, 8)), direct=True)
     assert torch.equal(_read(location, entry, Box((0, 0), (50, 8)), direct=True), data[:50])
 
 
 def test_unreadable_shard_is_a_storage_error(written):
     root, location, entry, _ = written
-    path = _shard_file(root, "c/1/0")
+    path = _shard_file(root, "1.0")
     os.remove(path)
     os.mkdir(path)  # opens, but cannot be read as a file
     with pytest.raises(StorageError) as info:
         _read(location, entry, Box((50, 0), (50, 8)), direct=True)
-    assert "'x'" in str(info.value) and "c/1/0" in str(info.value)
+    assert "'x'" in str(info.value) and "1.0" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +295,7 @@ def test_a_chunk_that_fails_its_checksum_leaves_no_damaged_bytes_in_the_destinat
     """Review finding: preadv lands bytes in the live tensor before the crc check; on a mismatch
     they were left there. Now the run's direct spans are zeroed (the fill value) before raising."""
     root, location, entry, data = written
-    path = _shard_file(root, "c/0/0")
+    path = _shard_file(root, "0.0")
     offset, _ = _index(path, SHARD, INNER)[1]
     raw = bytearray(path.read_bytes())
     raw[int(offset) + 9] ^= 0x40

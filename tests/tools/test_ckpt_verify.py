@@ -16,7 +16,7 @@ W = "model.embed.weight"
 
 
 def _shard_object(root: str, fqn: str) -> str:
-    (path,) = glob.glob(os.path.join(root, "step-000000005", "attempt-*", *fqn.split("."), "c", "0", "0"))
+    (path,) = glob.glob(os.path.join(root, "step-000000005", "attempt-*", *fqn.split("."), "0.0"))
     return path
 
 
@@ -56,7 +56,7 @@ def test_damage_is_found_and_named(tmp_path, saved, cli, damage, kind):
     report = cli.json("verify", copy, expect=1)
     (problem,) = report["steps"][0]["problems"]
     assert problem["fqn"] == W and problem["step"] == 5 and problem["kind"] == kind
-    assert problem["chunk"] == "model/embed/weight/c/0/0"
+    assert problem["chunk"] == "model/embed/weight/0.0"
     assert W in problem["message"] and "step 5" in problem["message"]
     rc, out, _ = cli("verify", copy)
     assert rc == 1 and "1 PROBLEM(S)" in out and W in out
@@ -90,7 +90,7 @@ def _six_steps_five_damaged(root: str) -> None:
     manifest = os.path.join(root, "step-00000000{}", "manifest.json").format
     with open(manifest(2), "r+") as f:
         f.truncate(20)
-    chunk = os.path.join(root, "step-00000000{}", "attempt-*", "w", "c", "0", "0").format
+    chunk = os.path.join(root, "step-00000000{}", "attempt-*", "w", "0.0").format
     _flip(glob.glob(chunk(3))[0])
     os.remove(glob.glob(chunk(4))[0])
     Path(manifest(5)).write_text('{"format": "resilient", "format_version": 1}')
@@ -120,7 +120,7 @@ def test_verify_all_reports_each_damaged_step_and_goes_on(tmp_path, cli):
     assert "not valid JSON" in problems[2][0]["message"] and "step-000000002" in problems[2][0]["message"]
     assert "not a complete manifest" in problems[5][0]["message"]
     assert "latest names it" in problems[6][0]["message"]
-    assert problems[3][0]["fqn"] == "w" and problems[3][0]["chunk"] == "w/c/0/0"
+    assert problems[3][0]["fqn"] == "w" and problems[3][0]["chunk"] == "w/0.0"
     rc, out, err = cli("verify", root, "--all")
     lines = out.splitlines()
     assert rc == 1 and err == ""
