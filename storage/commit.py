@@ -43,7 +43,7 @@ from resilient.manifest import (
     step_dir,
 )
 from resilient.storage.objects import ObjectStore
-from resilient.storage.retention import KeepLast, apply_retention
+from resilient.storage.retention import KeepLast, apply_retention, remember_committed
 from resilient.storage.s3 import COMMIT_WRITE_BOUND_S
 
 if TYPE_CHECKING:  # persist.py imports this module: the job type is for annotations only
@@ -189,11 +189,13 @@ def commit_manifest(store: ObjectStore, manifest: Manifest) -> None:
     raised (it made the coordinator say "failed" while every other rank said "committed"; readers
     list the manifests, and the next commit moves ``latest`` again)."""
     key = f"{step_dir(manifest.step)}/{MANIFEST}"
-    if not store.write_if_absent(key, manifest.dumps()):
+    data = manifest.dumps()
+    if not store.write_if_absent(key, data):
         raise CommitError(
             f"step {manifest.step} is already committed at {store.location.url}/{key}; a step is "
             "written once: save under a new step number"
         )
+    remember_committed(store, manifest.step, data, manifest.attempt)
     try:
         update_latest(store, manifest.step)
     except Exception as e:  # noqa: BLE001 - advisory pointer; the manifest above decided the save

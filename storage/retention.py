@@ -61,12 +61,29 @@ miss; a cryptographic digest, not a crc, so no crafted or chance collision names
 _ATTEMPT_CACHE_MAX = 1024
 
 
+def _attempt_key(store: ObjectStore, step: int, data: bytes) -> tuple[str, int, bytes]:
+    return (store.location.url, step, hashlib.blake2b(data, digest_size=32).digest())
+
+
+def _remember(key: tuple[str, int, bytes], attempt: str) -> None:
+    if len(_ATTEMPT_OF) >= _ATTEMPT_CACHE_MAX:
+        _ATTEMPT_OF.clear()
+    _ATTEMPT_OF[key] = attempt
+
+
+def remember_committed(store: ObjectStore, step: int, data: bytes, attempt: str) -> None:
+    """The coordinator just wrote these manifest bytes: the retention that follows its commit needs
+    not parse them back (measured: ``json.loads`` of the kept manifests was 12-14% of the writer's
+    samples in a 1 GiB, 4-rank save, each manifest parsed once, right after its own commit)."""
+    _remember(_attempt_key(store, step, data), attempt)
+
+
 def committed_attempt(store: ObjectStore, step: int) -> str | None:
     """The attempt the step's manifest names (None: no manifest); DamagedManifest if unreadable."""
     data = store.read(f"{step_dir(step)}/{MANIFEST}")
     if data is None:
         return None
-    key = (store.location.url, step, hashlib.blake2b(data, digest_size=32).digest())
+    key = _attempt_key(store, step, data)
     cached = _ATTEMPT_OF.get(key)
     if cached is not None:
         return cached
@@ -76,9 +93,7 @@ def committed_attempt(store: ObjectStore, step: int) -> str | None:
         raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: {e}") from e
     if not isinstance(attempt, str):
         raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: attempt is {attempt!r}")
-    if len(_ATTEMPT_OF) >= _ATTEMPT_CACHE_MAX:
-        _ATTEMPT_OF.clear()
-    _ATTEMPT_OF[key] = attempt
+    _remember(key, attempt)
     return attempt
 
 
