@@ -99,6 +99,17 @@ def _kill(record: FaultRecord, ctx: InjectContext, group: int, ranks: list[int])
     return True
 
 
+def _committed_attempt(step_path: str) -> str:
+    """The attempt a step's manifest names (a failed or orphan attempt beside it is never read, so
+    corrupting it would test nothing); "attempt-*" when the manifest cannot say."""
+    try:
+        with open(os.path.join(step_path, "manifest.json")) as f:
+            attempt = json.load(f)["attempt"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "attempt-*"
+    return attempt if isinstance(attempt, str) and attempt.startswith("attempt-") else "attempt-*"
+
+
 def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
     root = ctx.config.checkpoint.url
     steps = sorted(
@@ -110,9 +121,10 @@ def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
         record.note = f"no committed step under {root} yet: nothing corrupted"
         return
     step = steps[0] if record.spec.target == "oldest" else steps[-1]
-    chunks = sorted(  # shard objects: every file of the attempt but the JSON (zarr.json, receipts)
+    attempt = _committed_attempt(os.path.join(root, f"step-{step:09d}"))
+    chunks = sorted(  # shard objects of the committed attempt: every file but the JSON (zarr.json, receipts)
         (os.path.getsize(p), p)
-        for p in glob.glob(os.path.join(root, f"step-{step:09d}", "attempt-*", "**"), recursive=True)
+        for p in glob.glob(os.path.join(root, f"step-{step:09d}", attempt, "**"), recursive=True)
         if os.path.isfile(p) and not p.endswith(".json")
     )
     if not chunks:

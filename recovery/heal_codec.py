@@ -117,8 +117,9 @@ def _rebuild(node: Any, tensors: list[torch.Tensor]) -> Any:
     return node["json"]
 
 
-def decode_state(payload: bytearray, *, source: str) -> Any:
-    """The state in ``payload``; tensors are views into it (no copy). IntegrityError names ``source``."""
+def decode_state(payload: bytearray | memoryview, *, source: str) -> Any:
+    """The state in ``payload``; tensors are views into it (no copy; they keep it alive). IntegrityError
+    names ``source``."""
     try:
         (index_len,) = _LEN.unpack_from(payload, 0)
         if index_len > len(payload) - _LEN.size:

@@ -42,7 +42,8 @@ def array_metadata(
     dtype: str,
     shard_shape: list[int],
     inner_shape: list[int],
-    format_version: int = FORMAT_VERSION,
+    *,
+    format_version: int,
 ) -> dict:
     """The zarr v3 array metadata (without ``zarr_format``/``node_type``, as TensorStore takes it)."""
     return {
@@ -67,12 +68,16 @@ def array_metadata(
 
 def plan_metadata(plan: ArrayPlan) -> dict:
     """Metadata of an array this resilient writes (the current format version)."""
-    return array_metadata(list(plan.shape), plan.dtype, list(plan.shard_shape), list(plan.inner_shape))
+    return array_metadata(
+        list(plan.shape), plan.dtype, list(plan.shard_shape), list(plan.inner_shape), format_version=FORMAT_VERSION
+    )
 
 
 def entry_metadata(entry: ArrayEntry) -> dict:
     """Metadata of an array a manifest names, in that manifest's format version."""
-    return array_metadata(entry.shape, entry.dtype, entry.shard_shape, entry.inner_shape, entry.format_version)
+    return array_metadata(
+        entry.shape, entry.dtype, entry.shard_shape, entry.inner_shape, format_version=entry.format_version
+    )
 
 
 def zarr_array_document(metadata: dict, attributes: dict) -> dict:

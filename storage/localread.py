@@ -337,7 +337,7 @@ def _target_runs(
     grid = chunks_per_shard(shard_shape, inner)
     dest_np = to_numpy(dest.detach())
     for shard_index, origin, part in _shards_of(entry, box):
-        key = chunk_key(shard_index, entry.format_version)
+        key = chunk_key(shard_index, format_version=entry.format_version)
         shard = _Shard(entry.fqn, step, key, f"{root}/{entry.path}/{key}", inner, dest_np.dtype)
         index, data_end = _read_index(shard, shard_shape)
         reads = _plan_chunks(shard, index, data_end, grid, origin, part, box, dest_np)

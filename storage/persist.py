@@ -23,7 +23,7 @@ from resilient.dtypes import to_numpy, torch_dtype
 from resilient.errors import ResilientError, StorageError
 from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box, Region, plan_from_json, plan_to_json
-from resilient.manifest import array_path, step_dir
+from resilient.manifest import FORMAT_VERSION, array_path, step_dir
 from resilient.metrics import SaveStats
 from resilient.storage.arrays import (
     kvstore_spec,
@@ -202,7 +202,10 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
 
 
 def _shards(item: RegionData) -> list[tuple[str, Box]]:
-    return [(chunk_key(index), box) for index, box in shards_in(item.region.box, item.plan.shard_shape)]
+    return [
+        (chunk_key(index, format_version=FORMAT_VERSION), box)
+        for index, box in shards_in(item.region.box, item.plan.shard_shape)
+    ]
 
 
 def _within(item: RegionData, box: Box) -> np.ndarray:

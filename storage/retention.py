@@ -87,13 +87,19 @@ def committed_attempt(store: ObjectStore, step: int) -> str | None:
     cached = _ATTEMPT_OF.get(key)
     if cached is not None:
         return cached
+    attempt = _parse_attempt(data, f"{store.location.url}/{step_dir(step)}/{MANIFEST}")
+    _remember(key, attempt)
+    return attempt
+
+
+def _parse_attempt(data: bytes, where: str) -> str:
+    """The attempt named by manifest bytes; DamagedManifest if they do not name one."""
     try:
         attempt = json.loads(data)["attempt"]
     except (ValueError, KeyError, TypeError) as e:
-        raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: {e}") from e
+        raise DamagedManifest(f"{where}: {e}") from e
     if not isinstance(attempt, str):
-        raise DamagedManifest(f"{store.location.url}/{step_dir(step)}/{MANIFEST}: attempt is {attempt!r}")
-    _remember(key, attempt)
+        raise DamagedManifest(f"{where}: attempt is {attempt!r}")
     return attempt
 
 

@@ -20,13 +20,12 @@ import crc32c
 import numpy as np
 
 from resilient.layout import Box
-from resilient.manifest import FORMAT_VERSION
 
 MISSING = 2**64 - 1
 CRC_BYTES = 4
 
 
-def chunk_key(shard_index: tuple[int, ...], format_version: int = FORMAT_VERSION) -> str:
+def chunk_key(shard_index: tuple[int, ...], *, format_version: int) -> str:
     """The shard's key under its array: zarr v3's "v2" chunk key encoding with a "." separator from
     format version 2 on (``1.0``; ``0`` for a 0-d array), its "default" one with "/" in version 1
     (``c/1/0``; ``c`` for a 0-d array)."""

@@ -420,8 +420,9 @@ class ReplicationClient:
     ) -> tuple[dict, bytearray | memoryview] | None:
         """The buddy's copy of ``key`` (header, payload), or None when the buddy does not hold it.
 
-        The payload is the buffer it was received into, no copy of a possibly huge snapshot: a new
-        bytearray, or ``into(header, nbytes)``'s writable view when given (called once the header is
+        The payload is the buffer it was received into, no copy of a possibly huge snapshot: fresh
+        memory (``wire.fresh_buffer``: a bytearray, or from 8 MiB a memoryview over an anonymous
+        mapping), or ``into(header, nbytes)``'s writable view when given (called once the header is
         authenticated; the view holds the sender's bytes only if ``get`` returns without raising).
         """
         _check_key(key)

@@ -254,7 +254,8 @@ class _Decision:
             return None
         header, payload = reply
         index = SnapshotIndex.from_json(header["index"])
-        # The client hands over the bytearray it received into: no further copy.
+        # The client hands over the memory it received into (wire.fresh_buffer): no further copy; the
+        # tensor keeps that memory alive.
         data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
         reason = self._unusable(index, data)
         if reason is not None:

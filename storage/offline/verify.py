@@ -72,7 +72,7 @@ class StepReport:
 
 def shard_key(entry: ArrayEntry, index: tuple[int, ...]) -> str:
     """Key of a shard object relative to the attempt, in the manifest's format version."""
-    return f"{entry.path}/{chunk_key(index, entry.format_version)}"
+    return f"{entry.path}/{chunk_key(index, format_version=entry.format_version)}"
 
 
 def region_shards(entry: ArrayEntry, box: Box) -> list[tuple[int, ...]]:

@@ -102,3 +102,26 @@ def test_a_relative_store_dir_resolves_against_the_repo_like_the_job(tmp_path: P
     assert job_node_store_dir(config, "/r", 1, 2) == str(REPO_ROOT / "runs" / "ram" / "group1" / "node2")
     absolute = SimpleNamespace(recovery=RecoveryConfig(store_dir=str(tmp_path / "ram")))
     assert job_store_root(absolute, "/r") == str(tmp_path / "ram")
+
+
+def test_corrupt_chunk_flips_a_shard_object_of_the_committed_attempt_only(tmp_path: Path) -> None:
+    """A failed attempt beside the committed one is never read: flipping a byte there would make
+    commits_verify report an undetected corruption that was never loaded."""
+    import torch
+
+    from resilient import Checkpointer
+    from resilient.chaos.inject import _flip_byte
+
+    root = str(tmp_path / "ckpt")
+    Checkpointer(root).save(1, {"w": torch.arange(40000.0)}).wait()
+    orphan = Path(root, "step-000000001", "attempt-orphan", "w")
+    orphan.mkdir(parents=True)
+    (orphan / "0").write_bytes(b"x" * 1_000_000)  # bigger than the real shard: the old pick
+    ctx = SimpleNamespace(config=SimpleNamespace(checkpoint=SimpleNamespace(url=root)))
+    record = SimpleNamespace(spec=SimpleNamespace(target="newest"), note=None, extra={})
+    _flip_byte(ctx, record)
+    (attempt,) = [
+        p.name for p in Path(root, "step-000000001").iterdir() if p.name not in ("manifest.json", "attempt-orphan")
+    ]
+    assert record.extra["file"] == f"step-000000001/{attempt}/w/0", record.extra
+    assert (orphan / "0").read_bytes() == b"x" * 1_000_000

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from resilient.errors import IntegrityError, ResilientError
 from resilient.recovery import transport as transport_module
 from resilient.recovery.heal_codec import LocalShard, adopt_shards, decode_state, encode_state
+from resilient.recovery.ram import wire
 from resilient.recovery.ram.wire import ChannelError
 from resilient.recovery.transport import HealTransport
 
@@ -85,7 +86,13 @@ def _forbid_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_state_round_trips_without_pickle(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["bytearray", "mapping"])
+def test_state_round_trips_without_pickle(pair, monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+    if mapped:  # received into an anonymous mapping, as heal payloads of 8 MiB and more are
+        monkeypatch.setattr(wire, "MAPPED_BUFFER_MIN_BYTES", 1)
+    kinds: list[type] = []
+    real_decode = transport_module.decode_state
+    monkeypatch.setattr(transport_module, "decode_state", lambda p, **k: kinds.append(type(p)) or real_decode(p, **k))
     source, healer = pair
     state = _state()
     payload = encode_state(state)
@@ -95,6 +102,7 @@ def test_state_round_trips_without_pickle(pair, monkeypatch: pytest.MonkeyPatch)
     received = healer.recv_checkpoint(src_rank=0, metadata=source.metadata(), step=7, timeout=TIMEOUT)
     _assert_same(state, received)
     assert healer.last_recv_bytes == len(payload) and healer.last_recv_s > 0
+    assert kinds == [memoryview if mapped else bytearray]
 
 
 @pytest.mark.timeout(30)

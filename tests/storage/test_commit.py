@@ -250,15 +250,13 @@ def test_retention_after_a_commit_does_not_parse_the_manifest_it_just_wrote(tmp_
 
     retention._ATTEMPT_OF.clear()
     parsed: list[str] = []
-    real_loads = retention.json.loads
+    real_parse = retention._parse_attempt
 
-    def counting_loads(data, *args, **kwargs):
-        value = real_loads(data, *args, **kwargs)
-        if isinstance(value, dict) and "attempt" in value:
-            parsed.append(value["attempt"])
-        return value
+    def counting_parse(data: bytes, where: str) -> str:
+        parsed.append(where)
+        return real_parse(data, where)
 
-    monkeypatch.setattr(retention.json, "loads", counting_loads)
+    monkeypatch.setattr(retention, "_parse_attempt", counting_parse)
     ckpt = Checkpointer(str(tmp_path), config=CheckpointerConfig(keep_last=2))
     for step in (1, 2, 3):
         ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()

@@ -43,7 +43,7 @@ def _write(
     the shard keys of format ``version``."""
     location = parse_url(str(root))
     shape = list(data.shape)
-    meta = array_metadata(shape, dtype, list(shard), list(inner), version)
+    meta = array_metadata(shape, dtype, list(shard), list(inner), format_version=version)
     store = open_array(location, f"{ATTEMPT}/x", meta, make_context(location)).result()
     from resilient.dtypes import to_numpy
 

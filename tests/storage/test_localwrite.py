@@ -15,6 +15,7 @@ import torch
 from resilient import Checkpointer
 from resilient.errors import StorageError
 from resilient.layout import Box
+from resilient.manifest import FORMAT_VERSION
 from resilient.storage import localwrite, persist
 from resilient.storage.arrays import array_metadata, make_context, open_array
 from resilient.storage.localwrite import AttemptFiles, run_parallel
@@ -48,14 +49,17 @@ def test_shard_objects_are_byte_identical_to_tensorstores(tmp_path, shape, dtype
     data = _data(shape, dtype)
     location = parse_url(str(tmp_path / "ts"))
     store = open_array(
-        location, "a", array_metadata(list(shape), dtype, list(shard), list(inner)), make_context(location)
+        location,
+        "a",
+        array_metadata(list(shape), dtype, list(shard), list(inner), format_version=FORMAT_VERSION),
+        make_context(location),
     )
     store.result().write(data).result()
     written = 0
     for index, box in shards_in(Box((0,) * len(shape), shape), shard):
         part = data[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes, strict=True))]
         ours = b"".join(bytes(memoryview(b).cast("B")) for b in encode_shard(part, shard, inner))
-        with open(tmp_path / "ts" / "a" / chunk_key(index), "rb") as f:
+        with open(tmp_path / "ts" / "a" / chunk_key(index, format_version=FORMAT_VERSION), "rb") as f:
             assert ours == f.read(), f"shard {index} differs"
         written += 1
     stored = [n for _, _, names in os.walk(tmp_path / "ts" / "a") for n in names if n != "zarr.json"]

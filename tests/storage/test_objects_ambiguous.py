@@ -124,7 +124,7 @@ def _refuse_manifest_deletes(store: S3ObjectStore, endpoint: str) -> list[list[s
 
 def _committed_step(store: S3ObjectStore, step: int) -> list[str]:
     base = f"step-{step:09d}"
-    keys = [f"{base}/attempt-{step}/w/zarr.json", f"{base}/attempt-{step}/w/c/0"]
+    keys = [f"{base}/attempt-{step}/w/zarr.json", f"{base}/attempt-{step}/w/0"]
     for key in keys:
         store.write(key, b"data")
     store.write(f"{base}/manifest.json", f'{{"step": {step}, "attempt": "attempt-{step}"}}'.encode())

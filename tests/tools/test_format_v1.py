@@ -108,6 +108,31 @@ def test_version_1_loads_verifies_and_converts_to_version_2(tmp_path, saved, cli
     assert_same_state(target, state)
     assert cli.json("verify", upgraded)["ok"]
     _assert_zarr_python_reads(upgraded, 5, state)
+    rc, _, _ = cli("diff", root, upgraded)  # version 1 against version 2: the same values
+    assert rc == 0
+
+    resharded = str(tmp_path / "resharded")  # reshard reads version 1 and writes version 2
+    cli.json("reshard", root, resharded, "--chunks", "model.embed.weight=48,40")
+    assert cli.json("inspect", resharded)["format_version"] == 2
+    target = zeros_like_state(state)
+    assert Checkpointer(resharded).load(target) == 5
+    assert_same_state(target, state)
+
+
+def test_a_root_with_version_1_and_version_2_steps_saves_loads_and_prunes(saved, cli):
+    root, state = saved
+    _downgrade_to_v1(root, 5)
+    newer = {**state, "data": {"rows_consumed": 8192, "seed": 7}}
+    Checkpointer(root).save(6, newer).wait()  # a version-2 step on top of a version-1 one
+    assert [cli.json("inspect", root, "--step", str(s))["format_version"] for s in (5, 6)] == [1, 2]
+    for step, expected in ((5, state), (6, newer)):
+        target = zeros_like_state(state)
+        assert Checkpointer(root).load(target, step=step) == step
+        assert_same_state(target, expected)
+    rc, _, _ = cli("verify", root, "--all")
+    assert rc == 0
+    cli.json("prune", root, "--keep-last", "1")
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [step_dir(6)]
 
 
 def test_a_damaged_version_1_shard_is_named_by_its_version_1_key(saved, cli):

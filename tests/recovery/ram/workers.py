@@ -90,7 +90,12 @@ def take_snapshots(rank: int, world: int, store_dir: str, steps: list[int]) -> d
 
 
 def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) -> dict:
-    """A restarted rank: restore into an empty state; report the outcome and the values."""
+    """A restarted rank: restore into an empty state; report the outcome and the values. A copy
+    fetched from a buddy lands in an anonymous mapping whatever its size (as snapshots of 8 MiB and
+    more do), so these small states test that path too."""
+    from resilient.recovery.ram import wire
+
+    wire.MAPPED_BUFFER_MIN_BYTES = 1
     ram = tier(rank, world, store_dir)
     state = empty_state()
     outcome = ram.restore(state, persistent_step)
