@@ -180,19 +180,25 @@ class AttemptFiles:
         with self._lock:
             if path in self._known_dirs:
                 return
-        parent = os.path.dirname(path)
-        if parent != path and not os.path.isdir(parent):
-            self._make_dir(parent)
+        try:
+            self._mkdir(path)
+        except FileNotFoundError:  # its parent is missing too: make that first (no stat per directory)
+            self._make_dir(os.path.dirname(path))
+            self._mkdir(path)
+        with self._lock:
+            self._known_dirs.add(path)
+
+    def _mkdir(self, path: str) -> None:
         try:
             os.mkdir(path)
-            with self._lock:
-                self._new_entries_in.add(parent)
         except FileExistsError:
-            pass  # another rank (or another of our threads) made it; the maker syncs its entry
+            return  # another rank (or another of our threads) made it; the maker syncs its entry
+        except FileNotFoundError:
+            raise
         except OSError as e:
             raise StorageError(f"cannot create directory {path}: {e.strerror}") from e
         with self._lock:
-            self._known_dirs.add(path)
+            self._new_entries_in.add(os.path.dirname(path))
 
     def write(self, key: str, buffers: list) -> int:
         """Create ``key`` (it must not exist) holding ``buffers`` back to back; returns its size."""
