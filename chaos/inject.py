@@ -99,15 +99,18 @@ def _kill(record: FaultRecord, ctx: InjectContext, group: int, ranks: list[int])
     return True
 
 
-def _committed_attempt(step_path: str) -> str:
+def _committed_attempt(root: str, step: int) -> str:
     """The attempt a step's manifest names (a failed or orphan attempt beside it is never read, so
     corrupting it would test nothing); "attempt-*" when the manifest cannot say."""
+    from resilient.storage.objects import open_store
+    from resilient.storage.retention import DamagedManifest, committed_attempt
+    from resilient.storage.url import parse_url
+
     try:
-        with open(os.path.join(step_path, "manifest.json")) as f:
-            attempt = json.load(f)["attempt"]
-    except (OSError, ValueError, KeyError, TypeError):
+        attempt = committed_attempt(open_store(parse_url(root)), step)
+    except DamagedManifest:
         return "attempt-*"
-    return attempt if isinstance(attempt, str) and attempt.startswith("attempt-") else "attempt-*"
+    return attempt if attempt is not None and attempt.startswith("attempt-") else "attempt-*"
 
 
 def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
@@ -121,7 +124,7 @@ def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
         record.note = f"no committed step under {root} yet: nothing corrupted"
         return
     step = steps[0] if record.spec.target == "oldest" else steps[-1]
-    attempt = _committed_attempt(os.path.join(root, f"step-{step:09d}"))
+    attempt = _committed_attempt(root, step)
     chunks = sorted(  # shard objects of the committed attempt: every file but the JSON (zarr.json, receipts)
         (os.path.getsize(p), p)
         for p in glob.glob(os.path.join(root, f"step-{step:09d}", attempt, "**"), recursive=True)

@@ -62,7 +62,7 @@ class ArrayEntry:
         return {k: getattr(self, k) for k in self.__slots__ if k not in ("fqn", "format_version")}
 
     @staticmethod
-    def from_json(fqn: str, d: dict, format_version: int = FORMAT_VERSION) -> ArrayEntry:
+    def from_json(fqn: str, d: dict, format_version: int) -> ArrayEntry:
         return ArrayEntry(fqn=fqn, **d, format_version=format_version)
 
 

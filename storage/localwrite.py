@@ -194,7 +194,7 @@ class AttemptFiles:
         except FileExistsError:
             return  # another rank (or another of our threads) made it; the maker syncs its entry
         except FileNotFoundError:
-            raise
+            raise  # the parent is missing: _make_dir makes it and tries again
         except OSError as e:
             raise StorageError(f"cannot create directory {path}: {e.strerror}") from e
         with self._lock:
