@@ -7,7 +7,9 @@ concerned. An attempt's directory is fresh and invisible until its manifest exis
 needs the temporary-file dance: each file is created once (``O_EXCL``), written with one
 ``writev`` straight from the staging buffer, and the whole attempt is made durable at the end by
 parallel ``fdatasync`` of its files and ``fsync`` of every directory that gained an entry, which
-the file system's journal commits together instead of once per object.
+the file system's journal commits together instead of once per object. While it writes, a rank
+asks the kernel to start writing each file's pages to disk (``sync_file_range``, which does not
+wait), so the disk works while later files are still being copied into the page cache.
 """
 
 from __future__ import annotations
@@ -27,18 +29,41 @@ measured here, 4,000 small files + their directories took 0.11 s by syncfs and 0
 16 threads of fsync; for a few big files, per-file fdatasync waits for nothing but our data."""
 
 
-def _load_syncfs():
-    """libc's ``syncfs`` (Linux), or None where it does not exist."""
+WRITEBACK_STEP_BYTES = 32 << 20
+"""A file's bytes are handed to the kernel this many at a time, each piece's writeback started as
+soon as it is in the page cache (``SYNC_FILE_RANGE_WRITE``: start, do not wait). Measured here, 1
+GiB written by one process then fsync'd: 0.34-0.46 s this way against 0.52-0.64 s writing it all
+first and flushing at the end (the copy and the disk overlap instead of taking turns)."""
+WRITEBACK_MIN_BYTES = 1 << 20
+"""A file's tail of fewer bytes is left to the durability pass: tiny files (norms, biases, zarr.json)
+are many, and the pass at the end flushes them together."""
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
+
+
+def _libc_function(name: str, argtypes: list):
+    """A function of libc (Linux), or None where it does not exist."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.syncfs
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int]
+    fn.argtypes = argtypes
     return fn
 
 
-_SYNCFS = _load_syncfs()
+_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
+_SYNC_FILE_RANGE = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` of ``fd`` from ``offset`` to disk, without waiting.
+    A hint only: its result is ignored, because durability, and any writeback error, come from the
+    fdatasync/syncfs pass after every write (starting writeback neither clears nor consumes the
+    error that pass reports)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 TRUSTED_SYNCFS_TYPES = ("ext4", "xfs", "btrfs", "tmpfs")
 """Local file systems whose syncfs writes back and reports errors. Network and FUSE mounts may
 return 0 without the server making anything durable: they get per-file fsync."""
@@ -72,13 +97,15 @@ def syncfs_is_trusted(path: str) -> bool:
     return _SYNCFS is not None and _kernel_at_least(5, 8) and _fs_type(path) in TRUSTED_SYNCFS_TYPES
 
 
-def _writev_all(fd: int, buffers: list) -> None:
-    """``writev`` every buffer, whatever the kernel accepts per call (partial writes resumed)."""
+def _writev_all(fd: int, buffers: list) -> int:
+    """``writev`` every buffer, whatever the kernel accepts per call (partial writes resumed),
+    starting the writeback of every ``WRITEBACK_STEP_BYTES`` as it lands; returns the bytes written."""
     views = [memoryview(b).cast("B") for b in buffers]
     views = [v for v in views if v.nbytes]
+    done = started = 0
     while views:
-        batch = views[:IOV_MAX]
-        written = os.writev(fd, batch)
+        written = os.writev(fd, _next_batch(views, WRITEBACK_STEP_BYTES))
+        done += written
         while written and views:
             if written >= views[0].nbytes:
                 written -= views[0].nbytes
@@ -86,6 +113,24 @@ def _writev_all(fd: int, buffers: list) -> None:
             else:
                 views[0] = views[0][written:]
                 written = 0
+        if done - started >= WRITEBACK_STEP_BYTES:
+            start_writeback(fd, started, done - started)
+            started = done
+    if done - started >= WRITEBACK_MIN_BYTES:
+        start_writeback(fd, started, done - started)
+    return done
+
+
+def _next_batch(views: list[memoryview], limit: int) -> list[memoryview]:
+    """The first views, at most ``IOV_MAX`` of them and ``limit`` bytes (the last one cut)."""
+    batch, total = [], 0
+    for view in views[:IOV_MAX]:
+        if total >= limit:
+            break
+        piece = view if total + view.nbytes <= limit else view[: limit - total]
+        batch.append(piece)
+        total += piece.nbytes
+    return batch
 
 
 def run_parallel(tasks: Iterable[Callable[[], None]], threads: int) -> None:
@@ -208,7 +253,7 @@ class AttemptFiles:
         except OSError as e:
             raise StorageError(f"cannot create {path}: {e.strerror}") from e
         try:
-            _writev_all(fd, buffers)
+            nbytes = _writev_all(fd, buffers)
             if not self.use_syncfs:
                 os.fdatasync(fd)
         except OSError as e:
@@ -218,7 +263,7 @@ class AttemptFiles:
         with self._lock:
             self._files.append(path)
             self._new_entries_in.add(os.path.dirname(path))
-        return sum(memoryview(b).nbytes for b in buffers)
+        return nbytes
 
     def make_durable(self, threads: int) -> None:
         """Return once every file written and every directory that gained an entry is on disk:

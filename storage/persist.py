@@ -12,6 +12,7 @@ whole save in flight at once (resolving futures one by one was many times slower
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -38,6 +39,9 @@ from resilient.storage.objects import ObjectStore
 from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
 from resilient.storage.snapshot import StagedRegion
 from resilient.storage.url import Location
+
+SMALL_OBJECT_BYTES = 1 << 20
+"""Objects of fewer bytes are written one after another by one of the writer threads."""
 
 
 @dataclass(slots=True)
@@ -195,10 +199,29 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
         if key == first:
             fault_point("persist.first_region_issued")
 
-    run_parallel([lambda k=k, w=w: write(k, w) for k, w in objects], job.io_threads)
+    run_parallel(_writer_tasks(objects, write), job.io_threads)
     fault_point("persist.regions_written")
     files.make_durable(job.io_threads)
     return receipt
+
+
+def _writer_tasks(objects: list[tuple[str, object]], write) -> list:
+    """One task writing every small object in turn, drawn first, then one task per big object.
+    Creating many small files is kernel metadata work that more threads only contend for
+    (2,000 tensors of 16 KiB here: 0.55-0.65 s by one thread, 0.72-0.88 s by four), while the
+    page-cache copies of big files do run side by side."""
+    small = [(key, what) for key, what in objects if _object_bytes(what) < SMALL_OBJECT_BYTES]
+    big = [(key, what) for key, what in objects if _object_bytes(what) >= SMALL_OBJECT_BYTES]
+    tasks = [lambda: [write(key, what) for key, what in small]] if small else []
+    return tasks + [lambda k=key, w=what: write(k, w) for key, what in big]
+
+
+def _object_bytes(what) -> int:
+    """The size of a shard object's data (a zarr.json document counts as small)."""
+    if isinstance(what, dict):
+        return 0
+    item, box = what
+    return math.prod(box.sizes) * item.data.itemsize
 
 
 def _shards(item: RegionData) -> list[tuple[str, Box]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -101,6 +102,55 @@ def test_writev_resumes_across_more_buffers_than_iov_max(tmp_path):
     files.make_dirs(["a/b/obj"])
     assert files.write("a/b/obj", buffers) == sum(len(b) for b in buffers)
     assert (tmp_path / "a" / "b" / "obj").read_bytes() == b"".join(buffers)
+
+
+def test_writeback_starts_piece_by_piece_as_a_big_file_is_written(tmp_path, monkeypatch):
+    """The kernel is asked to write each WRITEBACK_STEP_BYTES as it lands (so the disk works while
+    the rest is copied), and any tail of WRITEBACK_MIN_BYTES or more; tiny files are left to the
+    durability pass. The file's bytes are those given, whatever the cuts."""
+    assert localwrite._SYNC_FILE_RANGE is not None, "this Linux has sync_file_range"
+    monkeypatch.setattr(localwrite, "WRITEBACK_STEP_BYTES", 1 << 16)
+    monkeypatch.setattr(localwrite, "WRITEBACK_MIN_BYTES", 1 << 12)
+    ranges: list[tuple[int, int]] = []
+    real = localwrite.start_writeback
+    monkeypatch.setattr(localwrite, "start_writeback", lambda fd, o, n: (ranges.append((o, n)), real(fd, o, n)))
+    rng = np.random.default_rng(0)
+    # one buffer bigger than a step, many small ones, one that straddles a step's end
+    buffers = [rng.bytes(150_000)] + [rng.bytes(1000) for _ in range(70)] + [rng.bytes(70_001)]
+    files = AttemptFiles(str(tmp_path), expected_files=localwrite.SYNCFS_MIN_FILES)
+    files.make_dirs(["big", "tiny"])
+    size = files.write("big", buffers)
+    files.write("tiny", [b"x" * 100])
+    assert size == sum(map(len, buffers)) == (tmp_path / "big").stat().st_size
+    assert (tmp_path / "big").read_bytes() == b"".join(buffers)
+    step = 1 << 16
+    whole, tail = divmod(size, step)
+    assert ranges == [(i * step, step) for i in range(whole)] + [(whole * step, tail)]  # the tiny file: none
+
+
+def test_small_objects_are_written_by_one_thread_big_ones_side_by_side(tmp_path, monkeypatch):
+    """Creating many small files is metadata work threads only contend for: every object under
+    SMALL_OBJECT_BYTES (and every zarr.json) is written by one thread; each big object
+    is a task of its own. The checkpoint loads back bit-exact either way."""
+    monkeypatch.setattr(persist, "SMALL_OBJECT_BYTES", 4096)
+    writers: dict[str, int] = {}
+    real_write = AttemptFiles.write
+
+    def spy(self, key, buffers):
+        writers[key] = threading.get_ident()
+        return real_write(self, key, buffers)
+
+    monkeypatch.setattr(AttemptFiles, "write", spy)
+    state = {f"norm{i}": torch.randn(16) for i in range(40)} | {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    with Checkpointer(str(tmp_path / "ck")) as ckpt:
+        ckpt.save(1, state).wait()
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        ckpt.load(back, step=1)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    small = [k for k in writers if "/norm" in k or k.endswith("zarr.json")]
+    big = [k for k in writers if "/w" in k and not k.endswith("zarr.json")]
+    assert len(big) == 6 and len(small) == 40 + 46 + 1  # shards, array documents, the group's
+    assert len({writers[k] for k in small}) == 1, "the small objects share one writer thread"
 
 
 def test_a_file_is_created_once_never_overwritten(tmp_path):
