@@ -33,6 +33,7 @@ from resilient.storage.arrays import (
     zarr_array_document,
     zarr_group_document,
 )
+from resilient.storage.checksum import crc32c_concat
 from resilient.storage.commit import commit_step, settle_failure, wait_for_commit, write_receipt
 from resilient.storage.localwrite import AttemptFiles, run_parallel
 from resilient.storage.objects import ObjectStore
@@ -177,16 +178,22 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
         if job.rank == 0
         else []
     )
+    # per region, each shard's (crc32c, nbytes) of its chunks, filled by the shard's writer; None
+    # where the region's crc32c cannot be made from its chunks' and is computed from its bytes
+    shards = [_shards(item) for item in items]
+    piece_crcs = [
+        [[] for _ in boxes] if _crc_from_chunks(item) else [None] * len(boxes)
+        for item, boxes in zip(items, shards, strict=True)
+    ]
     objects += [
-        (f"{job.attempt_key}/{array_path(item.plan.fqn)}/{key}", (item, box))
-        for item in items
-        for key, box in _shards(item)
+        (f"{job.attempt_key}/{array_path(item.plan.fqn)}/{key}", (item, box, crcs))
+        for item, boxes, shard_crcs in zip(items, shards, piece_crcs, strict=True)
+        for (key, box), crcs in zip(boxes, shard_crcs, strict=True)
     ]
     files = AttemptFiles(root, expected_files=len(objects))
     if objects:  # a rank with nothing to write (all its tensors written by a peer) makes nothing durable;
         # it must not fsync step-N/ either: the rank that creates it may not have yet (ENOENT)
         files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
-    receipt = [_receipt_entry(item) for item in items]
     first = next((key for key, what in objects if isinstance(what, tuple)), None)
 
     def write(key: str, what) -> None:
@@ -194,15 +201,29 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
         if isinstance(what, dict):
             files.write(key, [json.dumps(what).encode()])
             return
-        item, box = what
-        files.write(key, encode_shard(_within(item, box), item.plan.shard_shape, item.plan.inner_shape))
+        item, box, crcs = what
+        files.write(key, encode_shard(_within(item, box), item.plan.shard_shape, item.plan.inner_shape, crcs))
         if key == first:
             fault_point("persist.first_region_issued")
 
     run_parallel(_writer_tasks(objects, write), job.io_threads)
     fault_point("persist.regions_written")
     files.make_durable(job.io_threads)
-    return receipt
+    return [_receipt_entry(item, _region_crc(item, crcs)) for item, crcs in zip(items, piece_crcs, strict=True)]
+
+
+def _crc_from_chunks(item: RegionData) -> bool:
+    """Whether the region's bytes are its inner chunks' in-bounds bytes one after another: true
+    when shards and inner chunks span the region in every dimension but the first (row bands)."""
+    dims = zip(item.plan.shard_shape[1:], item.plan.inner_shape[1:], item.region.box.sizes[1:], strict=True)
+    return all(shard == inner == size for shard, inner, size in dims)
+
+
+def _region_crc(item: RegionData, shard_crcs: list) -> int | None:
+    """The region's crc32c from its shards' chunk crcs (in shard order), None if not made that way."""
+    if not shard_crcs or shard_crcs[0] is None:
+        return None
+    return crc32c_concat(piece for crcs in shard_crcs for piece in crcs)
 
 
 def _writer_tasks(objects: list[tuple[str, object]], write) -> list:
@@ -220,7 +241,7 @@ def _object_bytes(what) -> int:
     """The size of a shard object's data (a zarr.json document counts as small)."""
     if isinstance(what, dict):
         return 0
-    item, box = what
+    item, box, _crcs = what
     return math.prod(box.sizes) * item.data.itemsize
 
 
@@ -237,12 +258,13 @@ def _within(item: RegionData, box: Box) -> np.ndarray:
     return item.data[tuple(slice(o - r, o - r + n) for o, r, n in zip(box.offsets, origin, box.sizes, strict=True))]
 
 
-def _receipt_entry(item: RegionData) -> dict:
+def _receipt_entry(item: RegionData, crc: int | None = None) -> dict:
+    """What the receipt says of a region; ``crc`` is its crc32c when already known."""
     return {
         "fqn": item.plan.fqn,
         **item.region.box.to_json(),
         "nbytes": int(item.data.nbytes),
-        "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)),
+        "crc32c": crc32c.crc32c(item.data.reshape(-1).view(np.uint8)) if crc is None else crc,
     }
 
 

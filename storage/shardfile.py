@@ -62,10 +62,17 @@ def _as_bytes(chunk: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
 
 
-def encode_shard(data: np.ndarray, shard_shape: tuple[int, ...], inner_shape: tuple[int, ...]) -> list:
+def encode_shard(
+    data: np.ndarray,
+    shard_shape: tuple[int, ...],
+    inner_shape: tuple[int, ...],
+    piece_crcs: list[tuple[int, int]] | None = None,
+) -> list:
     """The shard object holding ``data`` (the shard's in-bounds part, shape <= ``shard_shape``) as a
     list of buffers to write back to back. Full inner chunks that are contiguous in ``data`` are
-    views of its memory, not copies."""
+    views of its memory, not copies. ``piece_crcs``, if given, gets (crc32c, nbytes) of each present
+    chunk's in-bounds bytes, in the order the chunks are stored (``checksum.crc32c_concat`` makes the
+    crc32c of the whole from them where those bytes follow each other in ``data``)."""
     grid = chunks_per_shard(shard_shape, inner_shape)
     index = np.full((math.prod(grid), 2), MISSING, dtype="<u8")
     buffers: list = []
@@ -76,12 +83,20 @@ def encode_shard(data: np.ndarray, shard_shape: tuple[int, ...], inner_shape: tu
         if any(s >= e for s, e in zip(start, stop, strict=True)):
             continue  # wholly outside the array: absent, as the readers expect
         piece = data[tuple(slice(s, e) for s, e in zip(start, stop, strict=True))] if grid else data
+        in_bounds = piece
         if piece.shape != tuple(inner_shape):  # cut by the array's edge: pad with the fill value
             padded = np.zeros(inner_shape, dtype=data.dtype)
             padded[tuple(slice(0, e - s) for s, e in zip(start, stop, strict=True))] = piece
             piece = padded
         raw = _as_bytes(piece)
-        buffers += [raw, crc_bytes(raw)]
+        crc = crc32c.crc32c(raw)
+        buffers += [raw, crc.to_bytes(CRC_BYTES, "little")]
+        if piece_crcs is not None:
+            if in_bounds is piece:
+                piece_crcs.append((crc, raw.nbytes))
+            else:
+                own = _as_bytes(in_bounds)
+                piece_crcs.append((crc32c.crc32c(own), own.nbytes))
         index[n] = (offset, raw.nbytes + CRC_BYTES)
         offset += raw.nbytes + CRC_BYTES
     index_raw = index.tobytes()
