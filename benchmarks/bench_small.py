@@ -107,7 +107,7 @@ def _load_dcp(state: dict, path: str) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
 
 
-def _tree_of(step_dir: str) -> tuple[list[str], list[tuple[str, int]]]:
+def tree_of(step_dir: str) -> tuple[list[str], list[tuple[str, int]]]:
     """The directories and (file, size) pairs of one saved step, relative to it, parents first."""
     dirs, files = [], []
     for here, subdirs, names in os.walk(step_dir):
@@ -156,7 +156,7 @@ def _round(cfg: SmallConfig, ckpt: Any, step: int, state: dict, dest: dict) -> d
         else:
             total = timed(lambda: _save_dcp(state, cfg.dcp_dir(step)))
         seconds[f"save_{impl}"] = total
-    tree = _tree_of(cfg.resilient_step_dir(step))
+    tree = tree_of(cfg.resilient_step_dir(step))
     seconds["save_raw_entries"] = timed(lambda: _raw_entries(tree, cfg.raw_dir(step)))
     for impl in alternate(step, "resilient", "dcp"):
         _zero(dest)

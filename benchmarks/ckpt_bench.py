@@ -58,7 +58,7 @@ from bench_fsdp_state import (
     zero_state,
 )
 from bench_s3 import S3Config, moto_available, moto_path, run_s3
-from bench_small import SmallConfig, run_small
+from bench_small import SmallConfig, run_small, tree_of
 
 SAVE_WORLD = 4
 LOAD_WORLDS = (3, 2)
@@ -157,6 +157,30 @@ def raw_fsync_write(path: str, nbytes: int, buffer: memoryview) -> None:
         os.close(fd)
 
 
+def raw_tree_write(root: str, files: list[tuple[str, int]], buffer: memoryview) -> None:
+    """The format's floor on this file system: this rank's share of the files of our newest step
+    (the same names and sizes, so the same directories), each created (``O_EXCL``) and written from
+    one reused buffer with its writeback started as our writer does, then one syncfs. No planning,
+    encoding, checksums, receipts nor commit: the cost of one object per shard per tensor."""
+    from resilient.storage.localwrite import _syncfs, start_writeback
+
+    made: set[str] = set()
+    for name, size in files:
+        parent = os.path.dirname(os.path.join(root, name))
+        if parent not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        fd = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            left = size
+            while left > 0:
+                left -= os.write(fd, buffer[: min(left, len(buffer))])
+            start_writeback(fd, 0, size)
+        finally:
+            os.close(fd)
+    _syncfs(root)
+
+
 def memcpy_into(sources: list[Any], targets: list[Any]) -> None:
     for src, dst in zip(sources, targets, strict=True):
         dst.copy_(src)
@@ -243,7 +267,21 @@ def _limits(cfg: BenchConfig, rank: int, local: int, sources: list[Any]) -> dict
     memcpy_into(sources, targets)
     copies = [timed(lambda: memcpy_into(sources, targets)) for _ in range(cfg.repeats)]
     log.info("memcpy: %s s", [round(c, 3) for c in copies])
-    return {"raw_fsync_write": raw, "memcpy": copies}
+    _dirs, files = tree_of(cfg.resilient_step_dir(cfg.repeats))
+    mine = files[rank :: dist_world()]  # every rank a share of the same size, about
+    tree = []
+    for i in range(cfg.repeats):
+        root = os.path.join(cfg.root, f"raw-tree-{i}")
+        tree.append(timed(lambda r=root: raw_tree_write(r, mine, buffer)))
+        _remove([root])
+        log.info("raw tree write repeat %d: %.3f s (%d files on this rank)", i, tree[-1], len(mine))
+    return {"raw_fsync_write": raw, "memcpy": copies, "raw_tree_write": tree}
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
 
 
 def load_world(rank: int, world: int, cfg: BenchConfig, saved: list[list[float]]) -> dict:
@@ -318,6 +356,7 @@ def run_fsdp(cfg: BenchConfig) -> None:
         },
         "raw_fsync": _line("limit", "raw_fsync_write", all_local, seconds["raw_fsync_write"]),
         "memcpy": _line("limit", "memcpy", all_local, seconds["memcpy"]),
+        "raw_tree": _line("limit", "raw_tree_write", nbytes, seconds["raw_tree_write"]),
     }
     for line in lines.values():
         emit(line)
@@ -371,6 +410,10 @@ def emit_ratios(lines: dict[str, dict]) -> None:
         )
     emit(ratio_line("save_resilient_over_raw_fsync", lines["save_resilient"], lines["raw_fsync"]))
     emit(ratio_line("save_dcp_over_raw_fsync", lines["save_dcp"], lines["raw_fsync"]))
+    # Our code against the floor of our own file pattern, and that floor against one file per rank:
+    # what is left to our code, and what the layout costs on this file system.
+    emit(ratio_line("save_resilient_over_raw_tree", lines["save_resilient"], lines["raw_tree"]))
+    emit(ratio_line("raw_tree_over_raw_fsync", lines["raw_tree"], lines["raw_fsync"]))
     for world in LOAD_WORLDS:
         emit(ratio_line(f"load_4to{world}_resilient_over_memcpy", lines[f"load_4to{world}_resilient"], lines["memcpy"]))
 
