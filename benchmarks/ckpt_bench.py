@@ -159,26 +159,21 @@ def raw_fsync_write(path: str, nbytes: int, buffer: memoryview) -> None:
 
 def raw_tree_write(root: str, files: list[tuple[str, int]], buffer: memoryview) -> None:
     """The format's floor on this file system: this rank's share of the files of our newest step
-    (the same names and sizes, so the same directories), each created (``O_EXCL``) and written from
-    one reused buffer with its writeback started as our writer does, then one syncfs. No planning,
-    encoding, checksums, receipts nor commit: the cost of one object per shard per tensor."""
-    from resilient.storage.localwrite import _syncfs, start_writeback
+    (the same names, so the same directories, and sizes), created, written from one reused buffer
+    and made durable by our writer's own file layer (``localwrite.AttemptFiles``: O_EXCL create,
+    writeback started as the bytes land, one syncfs or per-file fdatasync as it chooses), one file
+    after another. No planning, encoding, checksums, receipts nor commit."""
+    from resilient.storage.localwrite import AttemptFiles
 
-    made: set[str] = set()
-    for name, size in files:
-        parent = os.path.dirname(os.path.join(root, name))
-        if parent not in made:
-            os.makedirs(parent, exist_ok=True)
-            made.add(parent)
-        fd = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            left = size
-            while left > 0:
-                left -= os.write(fd, buffer[: min(left, len(buffer))])
-            start_writeback(fd, 0, size)
-        finally:
-            os.close(fd)
-    _syncfs(root)
+    attempt = AttemptFiles(root, expected_files=len(files))
+    try:
+        for name, size in files:
+            whole, rest = divmod(size, len(buffer))
+            attempt.make_parent(name)
+            attempt.write(name, [buffer] * whole + [buffer[:rest]])
+        attempt.make_durable(threads=1)
+    finally:
+        attempt.close()
 
 
 def memcpy_into(sources: list[Any], targets: list[Any]) -> None:
@@ -246,12 +241,12 @@ def save_world(rank: int, world: int, cfg: BenchConfig) -> dict:
             if step > 0:  # keep only the newest pair: it is what the load worlds read
                 _remove([cfg.resilient_step_dir(step - 1), cfg.dcp_dir(step - 1)])
     sources = [local_part(t).detach() for _, t in iter_tensors(state)]
-    times.update(_limits(cfg, rank, local, sources))
+    times.update(_limits(cfg, rank, world, local, sources))
     log.info("save world: peak RSS per rank %.2f GiB", peak_rss_gib())
     return {"bytes": total, "local_bytes": local, "fingerprint": saved, "seconds": times}
 
 
-def _limits(cfg: BenchConfig, rank: int, local: int, sources: list[Any]) -> dict[str, list[float]]:
+def _limits(cfg: BenchConfig, rank: int, world: int, local: int, sources: list[Any]) -> dict[str, list[float]]:
     import torch
 
     buffer = memoryview(bytearray(os.urandom(1 << 20)) * (RAW_WRITE_CHUNK >> 20))
@@ -268,7 +263,7 @@ def _limits(cfg: BenchConfig, rank: int, local: int, sources: list[Any]) -> dict
     copies = [timed(lambda: memcpy_into(sources, targets)) for _ in range(cfg.repeats)]
     log.info("memcpy: %s s", [round(c, 3) for c in copies])
     _dirs, files = tree_of(cfg.resilient_step_dir(cfg.repeats))
-    mine = files[rank :: dist_world()]  # every rank a share of the same size, about
+    mine = files[rank::world]  # round robin by name: shares of about the same size for equal layers
     tree = []
     for i in range(cfg.repeats):
         root = os.path.join(cfg.root, f"raw-tree-{i}")
@@ -276,12 +271,6 @@ def _limits(cfg: BenchConfig, rank: int, local: int, sources: list[Any]) -> dict
         _remove([root])
         log.info("raw tree write repeat %d: %.3f s (%d files on this rank)", i, tree[-1], len(mine))
     return {"raw_fsync_write": raw, "memcpy": copies, "raw_tree_write": tree}
-
-
-def dist_world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
 
 
 def load_world(rank: int, world: int, cfg: BenchConfig, saved: list[list[float]]) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import threading
 from collections.abc import Callable, Iterable, Sized
@@ -55,13 +56,20 @@ _SYNCFS = _libc_function("syncfs", [ctypes.c_int])
 _SYNC_FILE_RANGE = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
+_WRITEBACK_ERRORS = (errno.EIO, errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+
+
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing ``nbytes`` of ``fd`` from ``offset`` to disk, without waiting.
-    A hint only: its result is ignored, because durability, and any writeback error, come from the
-    fdatasync/syncfs pass after every write (starting writeback neither clears nor consumes the
-    error that pass reports)."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+    Durability still comes from the fdatasync/syncfs pass after every write (starting writeback
+    with SYNC_FILE_RANGE_WRITE alone neither clears nor consumes the error that pass reports). An
+    I/O error it does report is raised (``OSError``); "not supported here" is ignored: a hint."""
+    if _SYNC_FILE_RANGE is None:
+        return
+    if _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err in _WRITEBACK_ERRORS:
+            raise OSError(err, os.strerror(err))
 
 
 TRUSTED_SYNCFS_TYPES = ("ext4", "xfs", "btrfs", "tmpfs")
@@ -200,6 +208,18 @@ class AttemptFiles:
         self._new_entries_in: set[str] = set()  # directories that gained a file or subdirectory
         self._known_dirs: set[str] = set()
         self._lock = threading.Lock()
+        self._syncfs_fd: int | None = None
+        if self.use_syncfs:
+            # Opened before the first write: syncfs reports a writeback error to an fd opened
+            # before it happened, even if another process's syncfs has seen it since (errseq).
+            self._make_dir(root)
+            self._syncfs_fd = os.open(root, os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        """Release the fd kept for syncfs (``make_durable`` closes it too); safe to call twice."""
+        fd, self._syncfs_fd = self._syncfs_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -270,21 +290,21 @@ class AttemptFiles:
         one ``syncfs`` of the file system for many files, else fdatasync of each file and fsync of
         each such directory, in parallel so the journal commits them together."""
         if self.use_syncfs:
-            _syncfs(self.root)
+            try:
+                _syncfs_on(self._syncfs_fd, self.root)
+            finally:
+                self.close()
             return
         # the files were synced as they were written; now the entries naming them
         run_parallel([lambda d=d: _sync(d, directory=True) for d in sorted(self._new_entries_in)], threads)
 
 
-def _syncfs(path: str) -> None:
-    """syncfs(2) of the file system holding ``path``; it reports writeback errors (Linux >= 5.8)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise StorageError(f"making the files under {path} durable (syncfs) failed: {os.strerror(err)}")
-    finally:
-        os.close(fd)
+def _syncfs_on(fd: int | None, path: str) -> None:
+    """syncfs(2) on ``fd``, an fd of ``path`` opened before the writes it must cover: it reports
+    writeback errors (Linux >= 5.8) that happened since ``fd`` was opened, or that nobody has seen."""
+    if fd is None or _SYNCFS(fd) != 0:
+        err = ctypes.get_errno() if fd is not None else errno.EBADF
+        raise StorageError(f"making the files under {path} durable (syncfs) failed: {os.strerror(err)}")
 
 
 def _sync(path: str, *, directory: bool) -> None:

@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 import threading
+import types
 
 import ml_dtypes
 import numpy as np
@@ -108,7 +109,6 @@ def test_writeback_starts_piece_by_piece_as_a_big_file_is_written(tmp_path, monk
     """The kernel is asked to write each WRITEBACK_STEP_BYTES as it lands (so the disk works while
     the rest is copied), and any tail of WRITEBACK_MIN_BYTES or more; tiny files are left to the
     durability pass. The file's bytes are those given, whatever the cuts."""
-    assert localwrite._SYNC_FILE_RANGE is not None, "this Linux has sync_file_range"
     monkeypatch.setattr(localwrite, "WRITEBACK_STEP_BYTES", 1 << 16)
     monkeypatch.setattr(localwrite, "WRITEBACK_MIN_BYTES", 1 << 12)
     ranges: list[tuple[int, int]] = []
@@ -126,6 +126,61 @@ def test_writeback_starts_piece_by_piece_as_a_big_file_is_written(tmp_path, monk
     step = 1 << 16
     whole, tail = divmod(size, step)
     assert ranges == [(i * step, step) for i in range(whole)] + [(whole * step, tail)]  # the tiny file: none
+    files.close()
+
+
+def test_an_io_error_starting_writeback_fails_the_write_and_unsupported_is_ignored(tmp_path, monkeypatch):
+    def failing(code):
+        def sync_file_range(fd, offset, nbytes, flags):
+            ctypes.set_errno(code)
+            return -1
+
+        return sync_file_range
+
+    big = [b"x" * (2 << 20)]
+    files = AttemptFiles(str(tmp_path), expected_files=1)
+    monkeypatch.setattr(localwrite, "_SYNC_FILE_RANGE", failing(errno.EINVAL))  # e.g. a pipe, a FUSE mount
+    assert files.write("ignored", big) == 2 << 20
+    monkeypatch.setattr(localwrite, "_SYNC_FILE_RANGE", failing(errno.EIO))
+    with pytest.raises(StorageError, match="writing .*/failed.* failed: Input/output error"):
+        files.write("failed", big)
+
+
+def test_syncfs_checks_an_fd_opened_before_the_first_write(tmp_path, monkeypatch):
+    """syncfs reports a writeback error to an fd opened before the error (errseq), even if another
+    process's syncfs has seen it since: the fd must predate every write, and be closed after."""
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1])
+    synced_fds: list[int] = []
+    real_syncfs = localwrite._SYNCFS
+    monkeypatch.setattr(localwrite, "_SYNCFS", lambda fd: (synced_fds.append(fd), real_syncfs(fd))[1])
+    state = {f"norm{i}": torch.randn(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
+    Checkpointer(str(tmp_path / "ck")).save(1, state).wait()
+    root = str(tmp_path / "ck")
+    first_shard = next(i for i, p in enumerate(opened) if "/attempt-" in p and p.endswith("/0"))
+    assert root in opened[:first_shard], "the fd syncfs uses is opened before the first shard"
+    assert len(synced_fds) == 1
+    with pytest.raises(OSError):
+        os.fstat(synced_fds[0])  # closed once the pass is done
+
+
+def test_small_objects_are_grouped_by_bytes_shards_before_documents():
+    item = types.SimpleNamespace(data=np.zeros(1, dtype=np.float32))
+    shard = lambda n: (item, Box((0,), (n,)), None)  # noqa: E731 - n float32 values
+    objects = [("doc", {}), ("a", shard(10)), ("big", shard(persist.SMALL_OBJECT_BYTES))]
+    objects += [(f"s{i}", shard(persist.SMALL_OBJECT_BYTES // 4 - 1)) for i in range(600)]
+    written: list[str] = []
+    tasks = persist._writer_tasks(objects, lambda key, what: written.append(key))
+    for task in tasks:
+        task()
+    small_bytes = (persist.SMALL_OBJECT_BYTES - 4) * 600 + 40
+    groups = -(-small_bytes // persist.SMALL_GROUP_BYTES)
+    assert len(tasks) == groups + 1  # the small ones in groups of at most SMALL_GROUP_BYTES, then "big"
+    assert written[0] == "a" and written[-2:] == ["doc", "big"]  # shards, then documents, then big ones
+    assert sorted(written) == sorted(key for key, _ in objects)
+    only_docs = persist._writer_tasks([("d1", {}), ("d2", {})], lambda key, what: written.append(key))
+    assert len(only_docs) == 1  # a rank 0 with nothing but documents to write
 
 
 def test_small_objects_are_written_by_one_thread_big_ones_side_by_side(tmp_path, monkeypatch):
@@ -210,6 +265,7 @@ def test_syncfs_is_trusted_only_on_local_file_systems(tmp_path):
     assert localwrite.syncfs_is_trusted(str(tmp_path)) == (local and localwrite._kernel_at_least(5, 8))
     few, many = (AttemptFiles(str(tmp_path), expected_files=n) for n in (1, localwrite.SYNCFS_MIN_FILES))
     assert not few.use_syncfs and many.use_syncfs == localwrite.syncfs_is_trusted(str(tmp_path))
+    many.close()
 
 
 @pytest.mark.timeout(30)
