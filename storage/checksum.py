@@ -4,7 +4,11 @@ A receipt records the crc32c of each region's raw bytes (verify checks it end to
 shard writer has just computed the crc32c of every inner chunk. Where the chunks are consecutive
 pieces of the region's bytes (chunks that span all but the first dimension, as FSDP's row shards
 do), the region's crc32c follows from theirs: a second pass over the region, 8% of a 4-rank save's
-writer samples here, is not needed.
+writer samples here, is not needed. What that gives up: a crc taken from the staged region before
+encoding would also catch an encoder that wrote the wrong slice; this one is as independent of the
+encoder as the chunk crcs are (``test_localwrite`` holds the encoder to TensorStore's bytes, and
+``test_checksum`` every combined crc to its tensor's bytes). Damage at rest and wrong reads are
+caught as before: ``verify`` reads each region back through the reader and recomputes its crc.
 
 The arithmetic is zlib's ``crc32_combine`` (``multmodp``/``x2nmodp`` of zlib 1.2.12+) with
 crc32c's polynomial: appending ``n`` bytes multiplies the running crc by x^(8n) modulo the
