@@ -37,10 +37,16 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ POLY if b & 1 else b >> 1
 
 
+MAX_NBYTES = 1 << 61
+"""Longest piece combined: 8 * nbytes must stay below 2^64, the deepest entry of the table."""
+
+
 def _x2n_table() -> tuple[int, ...]:
-    """x^(2^k) modulo the polynomial for k = 0..31."""
+    """x^(2^k) modulo the polynomial for k = 0..63. Not zlib's 32 entries indexed ``k & 31``: that
+    wrap relies on CRC-32's x^(2^32) = x; for crc32c's polynomial x^(2^31) = x, so a wrapped
+    index is wrong for pieces of 2^29 bytes and more."""
     table, p = [], _TOP >> 1  # x^1
-    for _ in range(32):
+    for _ in range(64):
         table.append(p)
         p = _multmodp(p, p)
     return tuple(table)
@@ -52,10 +58,12 @@ _X2N = _x2n_table()
 @functools.lru_cache(maxsize=1024)  # a save has few distinct chunk lengths
 def _x8nmodp(nbytes: int) -> int:
     """x^(8 nbytes) modulo the polynomial."""
+    if not 0 <= nbytes < MAX_NBYTES:
+        raise ValueError(f"cannot combine a crc over {nbytes} bytes (0 .. 2^61 - 1)")
     p, k = _TOP, 3  # x^0; 8 = 2^3
     while nbytes:
         if nbytes & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(_X2N[k], p)
         nbytes >>= 1
         k += 1
     return p

@@ -213,7 +213,7 @@ class AttemptFiles:
             # Opened before the first write: syncfs reports a writeback error to an fd opened
             # before it happened, even if another process's syncfs has seen it since (errseq).
             self._make_dir(root)
-            self._syncfs_fd = os.open(root, os.O_RDONLY | os.O_CLOEXEC)
+            self._syncfs_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def close(self) -> None:
         """Release the fd kept for syncfs (``make_durable`` closes it too); safe to call twice."""

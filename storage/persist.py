@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -198,7 +199,7 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
     if objects:  # a rank with nothing to write (all its tensors written by a peer) makes nothing durable;
         # it must not fsync step-N/ either: the rank that creates it may not have yet (ENOENT)
         files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
-    first = next((key for key, what in objects if isinstance(what, tuple)), None)
+    first_shard = threading.Lock()  # held once the first shard is written (whichever thread wrote it)
 
     def write(key: str, what) -> None:
         files.make_parent(key)
@@ -207,7 +208,7 @@ def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dic
             return
         item, box, crcs = what
         files.write(key, encode_shard(_within(item, box), item.plan.shard_shape, item.plan.inner_shape, crcs))
-        if key == first:
+        if first_shard.acquire(blocking=False):
             fault_point("persist.first_region_issued")
 
     try:

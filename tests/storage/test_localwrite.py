@@ -20,6 +20,7 @@ from resilient.layout import Box
 from resilient.manifest import FORMAT_VERSION
 from resilient.storage import localwrite, persist
 from resilient.storage.arrays import array_metadata, make_context, open_array
+from resilient.storage.config import CheckpointerConfig
 from resilient.storage.localwrite import AttemptFiles, run_parallel
 from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
 from resilient.storage.url import parse_url
@@ -181,6 +182,29 @@ def test_small_objects_are_grouped_by_bytes_shards_before_documents():
     assert sorted(written) == sorted(key for key, _ in objects)
     only_docs = persist._writer_tasks([("d1", {}), ("d2", {})], lambda key, what: written.append(key))
     assert len(only_docs) == 1  # a rank 0 with nothing but documents to write
+
+
+def test_the_first_region_fault_point_fires_once_at_the_first_shard_written(tmp_path, monkeypatch):
+    """Chaos pauses and kills at persist.first_region_issued: it must mean "one shard is out", also
+    when the small shards' group is written before the big shard planned first."""
+    shard_writes: list[str] = []
+    fired_after: list[int] = []
+    real_write = AttemptFiles.write
+    monkeypatch.setattr(
+        AttemptFiles,
+        "write",
+        lambda self, key, buffers: (
+            (shard_writes.append(key) if not key.endswith(".json") else None) or real_write(self, key, buffers)
+        ),
+    )
+    monkeypatch.setattr(
+        persist, "fault_point", lambda name: fired_after.append(len(shard_writes)) if name.endswith("issued") else None
+    )
+    state = {"a_big": torch.randn(512, 512)} | {f"norm{i}": torch.randn(16) for i in range(20)}
+    with Checkpointer(str(tmp_path / "ck"), config=CheckpointerConfig(io_threads=1)) as ckpt:
+        ckpt.save(1, state).wait()
+    assert fired_after == [1], "fired once, right after the first shard object was written"
+    assert "a_big" not in shard_writes[0]  # the small group went first
 
 
 def test_small_objects_are_written_by_one_thread_big_ones_side_by_side(tmp_path, monkeypatch):
