@@ -178,6 +178,37 @@ def _collect(fn: Callable, world: int, timeout_s: float, procs: list[Any], out: 
 # results (parent process)
 
 
+def files_of(step_dir: str) -> list[tuple[str, int]]:
+    """The (file, size) pairs of one saved step, relative to it, in a stable order."""
+    files = []
+    for here, subdirs, names in os.walk(step_dir):
+        subdirs.sort()
+        rel = os.path.relpath(here, step_dir)
+        files += [
+            (os.path.normpath(os.path.join(rel, n)), os.path.getsize(os.path.join(here, n))) for n in sorted(names)
+        ]
+    return files
+
+
+def write_files_floor(root: str, files: list[tuple[str, int]], buffer: memoryview) -> None:
+    """The floor of our file pattern on this file system: ``files`` (the same names, so the same
+    directories, and sizes as a step we saved) created, written from one reused ``buffer`` and made
+    durable by our writer's own file layer (``localwrite.AttemptFiles``: parents made as needed,
+    O_EXCL create, writeback started as the bytes land, one syncfs or per-file fdatasync as it
+    chooses), one file after another. No planning, encoding, checksums, receipts nor commit."""
+    from resilient.storage.localwrite import AttemptFiles
+
+    attempt = AttemptFiles(root, expected_files=len(files))
+    try:
+        for name, size in files:
+            whole, rest = divmod(size, len(buffer))
+            attempt.make_parent(name)
+            attempt.write(name, [buffer] * whole + [buffer[:rest]])
+        attempt.make_durable(threads=1)
+    finally:
+        attempt.close()
+
+
 def emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 

@@ -19,11 +19,13 @@ from bench_common import (
     alternate,
     blocked_fields,
     emit,
+    files_of,
     ratio_line,
     result_line,
     run_world,
     timed,
     timed_save_resilient,
+    write_files_floor,
 )
 
 log = logging.getLogger("ckpt_bench.small")
@@ -107,45 +109,6 @@ def _load_dcp(state: dict, path: str) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
 
 
-def tree_of(step_dir: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """The directories and (file, size) pairs of one saved step, relative to it, parents first."""
-    dirs, files = [], []
-    for here, subdirs, names in os.walk(step_dir):
-        rel = os.path.relpath(here, step_dir)
-        if rel != ".":
-            dirs.append(rel)
-        subdirs.sort()
-        files += [(os.path.join(rel, n), os.path.getsize(os.path.join(here, n))) for n in sorted(names)]
-    return dirs, files
-
-
-def _raw_entries(tree: tuple[list[str], list[tuple[str, int]]], root: str) -> None:
-    """The format's floor on this file system: the same directories and files as our saved step,
-    created with the same calls (mkdir; O_EXCL open + write + close) from one reused buffer, then
-    made durable with one syncfs, as our writer does for this many files on a local file system.
-    No planning, no encoding, no checksums, no commit: what is left is the file system's cost of
-    one array (a directory, its zarr.json and its shard object) per tensor."""
-    from resilient.storage.localwrite import _SYNCFS
-
-    dirs, files = tree
-    payload = memoryview(bytearray(max((size for _, size in files), default=0)))
-    os.makedirs(root)
-    for d in dirs:
-        os.mkdir(os.path.join(root, d))
-    for name, size in files:
-        fd = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, payload[:size])
-        finally:
-            os.close(fd)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        if _SYNCFS is None or _SYNCFS(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
 def _round(cfg: SmallConfig, ckpt: Any, step: int, state: dict, dest: dict) -> dict[str, float]:
     """One save and one load of each implementation, in alternating order; loads verified."""
     seconds: dict[str, float] = {}
@@ -156,8 +119,11 @@ def _round(cfg: SmallConfig, ckpt: Any, step: int, state: dict, dest: dict) -> d
         else:
             total = timed(lambda: _save_dcp(state, cfg.dcp_dir(step)))
         seconds[f"save_{impl}"] = total
-    tree = tree_of(cfg.resilient_step_dir(step))
-    seconds["save_raw_entries"] = timed(lambda: _raw_entries(tree, cfg.raw_dir(step)))
+    # The format's floor: our step's entries (a directory, its zarr.json and its shard object per
+    # tensor) with nothing of ours around them.
+    files = files_of(cfg.resilient_step_dir(step))
+    payload = memoryview(bytearray(max((size for _, size in files), default=1)))
+    seconds["save_raw_entries"] = timed(lambda: write_files_floor(cfg.raw_dir(step), files, payload))
     for impl in alternate(step, "resilient", "dcp"):
         _zero(dest)
         if impl == "resilient":

@@ -38,6 +38,7 @@ from bench_common import (
     alternate,
     blocked_fields,
     emit,
+    files_of,
     max_over_ranks,
     peak_rss_gib,
     ratio_line,
@@ -46,6 +47,7 @@ from bench_common import (
     setup_logging,
     timed,
     timed_save_resilient,
+    write_files_floor,
 )
 from bench_fsdp_state import (
     build_state,
@@ -58,7 +60,7 @@ from bench_fsdp_state import (
     zero_state,
 )
 from bench_s3 import S3Config, moto_available, moto_path, run_s3
-from bench_small import SmallConfig, run_small, tree_of
+from bench_small import SmallConfig, run_small
 
 SAVE_WORLD = 4
 LOAD_WORLDS = (3, 2)
@@ -157,25 +159,6 @@ def raw_fsync_write(path: str, nbytes: int, buffer: memoryview) -> None:
         os.close(fd)
 
 
-def raw_tree_write(root: str, files: list[tuple[str, int]], buffer: memoryview) -> None:
-    """The format's floor on this file system: this rank's share of the files of our newest step
-    (the same names, so the same directories, and sizes), created, written from one reused buffer
-    and made durable by our writer's own file layer (``localwrite.AttemptFiles``: O_EXCL create,
-    writeback started as the bytes land, one syncfs or per-file fdatasync as it chooses), one file
-    after another. No planning, encoding, checksums, receipts nor commit."""
-    from resilient.storage.localwrite import AttemptFiles
-
-    attempt = AttemptFiles(root, expected_files=len(files))
-    try:
-        for name, size in files:
-            whole, rest = divmod(size, len(buffer))
-            attempt.make_parent(name)
-            attempt.write(name, [buffer] * whole + [buffer[:rest]])
-        attempt.make_durable(threads=1)
-    finally:
-        attempt.close()
-
-
 def memcpy_into(sources: list[Any], targets: list[Any]) -> None:
     for src, dst in zip(sources, targets, strict=True):
         dst.copy_(src)
@@ -262,12 +245,12 @@ def _limits(cfg: BenchConfig, rank: int, world: int, local: int, sources: list[A
     memcpy_into(sources, targets)
     copies = [timed(lambda: memcpy_into(sources, targets)) for _ in range(cfg.repeats)]
     log.info("memcpy: %s s", [round(c, 3) for c in copies])
-    _dirs, files = tree_of(cfg.resilient_step_dir(cfg.repeats))
-    mine = files[rank::world]  # round robin by name: shares of about the same size for equal layers
+    # round robin by name: shares of about the same size for equal layers
+    mine = files_of(cfg.resilient_step_dir(cfg.repeats))[rank::world]
     tree = []
     for i in range(cfg.repeats):
         root = os.path.join(cfg.root, f"raw-tree-{i}")
-        tree.append(timed(lambda r=root: raw_tree_write(r, mine, buffer)))
+        tree.append(timed(lambda r=root: write_files_floor(r, mine, buffer)))
         _remove([root])
         log.info("raw tree write repeat %d: %.3f s (%d files on this rank)", i, tree[-1], len(mine))
     return {"raw_fsync_write": raw, "memcpy": copies, "raw_tree_write": tree}

@@ -41,14 +41,21 @@ are many, and the pass at the end flushes them together."""
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
 
 
+def _load_libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
 def _libc_function(name: str, argtypes: list):
     """A function of libc (Linux), or None where it does not exist."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = getattr(libc, name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
+    fn = getattr(_LIBC, name, None) if _LIBC is not None else None
+    if fn is not None:
+        fn.argtypes = argtypes
     return fn
 
 
