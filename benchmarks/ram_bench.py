@@ -5,11 +5,14 @@ is the other. Every rank holds a state of ``--state-mib`` MiB (fp32 tensors, lik
 moments) and measures, side by side:
 
 - ``restore``: loading that state from a committed persistent checkpoint (``Checkpointer.load``,
-  local disk; the files were just written, so the page cache is warm: the most favourable case for
-  storage), from its own node store, and (rank 1, its node store wiped) from its buddy over the
-  replication channel; plus the memcpy floor (copying the same bytes into allocated buffers);
-  with ``--s3`` (the default when the venv has ``moto_server``), also from ``s3://`` on a
-  ``moto_server`` this run starts on 127.0.0.1 and kills at its end (``persistent_s3_load_s``);
+  local disk, page cache warm and, ``persistent_cold_load_s``, dropped), from its own node store,
+  and (rank 1, its node store wiped) from its buddy over the replication channel; plus the memcpy
+  floor (copying the same bytes into resident buffers); with ``--s3`` (the default when the venv
+  has ``moto_server``), also from ``s3://`` on a ``moto_server`` this run starts on 127.0.0.1 and
+  kills at its end (``persistent_s3_load_s``). Each is timed ``--restore-repeats`` times, the line
+  gives medians. The RAM restores run with the committed step behind them, as the restore policy
+  passes it (the snapshot goes straight into the state, ``ram.inplace``), and without one
+  (``*_no_persistent_s``: checked where it lies, copied after every rank agreed);
 - ``replication``: bytes/s of the buddy copy of one snapshot, both ranks copying at once (the
   ``ram_replication`` lines); ``--replication-repeats N`` more snapshots give the median of N copies
   (the ``replication_mib_per_s`` line);
@@ -21,13 +24,14 @@ moments) and measures, side by side:
   the variants interleaved in blocks of steps, round after round (see ``overhead_bench``).
 
     python benchmarks/ram_bench.py [--state-mib 256] [--loop-mib 64] [--rounds 5] [--block-steps 10]
-                                   [--batch 1024] [--parts restore,overhead,mac]
+                                   [--batch 1024] [--parts restore,overhead,mac] [--restore-repeats 5]
                                    [--replication-repeats 5] [--s3 | --no-s3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -92,7 +96,9 @@ def _drop_page_cache(directory: str) -> None:
     dist.barrier()
 
 
-def restore_bench(rank: int, mib: float, root: str, s3_url: str | None) -> dict:
+def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats: int) -> dict:
+    """Every restore ``repeats`` times (``<key>`` the median, ``<key>_each`` all of them); the RAM
+    variants of one kind alternate, so they meet the same conditions."""
     from resilient import Checkpointer
     from resilient.recovery.config import RecoveryConfig
     from resilient.recovery.ram.store import node_store_dir
@@ -102,15 +108,20 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None) -> dict:
     ckpt = Checkpointer(os.path.join(root, "ckpt"))
     ckpt.save(1, state).wait()
     target = _state(mib, -1.0)
-    out = {"persistent_s": _timed(lambda: ckpt.load(target, step=1))}
+    out: dict = {}
+    _record(out, "persistent_s", [_timed(lambda: ckpt.load(target, step=1)) for _ in range(repeats)])
     assert torch.equal(target["model"]["layer0"], state["model"]["layer0"])
-    _drop_page_cache(os.path.join(root, "ckpt"))
-    out["persistent_cold_s"] = _timed(lambda: ckpt.load(target, step=1))
+    cold = []
+    for _ in range(repeats):
+        _drop_page_cache(os.path.join(root, "ckpt"))
+        cold.append(_timed(lambda: ckpt.load(target, step=1)))
+    _record(out, "persistent_cold_s", cold)
     if s3_url is not None:
-        out["persistent_s3_s"] = _s3_restore(s3_url, state, mib)
+        _record(out, "persistent_s3_s", _s3_restore(s3_url, state, mib, repeats))
     dests = {k: torch.empty_like(v) for k, v in state["model"].items()}
-    for _ in range(2):  # the second copy is the floor: pages already resident
-        out["memcpy_s"] = _timed(lambda: [dests[k].copy_(v) for k, v in state["model"].items()])
+    _timed(lambda: [dests[k].copy_(v) for k, v in state["model"].items()])  # faults the pages in: not timed
+    copies = [_timed(lambda: [dests[k].copy_(v) for k, v in state["model"].items()]) for _ in range(repeats)]
+    _record(out, "memcpy_s", copies)
     tier = _tier(rank, os.path.join(root, "store"), root)
     tier.snapshot(1, state)
     tier.wait(600)
@@ -119,9 +130,11 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None) -> dict:
     out["snapshot_copy_s"] = tier.stats.records[-1]["copy_s"]
     tier.close()
     own = _tier(rank, os.path.join(root, "store"), root)
-    target = _state(mib, -1.0)
-    out["ram_own_s"] = _timed(lambda: out.setdefault("own", own.restore(target, None)))
-    assert out.pop("own").source == "own" and torch.equal(target["model"]["layer7"], state["model"]["layer7"])
+    # Committed step 1 backs the decision, as the restore policy passes it: each snapshot is put
+    # straight into the state as it is checked (``ram.inplace``). With no persistent step behind it
+    # (``*_no_persistent_s``) a snapshot is checked where it lies and copied only once every rank
+    # has agreed: the only safe order when a failed fetch elsewhere would leave a fresh start.
+    _ram_restores(own, "own", rank, mib, state, out, repeats)
     own.close()
     dist.barrier()
     if rank == 1:
@@ -130,16 +143,34 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None) -> dict:
         )
     dist.barrier()
     buddy = _tier(rank, os.path.join(root, "store"), root)
-    target = _state(mib, -1.0)
-    out["ram_buddy_s"] = _timed(lambda: out.setdefault("buddy", buddy.restore(target, None)))
-    assert out.pop("buddy").source == ("buddy" if rank == 1 else "own")
-    assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
+    _ram_restores(buddy, "buddy", rank, mib, state, out, repeats)
     buddy.close()
     ckpt.close()
     return out
 
 
-def _s3_restore(url: str, state: dict, mib: float) -> float:
+def _record(out: dict, key: str, seconds: list[float]) -> None:
+    out[key] = statistics.median(seconds)
+    out[f"{key}_each"] = [round(s, 4) for s in seconds]
+
+
+def _ram_restores(tier, kind: str, rank: int, mib: float, state: dict, out: dict, repeats: int) -> None:
+    """``ram_<kind>_s`` (committed step 1 behind the decision) and ``ram_<kind>_no_persistent_s``."""
+    source = "buddy" if kind == "buddy" and rank == 1 else "own"
+    variants = ((f"ram_{kind}_s", 1), (f"ram_{kind}_no_persistent_s", None))
+    times: dict[str, list[float]] = {key: [] for key, _ in variants}
+    for _ in range(repeats):
+        for key, persistent_step in variants:
+            target = _state(mib, -1.0)
+            restore = functools.partial(tier.restore, target, persistent_step)
+            times[key].append(_timed(lambda: out.setdefault("restored", restore())))  # noqa: B023 (called at once)
+            assert out.pop("restored").source == source
+            assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
+    for key, seconds in times.items():
+        _record(out, key, seconds)
+
+
+def _s3_restore(url: str, state: dict, mib: float, repeats: int) -> list[float]:
     """Save ``state`` to ``url`` (the loopback moto_server the parent started) and time both ranks
     loading it back at once, as a job restarting from the persistent tier would."""
     from resilient import Checkpointer
@@ -147,7 +178,7 @@ def _s3_restore(url: str, state: dict, mib: float) -> float:
     with Checkpointer(url) as ckpt:
         ckpt.save(1, state).wait()
         target = _state(mib, -1.0)
-        seconds = _timed(lambda: ckpt.load(target, step=1))
+        seconds = [_timed(lambda: ckpt.load(target, step=1)) for _ in range(repeats)]
     assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
     return seconds
 
@@ -266,7 +297,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue, s3_u
     parts = args.parts.split(",")
     try:
         restore = (
-            restore_bench(rank, args.state_mib, os.path.join(root, "restore"), s3_url) if "restore" in parts else None
+            restore_bench(rank, args.state_mib, os.path.join(root, "restore"), s3_url, args.restore_repeats)
+            if "restore" in parts
+            else None
         )
         rates = (
             replication_bench(
@@ -302,6 +335,9 @@ def main() -> None:
         help="rows per step: sets compute per state byte (a pretraining rank processes 10^4-10^6 tokens per step)",
     )
     parser.add_argument(
+        "--restore-repeats", type=int, default=5, help="times each restore is timed (its line gives the median)"
+    )
+    parser.add_argument(
         "--background-nice", type=int, default=10, help="recovery.background_nice for replication_mib_per_s"
     )
     parser.add_argument("--parts", default="restore,overhead,mac", help="comma-separated: restore, overhead, mac")
@@ -317,8 +353,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.s3 and not moto_available():
         raise SystemExit(f"--s3 needs moto_server at {moto_path()} and boto3: pip install 'moto[server]' boto3")
-    if args.rounds < 1 or args.block_steps < 1:
-        raise SystemExit(f"--rounds and --block-steps must be >= 1, got {args.rounds} and {args.block_steps}")
+    if args.rounds < 1 or args.block_steps < 1 or args.restore_repeats < 1:
+        raise SystemExit(
+            f"--rounds, --block-steps and --restore-repeats must be >= 1, got {args.rounds}, {args.block_steps} "
+            f"and {args.restore_repeats}"
+        )
     if "mac" in args.parts.split(","):
         for line in [*mac_bench(), channel_bench()]:
             print(json.dumps(line), flush=True)
@@ -399,16 +438,26 @@ def _print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
                 "persistent_cold_load_s": round(restore["persistent_cold_s"], 4),
                 "ram_own_s": round(restore["ram_own_s"], 4),
                 "ram_buddy_s": round(restore["ram_buddy_s"], 4),
+                "ram_own_no_persistent_s": round(restore["ram_own_no_persistent_s"], 4),
+                "ram_buddy_no_persistent_s": round(restore["ram_buddy_no_persistent_s"], 4),
                 "memcpy_s": round(restore["memcpy_s"], 4),
                 "persistent_over_ram_own": round(restore["persistent_s"] / restore["ram_own_s"], 2),
                 "persistent_over_ram_buddy": round(restore["persistent_s"] / restore["ram_buddy_s"], 2),
                 "persistent_cold_over_ram_own": round(restore["persistent_cold_s"] / restore["ram_own_s"], 2),
                 "persistent_cold_over_ram_buddy": round(restore["persistent_cold_s"] / restore["ram_buddy_s"], 2),
+                "persistent_cold_over_ram_own_no_persistent": round(
+                    restore["persistent_cold_s"] / restore["ram_own_no_persistent_s"], 2
+                ),
+                "persistent_cold_over_ram_buddy_no_persistent": round(
+                    restore["persistent_cold_s"] / restore["ram_buddy_no_persistent_s"], 2
+                ),
                 "ram_own_over_memcpy": round(restore["ram_own_s"] / restore["memcpy_s"], 2),
                 # The ceiling of persistent_cold_over_ram_*: a restore cannot beat one memcpy of the state.
                 "persistent_cold_over_memcpy": round(restore["persistent_cold_s"] / restore["memcpy_s"], 2),
                 "buddy_source": "buddy" if rank == 1 else "own",
                 **_s3_fields(restore),
+                "repeats": args.restore_repeats,
+                "median_of_each": {k.removesuffix("_each"): v for k, v in restore.items() if k.endswith("_each")},
             }
         ),
         flush=True,
@@ -440,6 +489,7 @@ def _s3_fields(restore: dict) -> dict:
         "persistent_s3_load_s": round(s3, 4),
         "persistent_s3_over_ram_own": round(s3 / restore["ram_own_s"], 2),
         "persistent_s3_over_ram_buddy": round(s3 / restore["ram_buddy_s"], 2),
+        "persistent_s3_over_ram_buddy_no_persistent": round(s3 / restore["ram_buddy_no_persistent_s"], 2),
     }
 
 

@@ -13,7 +13,8 @@ holds the two ends that speak it: ``ReplicationServer`` (stores into and serves 
 No bounce buffers: a put's payload is sent from the caller's memory (e.g. the mapped snapshot slot),
 MACed chunk by chunk as it goes out; a handler with ``reserve_put`` has it received straight into its
 own memory (e.g. a buddy store slot), MACed chunk by chunk as it lands, and ``get(key, into=...)``
-does the same for the client. The wire MAC covers every payload byte, so nothing here re-checksums.
+does the same for the client (into one buffer, or scattered over several: the training tensors).
+The wire MAC covers every payload byte, so nothing here re-checksums.
 
 A protocol violation closes the connection and its reason goes to
 ``ReplicationServer.rejected``; a handler exception becomes an ``error`` reply and the connection
@@ -47,6 +48,7 @@ from resilient.recovery.ram.wire import (
     Destination,
     Message,
     OversizedMessage,
+    Scatter,
     Session,
     check_secret,
     client_handshake,
@@ -416,19 +418,24 @@ class ReplicationClient:
             self._request("put", key, header, view, expected=("ok",))
 
     def get(
-        self, key: str, into: Callable[[dict, int], memoryview] | None = None
-    ) -> tuple[dict, bytearray | memoryview] | None:
+        self, key: str, into: Callable[[dict, int], memoryview | Scatter | None] | None = None
+    ) -> tuple[dict, bytearray | memoryview | Scatter] | None:
         """The buddy's copy of ``key`` (header, payload), or None when the buddy does not hold it.
 
-        The payload is the buffer it was received into, no copy of a possibly huge snapshot: fresh
+        The payload is the memory it was received into, no copy of a possibly huge snapshot: fresh
         memory (``wire.fresh_buffer``: a bytearray, or from 8 MiB a memoryview over an anonymous
-        mapping), or ``into(header, nbytes)``'s writable view when given (called once the header is
-        authenticated; the view holds the sender's bytes only if ``get`` returns without raising).
+        mapping), or what ``into(header, nbytes)`` returned when given (called once the header is
+        authenticated): one writable view, or a ``wire.Scatter`` of them filled in order; None there
+        means fresh memory. Those views hold the sender's bytes only if ``get`` returns without
+        raising.
         """
         _check_key(key)
 
-        def destination(op: str, reply_key: str, meta: dict, nbytes: int) -> memoryview | None:
-            return _byte_view(into(meta, nbytes), key) if into is not None and op == "value" else None
+        def destination(op: str, reply_key: str, meta: dict, nbytes: int) -> memoryview | Scatter | None:
+            target = into(meta, nbytes) if into is not None and op == "value" else None
+            if isinstance(target, Scatter):
+                return Scatter([_byte_view(view, key) for view in target.views], target.landed)
+            return None if target is None else _byte_view(target, key)
 
         with self._lock:
             reply = self._request("get", key, {}, EMPTY, expected=("value", "missing"), destination=destination)

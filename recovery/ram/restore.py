@@ -15,6 +15,10 @@ rank r's snapshot wherever it now lies — a store of its own node (read in plac
 else any rank that offers it (its buddy first; source "buddy"). Restoring the snapshot a machine
 took into the rank that machine now runs would put another rank's shard there.
 
+A copy fetched from a buddy is received straight into the training tensors when a persistent step
+backs the decision (``ram.inplace``: whatever lands there is overwritten if the step is not
+restored after all), and into fresh memory when none does.
+
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
 while its peers wait in the next collective; anything else (a bug) is raised on every rank.
@@ -33,13 +37,18 @@ import torch
 from resilient import dist as rdist
 from resilient.recovery.ram.buddy import snapshot_key
 from resilient.recovery.ram.channel import ChannelError
+from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
 from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
+from resilient.recovery.ram.wire import Scatter
 from resilient.state import Leaf, flatten_state, set_leaf
 
 if TYPE_CHECKING:
     from resilient.recovery.ram.tier import RamTier
 
 log = logging.getLogger(__name__)
+
+Fetched = tuple[str, SnapshotIndex, torch.Tensor | None]
+"""(source, index, data) of a verified snapshot; data None when it was received into the tensors."""
 
 Report = dict[str, Any]
 """One rank's offer: ``{"own": [steps], "kept": {"<rank>": [steps]}}`` (JSON: rank keys are strings).
@@ -68,7 +77,9 @@ def restore_from_ram(
     not older than ``persistent_step`` nor newer than ``newest`` (``checkpoint.load_step``).
     Returns what was decided (source None: not from RAM)."""
     start = time.perf_counter()
-    decision = _Decision(tier, flatten_state(state), newest)
+    # Receiving in place is safe only if a step that is not restored after all is overwritten by
+    # the persistent load the caller falls back to (see ``ram.inplace``).
+    decision = _Decision(tier, flatten_state(state), newest, in_place=persistent_step is not None)
     reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
     ruled_out: set[int] = set()
     while True:
@@ -103,10 +114,13 @@ def choose_step(reports: list[Report], ruled_out: set[int]) -> int | None:
 class _Decision:
     """This rank's side of one decision: what it offers, what it fetched, what it excluded and why."""
 
-    def __init__(self, tier: RamTier, leaves: dict[str, Leaf], newest: int | None = None) -> None:
-        self.tier, self.leaves, self.newest = tier, leaves, newest
+    def __init__(
+        self, tier: RamTier, leaves: dict[str, Leaf], newest: int | None = None, *, in_place: bool = False
+    ) -> None:
+        self.tier, self.leaves, self.newest, self.in_place = tier, leaves, newest, in_place
         self.excluded: list[dict[str, Any]] = []
-        self.fetched: tuple[str, SnapshotIndex, torch.Tensor] | None = None
+        self.fetched: Fetched | None = None
+        """(source, index, data): data None when the snapshot was received into the tensors themselves."""
 
     def _exclude(self, step: int | None, source: str, reason: str) -> None:
         self.excluded.append({"step": step, "source": source, "reason": reason})
@@ -150,10 +164,6 @@ class _Decision:
                     self._exclude(step, "buddy", f"copy kept for rank {rank}: {reason}")
         return sorted(offered)
 
-    def _unusable(self, index: SnapshotIndex, data: torch.Tensor) -> str | None:
-        """Why a snapshot found outside this rank's own store may not restore it (None: it may)."""
-        return self._not_of(index, self.tier.rank) or first_corruption(index, data) or self.incompatible(index)
-
     @staticmethod
     def _not_of(index: SnapshotIndex, rank: int) -> str | None:
         return None if index.rank == rank else f"taken on rank {index.rank}, not {rank}"
@@ -194,7 +204,7 @@ class _Decision:
             self._exclude(step, "own", f"{type(e).__name__}: {e}")
         return None if self.fetched is None else self.fetched[0]
 
-    def _fetch(self, step: int, reports: list[Report]) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
+    def _fetch(self, step: int, reports: list[Report]) -> Fetched | None:
         rank = self.tier.rank
         if step in reports[rank]["own"]:
             own = self._own_verified(step)
@@ -214,7 +224,7 @@ class _Decision:
                     return fetched
         return None
 
-    def _here(self, step: int) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
+    def _here(self, step: int) -> Fetched | None:
         """This rank's snapshot of ``step`` from another store of this node (left here when the
         ranks were renumbered): read in place, no network."""
         for store in self.tier.copies_of(self.tier.rank):
@@ -222,30 +232,44 @@ class _Decision:
                 index = store.indexes().get(step)
                 if index is None:
                     continue
-                data = store.data(index)
-                reason = self._unusable(index, data)
+                fetched = self._verified("own", index, store.data(index))
             except Exception as e:  # a missing slot file, an I/O error: another copy may still do
-                reason = f"{type(e).__name__}: {e}"
-            if reason is None:
-                return "own", index, data
-            self._exclude(step, "own", f"{store.directory}: {reason}")
+                fetched = f"{type(e).__name__}: {e}"
+            if not isinstance(fetched, str):
+                return fetched
+            self._exclude(step, "own", f"{store.directory}: {fetched}")
         return None
 
-    def _own_verified(self, step: int) -> tuple[str, SnapshotIndex, torch.Tensor] | str:
+    def _own_verified(self, step: int) -> Fetched | str:
         """This rank's own snapshot of ``step`` if it verifies, else why not."""
         try:
             index = self.tier.own.indexes().get(step)
             if index is None:
                 return "gone from the store"
-            data = self.tier.own.data(index)
-            return first_corruption(index, data) or ("own", index, data)
+            return self._verified("own", index, self.tier.own.data(index), own=True)
         except Exception as e:  # a missing slot file, an I/O error: the buddy's copy may still do
             return f"{type(e).__name__}: {e}"
 
-    def _fetch_from_buddy(self, step: int, holder: int) -> tuple[str, SnapshotIndex, torch.Tensor] | None:
+    def _verified(self, source: str, index: SnapshotIndex, data: torch.Tensor, *, own: bool = False) -> Fetched | str:
+        """``index``'s snapshot in ``data`` if it verifies (and, found outside this rank's own
+        store, is this rank's and fits the state), else why not. In place (``ram.inplace``), it is
+        copied into the training tensors as it is checked."""
+        reason = None if own else self._not_of(index, self.tier.rank) or self.incompatible(index)
+        if reason is not None:
+            return reason
+        targets = tensor_targets(index, self._tensors()) if self.in_place else None
+        if targets is None:
+            return first_corruption(index, data) or (source, index, data)
+        return copy_verified(index, data, targets) or (source, index, None)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return local_tensors(self.leaves)
+
+    def _fetch_from_buddy(self, step: int, holder: int) -> Fetched | None:
+        landing: list[TensorLanding] = []  # set by ``into`` when the copy is received into the tensors
         try:
             with self.tier.connect_to(holder) as client:
-                reply = client.get(snapshot_key(self.tier.rank, step))
+                reply = client.get(snapshot_key(self.tier.rank, step), into=functools.partial(self._landing, landing))
         except ChannelError as e:
             self._exclude(step, "buddy", f"fetch from rank {holder} failed: {e}")
             return None
@@ -253,15 +277,36 @@ class _Decision:
             self._exclude(step, "buddy", f"rank {holder} no longer has it")
             return None
         header, payload = reply
-        index = SnapshotIndex.from_json(header["index"])
-        # The client hands over the memory it received into (wire.fresh_buffer): no further copy; the
-        # tensor keeps that memory alive.
-        data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        reason = self._unusable(index, data)
-        if reason is not None:
-            self._exclude(step, "buddy", reason)
+        if landing:  # received into the training tensors, checksummed as it landed
+            fetched: Fetched | str = landing[0].corruption() or ("buddy", landing[0].index, None)
+        else:
+            # The client hands over the memory it received into (wire.fresh_buffer): no further
+            # copy; the tensor keeps that memory alive.
+            data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+            index = SnapshotIndex.from_json(header["index"])
+            fetched = self._not_of(index, self.tier.rank) or first_corruption(index, data) or self.incompatible(index)
+            fetched = fetched or ("buddy", index, data)
+        if isinstance(fetched, str):
+            self._exclude(step, "buddy", fetched)
             return None
-        return "buddy", index, data
+        return fetched
+
+    def _landing(self, landing: list[TensorLanding], header: dict, nbytes: int) -> Scatter | None:
+        """Where the buddy's copy lands: the training tensors when they may take it (``in_place``,
+        the copy is this rank's and fits the state), else fresh memory (None)."""
+        if not self.in_place:
+            return None
+        try:
+            index = SnapshotIndex.from_json(header["index"])
+        except Exception:  # a malformed index is excluded after the receive, with its reason
+            return None
+        if nbytes != index.nbytes or self._not_of(index, self.tier.rank) or self.incompatible(index):
+            return None
+        targets = tensor_targets(index, self._tensors())
+        if targets is None:
+            return None
+        landing.append(TensorLanding(index, targets))
+        return landing[0].scatter()
 
     # -- apply -------------------------------------------------------------------------------
 
@@ -270,9 +315,10 @@ class _Decision:
         """Copy the fetched snapshot of ``step`` into the training state, then hide the abandoned timeline."""
         assert self.fetched is not None
         _, index, data = self.fetched
-        tensors = local_tensors(self.leaves)
-        for entry in index.tensors:
-            tensors[entry.fqn].copy_(tensor_view(data, entry))
+        if data is not None:  # None: received into the tensors already
+            tensors = local_tensors(self.leaves)
+            for entry in index.tensors:
+                tensors[entry.fqn].copy_(tensor_view(data, entry))
         for fqn, value in index.values.items():
             set_leaf(self.leaves[fqn], value)
         # Snapshots after the restored step belong to the abandoned timeline: hidden, so a later

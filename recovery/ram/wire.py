@@ -28,8 +28,11 @@ Protocol, version 2 (integers big-endian, ``|`` is concatenation, ``sn``/``cn`` 
 - The receiver refuses ``header_len`` > 1 MiB or ``payload_len`` > ``max_message_bytes`` before reading
   them, and checks ``head_tag`` before it parses the header. Only then does it choose where the
   payload lands (``destination``: e.g. straight into a store slot, no bounce buffer), and it MACs each
-  chunk as it arrives (still in cache). The payload counts as the sender's only once ``tag`` verifies:
-  a destination must not publish it before ``receive`` returns.
+  chunk as it arrives (still in cache). A destination may also be a ``Scatter``: views filled one
+  after another (a buddy's copy received straight into the training tensors), with a hook that sees
+  each piece as it lands (to checksum it while in cache). The payload
+  counts as the sender's only once ``tag`` verifies: a destination must not publish it before
+  ``receive`` returns.
 
 Nothing here opens, accepts or serves a connection (``resilient.recovery.ram.channel`` does); this
 module turns bytes on a connected socket into authenticated messages and back.
@@ -37,6 +40,7 @@ module turns bytes on a connected socket into authenticated messages and back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -93,12 +97,24 @@ class Message:
     op: str
     key: str
     meta: dict
-    payload: bytearray | memoryview  # fresh memory of its own (fresh_buffer), or the destination it was received into
+    payload: bytearray | memoryview | Scatter
+    """Fresh memory of its own (fresh_buffer), or the destination it was received into."""
 
 
-Destination = Callable[[str, str, dict, int], "memoryview | None"]
+@dataclass(frozen=True, slots=True)
+class Scatter:
+    """A payload received into several writable byte views, in order (their sizes add up to it).
+    ``landed(i, piece)`` is called with each piece of view ``i`` as it arrives, after it is added
+    to the MAC and before the MAC is checked: what it computes counts only if ``receive`` returns."""
+
+    views: list[memoryview]
+    landed: Callable[[int, memoryview], None] | None = None
+
+
+Destination = Callable[[str, str, dict, int], "memoryview | Scatter | None"]
 """``(op, key, meta, payload_len)`` of an authenticated header -> a writable byte view of exactly
-``payload_len`` bytes to receive the payload into; None for a new bytearray, ``DISCARD`` to drop it."""
+``payload_len`` bytes to receive the payload into, or a ``Scatter``; None for fresh memory
+(``fresh_buffer``), ``DISCARD`` to drop it."""
 
 
 def check_secret(secret: bytes) -> bytes:
@@ -255,14 +271,17 @@ class Session:
         self._check(self._tag(self._mac(self._recv_tag, 2 * seq, prefix, header)), head_tag)
         op, key, meta = _decode_header(header)
         view = destination(op, key, meta, payload_len) if destination is not None else None
-        payload: bytearray | memoryview = fresh_buffer(payload_len) if view is None else view
+        payload = fresh_buffer(payload_len) if view is None else view
         mac = self._mac(self._recv_tag, 2 * seq + 1, prefix, header)
         if view is DISCARD:
             self._recv_discarding(payload_len, mac)
         else:
-            if memoryview(payload).nbytes != payload_len:
+            scatter = payload if isinstance(payload, Scatter) else Scatter([memoryview(payload)])
+            if sum(view.nbytes for view in scatter.views) != payload_len:
                 raise ChannelError(f"destination for key {key!r} is not {payload_len} bytes long")
-            self._recv_hashing(memoryview(payload), mac)
+            for i, view in enumerate(scatter.views):
+                landed = functools.partial(scatter.landed, i) if scatter.landed is not None else None
+                self._recv_hashing(view, mac, landed)
         tag = bytearray(TAG_BYTES)
         _recv_exactly(self.sock, memoryview(tag), "a message MAC")
         self._check(self._tag(mac), bytes(tag))
@@ -273,12 +292,16 @@ class Session:
         if not hmac.compare_digest(expected, received):
             raise ChannelError(f"message #{self._recv_seq} failed its MAC check (tampered, replayed or reordered)")
 
-    def _recv_hashing(self, view: memoryview, mac: AEADEncryptionContext) -> None:
+    def _recv_hashing(
+        self, view: memoryview, mac: AEADEncryptionContext, landed: Callable[[memoryview], None] | None = None
+    ) -> None:
         # Hash each chunk as it lands, while it is still in cache, instead of a second pass at the end.
         for offset in range(0, view.nbytes, _CHUNK_BYTES):
             piece = view[offset : offset + _CHUNK_BYTES]
             _recv_exactly(self.sock, piece, f"a payload (its chunk at byte {offset} of {view.nbytes})")
             mac.authenticate_additional_data(piece)
+            if landed is not None:
+                landed(piece)
 
     def _recv_discarding(self, nbytes: int, mac: AEADEncryptionContext) -> None:
         scratch = memoryview(bytearray(min(nbytes, _CHUNK_BYTES)))
