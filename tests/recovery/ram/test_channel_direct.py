@@ -144,3 +144,22 @@ def test_get_whose_into_raises_drops_the_connection_and_the_next_get_works(secre
         got = client.get("rank4/step-000000001")
     assert got is not None and bytes(got[1]) == b"\x05" * 1000
     assert got[0] == {"nbytes": 1000}
+
+
+def test_get_into_a_scatter_lands_in_order_and_one_that_does_not_add_up_is_refused(secret):
+    handler = SlotHandler(1000)
+    first, second = bytearray(600), bytearray(400)
+    seen: list[tuple[int, int]] = []
+    with (
+        ReplicationServer(secret, handler, host="127.0.0.1", timeout_s=10.0) as server,
+        ReplicationClient(secret, server.address, rank=4, timeout_s=10.0) as client,
+    ):
+        client.put("rank4/step-000000001", {}, bytes(range(200)) * 5)
+        scatter = wire.Scatter([memoryview(first), memoryview(second)], lambda i, piece: seen.append((i, piece.nbytes)))
+        got = client.get("rank4/step-000000001", into=lambda meta, nbytes: scatter)
+        assert got is not None and bytes(first) + bytes(second) == bytes(range(200)) * 5
+        assert seen == [(0, 600), (1, 400)]
+        short = wire.Scatter([memoryview(bytearray(999))])
+        with pytest.raises(ChannelError, match="is not 1000 bytes long"):
+            client.get("rank4/step-000000001", into=lambda meta, nbytes: short)
+        assert client.get("rank4/step-000000001") is not None  # a new connection, in step

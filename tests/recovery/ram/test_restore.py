@@ -17,8 +17,14 @@ from tests.recovery.ram import workers
 pytestmark = pytest.mark.timeout(120)
 
 
+BACKED = pytest.mark.parametrize("persistent_step", [None, 1], ids=["no_persistent_step", "persistent_step_behind_it"])
+"""With a committed step behind the decision the snapshots go straight into the state (``ram.inplace``);
+without one they are checked where they lie and copied after every rank agreed."""
+
+
 @pytest.mark.dist
-def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog):
+@BACKED
+def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog, persistent_step):
     store_dir = str(tmp_path / "store")
     results = run_world(workers.take_snapshots, 3, store_dir, [2, 4], timeout_s=90)
     for rank, result in enumerate(results):
@@ -29,9 +35,11 @@ def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog)
     assert {r["secret"] for r in results} == {secret}
     config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
     shutil.rmtree(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1))  # node 1 is replaced
-    restored = run_world(workers.restore, 3, store_dir, None, timeout_s=90)
+    restored = run_world(workers.restore, 3, store_dir, persistent_step, timeout_s=90)
     assert [r["source"] for r in restored] == ["own", "buddy", "own"]
     assert all(r["sources"] == ["own", "buddy", "own"] for r in restored)  # every rank knows the mix
+    # Rank 1 received its buddy's copy into fresh memory, or straight into its state.
+    assert [r["fresh_memory"] for r in restored] == [0, 1 if persistent_step is None else 0, 0]
     for rank, r in enumerate(restored):
         assert r["step"] == 4 and r["w"] == rank * 1000 + 4 and r["b_equal"] and r["optim_step"] == 4.0
         assert r["train"] == {"step": 4, "rank": rank}
@@ -43,7 +51,10 @@ def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog)
 
 
 @pytest.mark.dist
-def test_corrupt_snapshot_falls_back_to_the_buddy_copy_then_to_an_older_step(tmp_path):
+@BACKED
+def test_corrupt_snapshot_falls_back_to_the_buddy_copy_then_to_an_older_step(tmp_path, persistent_step):
+    # In place, the corrupt step-4 bytes land in the state before their crc fails; step 2 must
+    # overwrite every one of them.
     store_dir = str(tmp_path / "store")
     run_world(workers.take_snapshots, 2, store_dir, [2, 4], timeout_s=90)
     config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
@@ -51,15 +62,16 @@ def test_corrupt_snapshot_falls_back_to_the_buddy_copy_then_to_an_older_step(tmp
     own0 = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 0), "own", "rank0"), keep=2)
     index = own0.indexes()[4]
     own0.data(index)[index.tensors[0].offset] ^= 1  # rank 0's own step 4 is corrupt
-    restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
+    restored = run_world(workers.restore, 2, store_dir, persistent_step, timeout_s=90)
     assert [(r["step"], r["source"]) for r in restored] == [(4, "buddy"), (4, "own")]
     assert restored[0]["excluded"] == [{"step": 4, "source": "own", "reason": "crc32c mismatch in tensor 'model.w'"}]
     # Now rank 0's buddy copy of step 4 (kept on node 1) is corrupt too: step 4 goes for everyone.
     kept = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 1), "buddy", "rank0"), keep=2)
     kept.data(kept.indexes()[4])[index.tensors[0].offset] ^= 1
-    restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
+    restored = run_world(workers.restore, 2, store_dir, persistent_step, timeout_s=90)
     assert [(r["step"], r["source"]) for r in restored] == [(2, "own"), (2, "own")]
     assert [r["w"] for r in restored] == [2.0, 1002.0]
+    assert all(r["b_equal"] and r["optim_step"] == 2.0 for r in restored)
     assert {e["source"] for e in restored[0]["excluded"]} == {"own", "buddy"}
 
 
@@ -85,6 +97,26 @@ def test_missing_slot_file_falls_back_to_the_buddy_without_hanging(tmp_path):
     restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
     assert [(r["step"], r["source"]) for r in restored] == [(2, "own"), (2, "buddy")]
     assert "FileNotFoundError" in restored[1]["excluded"][0]["reason"]
+
+
+@pytest.mark.dist
+def test_without_a_persistent_step_a_rank_whose_peer_fails_keeps_its_initial_state(tmp_path):
+    # Rank 1 has no copy of step 2 left (its node was replaced and the copy its buddy keeps is
+    # corrupt), so nothing is restored from RAM, and with no persistent step the job starts fresh:
+    # rank 0, whose own snapshot was fine, must not hold step 2 while rank 1 holds the initial state.
+    store_dir = str(tmp_path / "store")
+    run_world(workers.take_snapshots, 2, store_dir, [2], timeout_s=90)
+    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    run_dir = os.path.join(store_dir, "run")
+    shutil.rmtree(node_store_dir(config, run_dir, 0, 1))
+    kept = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 0), "buddy", "rank1"), keep=2)
+    index = kept.indexes()[2]
+    kept.data(index)[index.tensors[0].offset] ^= 1
+    restored = run_world(workers.restore, 2, store_dir, None, timeout_s=90)
+    assert [(r["step"], r["source"]) for r in restored] == [(None, None), (None, None)]
+    assert [r["w"] for r in restored] == [0.0, 0.0]
+    assert [r["train"] for r in restored] == [{"step": -1, "rank": -1}] * 2
+    assert restored[1]["excluded"][-1]["reason"] == "crc32c mismatch in tensor 'model.w'"
 
 
 def test_the_choice_is_the_newest_step_every_rank_gets_from_its_own_store_or_its_buddy():

@@ -96,12 +96,22 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
     from resilient.recovery.ram import wire
 
     wire.MAPPED_BUFFER_MIN_BYTES = 1
+    fresh = wire.fresh_buffer
+    snapshots_into_fresh_memory = []
+
+    def counting(nbytes: int) -> bytearray | memoryview:
+        if nbytes >= 8192:  # a whole snapshot (the state is ~8.2 KB), not a reply header
+            snapshots_into_fresh_memory.append(nbytes)
+        return fresh(nbytes)
+
+    wire.fresh_buffer = counting
     ram = tier(rank, world, store_dir)
     state = empty_state()
     outcome = ram.restore(state, persistent_step)
     ram.close()
     w = float(state["model"]["w"][0, 0])
     return {
+        "fresh_memory": len(snapshots_into_fresh_memory),
         "step": outcome.step,
         "source": outcome.source,
         "sources": outcome.sources,
