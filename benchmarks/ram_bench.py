@@ -332,7 +332,8 @@ def main() -> None:
         "--batch",
         type=int,
         default=1024,
-        help="rows per step: sets compute per state byte (a pretraining rank processes 10^4-10^6 tokens per step)",
+        help="rows per step: sets compute per state byte (batch / 2 FLOPs per byte here; a pretraining rank "
+        "has 10^4-10^6; see the ram_overhead line's flops_per_state_byte)",
     )
     parser.add_argument(
         "--restore-repeats", type=int, default=5, help="times each restore is timed (its line gives the median)"
@@ -509,6 +510,12 @@ def _print_overhead(rank: int, overhead: dict, args: argparse.Namespace) -> None
                     "rank": rank,
                     "loop_mib": args.loop_mib,
                     "batch": args.batch,
+                    # Training FLOPs (6 per parameter per row) per byte of snapshotted state (fp32
+                    # parameters and AdamW's two moments: 12 bytes per parameter): batch / 2. An LLM
+                    # pretraining rank (16 bytes of state per parameter, FSDP over all ranks) has
+                    # 0.375 x the global batch in tokens (divided by the replicas under HSDP):
+                    # 10^4-10^6 for global batches of 0.25M-4M tokens.
+                    "flops_per_state_byte": args.batch / 2,
                     "snapshot_every": every,
                     "buddy_replication": replication,
                     "mean_step_s": round(statistics.median(variant["step_s"]), 5),
