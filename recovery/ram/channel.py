@@ -88,6 +88,9 @@ class PutTarget:
     buffer: memoryview  # writable, C-contiguous, exactly the payload's size
     commit: Callable[[], None]
     abort: Callable[[], None]
+    landed: Callable[[memoryview], None] | None = None
+    """Sees each piece of ``buffer`` as it arrives, in order, before the MAC is checked (to
+    checksum it while it is in cache); what it computes counts only at ``commit``."""
 
 
 class DirectPutHandler(ChannelHandler, Protocol):
@@ -348,7 +351,7 @@ class _Landing:
         self.target: PutTarget | None = None
         self.refused: Exception | None = None
 
-    def destination(self, op: str, key: str, meta: dict, nbytes: int) -> memoryview | None:
+    def destination(self, op: str, key: str, meta: dict, nbytes: int) -> memoryview | Scatter | None:
         reserve = getattr(self._handler, "reserve_put", None)
         if op != "put" or reserve is None:
             return None
@@ -364,6 +367,9 @@ class _Landing:
             self.refused = e
             return DISCARD
         self.target = target
+        if target.landed is not None:
+            landed = target.landed
+            return Scatter([buffer], lambda _, piece: landed(piece))
         return buffer
 
     def abort(self) -> None:

@@ -170,6 +170,40 @@ def checksum(data: torch.Tensor, entry: TensorEntry) -> int:
     return crc32c.crc32c(raw.numpy()) if entry.nbytes else 0
 
 
+class CrcAsItLands:
+    """The crc32c of each of ``index``'s tensors, taken from the payload's pieces as they arrive
+    in order (each still in cache), instead of a pass over the bytes once they are all there."""
+
+    def __init__(self, index: SnapshotIndex) -> None:
+        self.index = index
+        self._order = sorted(range(len(index.tensors)), key=lambda i: index.tensors[i].offset)
+        self._crcs = [0] * len(index.tensors)
+        self._next = 0  # position in _order of the first tensor not yet complete
+        self.received = 0
+
+    def __call__(self, piece: memoryview) -> None:
+        start, end = self.received, self.received + piece.nbytes
+        while self._next < len(self._order):
+            i = self._order[self._next]
+            entry = self.index.tensors[i]
+            low, high = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
+            if low < high:
+                self._crcs[i] = crc32c.crc32c(piece[low - start : high - start], self._crcs[i])
+            if entry.offset + entry.nbytes > end:
+                break
+            self._next += 1
+        self.received = end
+
+    def corruption(self) -> str | None:
+        """None if every tensor matches its crc32c; else which does not (all pieces must have landed)."""
+        if self.received != self.index.nbytes:
+            return f"{self.received} of the snapshot's {self.index.nbytes} bytes were checksummed"
+        for crc, entry in zip(self._crcs, self.index.tensors, strict=True):
+            if crc != entry.crc32c:
+                return f"crc32c mismatch in tensor {entry.fqn!r}"
+        return None
+
+
 def first_corruption(index: SnapshotIndex, data: torch.Tensor) -> str | None:
     """None if every tensor's bytes match its crc32c; else which tensor does not."""
     if data.numel() < index.nbytes:

@@ -65,3 +65,45 @@ def test_a_copy_received_in_place_is_published_only_on_commit(tmp_path):
         handler.reserve_put(1, "rank1/step-000000005", header, index.nbytes)
     with pytest.raises(ResilientError, match="does not match its index"):
         handler.reserve_put(0, key, header, index.nbytes - 1)
+
+
+def _landing(target, payload: memoryview, sizes: list[int]) -> None:
+    """What the channel does: fill the buffer piece by piece, each piece shown to ``landed``."""
+    offset = 0
+    for size in sizes:
+        piece = target.buffer[offset : offset + size]
+        piece[:] = payload[offset : offset + size]
+        target.landed(piece)
+        offset += size
+    assert offset == payload.nbytes
+
+
+def test_a_copy_is_checksummed_as_it_lands_and_a_damaged_one_is_not_published(tmp_path, monkeypatch):
+    sender = RankStore(str(tmp_path / "sender"), keep=2)
+    write_snapshot(sender, 5, 5.0)
+    index = sender.indexes()[5]
+    index.rank = 0
+    kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
+    handler = BuddyHandler(
+        SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
+    )
+    header, key = {"index": index.to_json()}, "rank0/step-000000005"
+    payload = memoryview(sender.data(index).numpy())[: index.nbytes]
+    # Pieces that cut tensors and gaps anywhere ("a": bytes 0-59, a gap, "b": 64-71, a tail).
+    assert [(e.offset, e.nbytes) for e in index.tensors] == [(0, 60), (64, 8)] and index.nbytes == 128
+    sizes = [7, 50, 1, 30, 40]
+    passes = []
+    monkeypatch.setattr("resilient.recovery.ram.buddy.first_corruption", lambda *a: passes.append(a))
+    target = handler.reserve_put(0, key, header, index.nbytes)
+    _landing(target, payload, sizes)
+    target.commit()
+    assert passes == []  # no pass over the bytes after they landed
+    copy = kept.indexes()[5]
+    assert first_corruption(copy, kept.data(copy)) is None and copy.values == {"v": 5.0}
+    damaged = handler.reserve_put(0, key, header, index.nbytes)
+    broken = bytearray(payload)
+    broken[66] ^= 0x01  # in "b": the MAC held, the sender's bytes did not match their index
+    _landing(damaged, memoryview(broken), sizes)
+    with pytest.raises(ResilientError, match="crc32c mismatch in tensor 'b'"):
+        damaged.commit()
+    assert sorted(kept.indexes()) == [5] and passes == []
