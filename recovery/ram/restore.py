@@ -305,7 +305,10 @@ class _Decision:
         targets = tensor_targets(index, self._tensors())
         if targets is None:
             return None
-        landing.append(TensorLanding(index, targets))
+        try:
+            landing.append(TensorLanding(index, targets))
+        except ValueError:  # overlapping offsets (never from layout_tensors): checked the old way
+            return None
         return landing[0].scatter()
 
     # -- apply -------------------------------------------------------------------------------
