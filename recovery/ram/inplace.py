@@ -22,7 +22,7 @@ import crc32c
 import numpy as np
 import torch
 
-from resilient.recovery.ram.store import SnapshotIndex
+from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex
 from resilient.recovery.ram.wire import Scatter
 
 COPY_PIECE_BYTES = 1 << 20
@@ -58,44 +58,36 @@ def tensor_targets(index: SnapshotIndex, tensors: dict[str, torch.Tensor]) -> di
 
 class TensorLanding:
     """A buddy's copy of ``index`` received into ``targets`` (``tensor_targets``): the wire's
-    ``Scatter`` (alignment gaps go to scratch memory) and the crc32c of each tensor as it lands."""
+    ``Scatter``, the alignment gaps into scratch memory, and the crc32c of each tensor taken as its
+    pieces land (``store.CrcAsItLands``: the views are filled in payload order)."""
 
     def __init__(self, index: SnapshotIndex, targets: dict[str, memoryview]) -> None:
         self.index = index
+        self._crc = CrcAsItLands(index)
         self._views: list[memoryview] = []
-        self._entry_of: list[int | None] = []  # view -> index.tensors position (None: a gap)
         position = 0
-        for i, entry in sorted(enumerate(index.tensors), key=lambda item: item[1].offset):
+        for entry in sorted(index.tensors, key=lambda e: e.offset):
             if entry.offset < position:
                 raise ValueError(f"tensor {entry.fqn!r} overlaps the one before it in the snapshot")
-            self._add(memoryview(bytearray(entry.offset - position)), None)
+            self._add(memoryview(bytearray(entry.offset - position)))
             if entry.nbytes:
-                self._add(targets[entry.fqn], i)
+                self._add(targets[entry.fqn])
             position = entry.offset + entry.nbytes
         if position > index.nbytes:
             raise ValueError(f"the snapshot's tensors end at byte {position}, past its {index.nbytes} bytes")
-        self._add(memoryview(bytearray(index.nbytes - position)), None)
-        self._crcs = [0] * len(self._views)
+        self._add(memoryview(bytearray(index.nbytes - position)))
 
-    def _add(self, view: memoryview, entry: int | None) -> None:
+    def _add(self, view: memoryview) -> None:
         if view.nbytes:
             self._views.append(view)
-            self._entry_of.append(entry)
 
     def scatter(self) -> Scatter:
-        return Scatter(self._views, self._landed)
-
-    def _landed(self, i: int, piece: memoryview) -> None:
-        if self._entry_of[i] is not None:
-            self._crcs[i] = crc32c.crc32c(piece, self._crcs[i])
+        crc = self._crc
+        return Scatter(self._views, lambda _, piece: crc(piece))
 
     def corruption(self) -> str | None:
         """None if every tensor received matches the snapshot's crc32c; else which does not."""
-        crcs = {self._entry_of[i]: crc for i, crc in enumerate(self._crcs) if self._entry_of[i] is not None}
-        for i, entry in enumerate(self.index.tensors):
-            if crcs.get(i, 0) != entry.crc32c:
-                return f"crc32c mismatch in tensor {entry.fqn!r}"
-        return None
+        return self._crc.corruption()
 
 
 def copy_verified(index: SnapshotIndex, data: torch.Tensor, targets: dict[str, memoryview]) -> str | None:
