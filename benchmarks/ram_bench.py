@@ -458,7 +458,7 @@ def _print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
                 "buddy_source": "buddy" if rank == 1 else "own",
                 **_s3_fields(restore),
                 "repeats": args.restore_repeats,
-                "median_of_each": {k.removesuffix("_each"): v for k, v in restore.items() if k.endswith("_each")},
+                "each_s": {k.removesuffix("_each"): v for k, v in restore.items() if k.endswith("_each")},
             }
         ),
         flush=True,

@@ -39,14 +39,16 @@ def test_overhead_is_the_median_of_same_round_ratios(capsys: pytest.CaptureFixtu
     assert line["overhead_drained"] == 0.2
     assert line["mean_step_s"] == 1.2 and line["baseline_step_s"] == 1.0  # medians, the old fields kept
     assert line["rounds"] == 3 and line["interleaved"] is True
+    assert line["flops_per_state_byte"] == 512  # 6 FLOPs per parameter per row over 12 bytes of fp32 state
 
 
 def test_s3_fields_only_when_the_s3_restore_ran() -> None:
-    restore = {"ram_own_s": 0.1, "ram_buddy_s": 0.5}
+    restore = {"ram_own_s": 0.1, "ram_buddy_s": 0.5, "ram_buddy_no_persistent_s": 0.8}
     assert ram_bench._s3_fields(restore) == {}
     fields = ram_bench._s3_fields({**restore, "persistent_s3_s": 2.0})
     assert fields == {
         "persistent_s3_load_s": 2.0,
         "persistent_s3_over_ram_own": 20.0,
         "persistent_s3_over_ram_buddy": 4.0,
+        "persistent_s3_over_ram_buddy_no_persistent": 2.5,
     }

@@ -15,9 +15,11 @@ rank r's snapshot wherever it now lies — a store of its own node (read in plac
 else any rank that offers it (its buddy first; source "buddy"). Restoring the snapshot a machine
 took into the rank that machine now runs would put another rank's shard there.
 
-A copy fetched from a buddy is received straight into the training tensors when a persistent step
-backs the decision (``ram.inplace``: whatever lands there is overwritten if the step is not
-restored after all), and into fresh memory when none does.
+When a persistent step backs the decision, each rank puts its snapshot straight into the training
+tensors while checking it: an own snapshot is copied in, a buddy's copy received into them
+(``ram.inplace``; whatever lands there is overwritten if the step is not restored after all). With
+none, a snapshot is checked where it lies (or in fresh memory) and copied only after every rank
+agreed, so a rank never holds the step while its peers keep the initial state.
 
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
@@ -75,7 +77,9 @@ def restore_from_ram(
 ) -> RamRestore:
     """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it is
     not older than ``persistent_step`` nor newer than ``newest`` (``checkpoint.load_step``).
-    Returns what was decided (source None: not from RAM)."""
+    Returns what was decided (source None: not from RAM). With ``persistent_step`` given and source
+    None, ``state``'s tensors are undefined (a snapshot may have landed in part): the caller must
+    load a committed step into it, or fail."""
     start = time.perf_counter()
     # Receiving in place is safe only if a step that is not restored after all is overwritten by
     # the persistent load the caller falls back to (see ``ram.inplace``).
@@ -257,19 +261,16 @@ class _Decision:
         reason = None if own else self._not_of(index, self.tier.rank) or self.incompatible(index)
         if reason is not None:
             return reason
-        targets = tensor_targets(index, self._tensors()) if self.in_place else None
+        targets = tensor_targets(index, local_tensors(self.leaves)) if self.in_place else None
         if targets is None:
             return first_corruption(index, data) or (source, index, data)
         return copy_verified(index, data, targets) or (source, index, None)
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        return local_tensors(self.leaves)
-
     def _fetch_from_buddy(self, step: int, holder: int) -> Fetched | None:
-        landing: list[TensorLanding] = []  # set by ``into`` when the copy is received into the tensors
+        into = _IntoTensors(self)
         try:
             with self.tier.connect_to(holder) as client:
-                reply = client.get(snapshot_key(self.tier.rank, step), into=functools.partial(self._landing, landing))
+                reply = client.get(snapshot_key(self.tier.rank, step), into=into)
         except ChannelError as e:
             self._exclude(step, "buddy", f"fetch from rank {holder} failed: {e}")
             return None
@@ -277,8 +278,8 @@ class _Decision:
             self._exclude(step, "buddy", f"rank {holder} no longer has it")
             return None
         header, payload = reply
-        if landing:  # received into the training tensors, checksummed as it landed
-            fetched: Fetched | str = landing[0].corruption() or ("buddy", landing[0].index, None)
+        if into.landing is not None:  # received into the training tensors, checksummed as it landed
+            fetched: Fetched | str = into.landing.corruption() or ("buddy", into.landing.index, None)
         else:
             # The client hands over the memory it received into (wire.fresh_buffer): no further
             # copy; the tensor keeps that memory alive.
@@ -290,26 +291,6 @@ class _Decision:
             self._exclude(step, "buddy", fetched)
             return None
         return fetched
-
-    def _landing(self, landing: list[TensorLanding], header: dict, nbytes: int) -> Scatter | None:
-        """Where the buddy's copy lands: the training tensors when they may take it (``in_place``,
-        the copy is this rank's and fits the state), else fresh memory (None)."""
-        if not self.in_place:
-            return None
-        try:
-            index = SnapshotIndex.from_json(header["index"])
-        except Exception:  # a malformed index is excluded after the receive, with its reason
-            return None
-        if nbytes != index.nbytes or self._not_of(index, self.tier.rank) or self.incompatible(index):
-            return None
-        targets = tensor_targets(index, self._tensors())
-        if targets is None:
-            return None
-        try:
-            landing.append(TensorLanding(index, targets))
-        except ValueError:  # overlapping offsets (never from layout_tensors): checked the old way
-            return None
-        return landing[0].scatter()
 
     # -- apply -------------------------------------------------------------------------------
 
@@ -330,3 +311,32 @@ class _Decision:
         for rank in {*self.tier.pairing.kept_by(self.tier.rank), *self.tier.left_here(), self.tier.rank}:
             for store in self.tier.copies_of(rank):
                 store.remove_newer(step)
+
+
+class _IntoTensors:
+    """``ReplicationClient.get``'s ``into`` for one fetch: the training tensors when they may take
+    the buddy's copy (``in_place``, the copy is this rank's and fits the state), else fresh memory
+    (None); ``landing`` says which it was once the header arrived."""
+
+    def __init__(self, decision: _Decision) -> None:
+        self.decision = decision
+        self.landing: TensorLanding | None = None
+
+    def __call__(self, header: dict, nbytes: int) -> Scatter | None:
+        decision = self.decision
+        if not decision.in_place:
+            return None
+        try:
+            index = SnapshotIndex.from_json(header["index"])
+        except Exception:  # a malformed index is excluded after the receive, with its reason
+            return None
+        if nbytes != index.nbytes or decision._not_of(index, decision.tier.rank) or decision.incompatible(index):
+            return None
+        targets = tensor_targets(index, local_tensors(decision.leaves))
+        if targets is None:
+            return None
+        try:
+            self.landing = TensorLanding(index, targets)
+        except ValueError:  # overlapping offsets (never from layout_tensors): checked the old way
+            return None
+        return self.landing.scatter()

@@ -176,7 +176,15 @@ class CrcAsItLands:
 
     def __init__(self, index: SnapshotIndex) -> None:
         self.index = index
-        self._order = sorted(range(len(index.tensors)), key=lambda i: index.tensors[i].offset)
+        self._order = sorted(range(len(index.tensors)), key=lambda i: _span(index.tensors[i]))
+        end = 0
+        for i in self._order:  # pieces are cut by position: tensors sharing bytes could not be told apart
+            entry = index.tensors[i]
+            if entry.nbytes and entry.offset < end:
+                raise ValueError(f"tensor {entry.fqn!r} overlaps the one before it in the snapshot")
+            end = max(end, entry.offset + entry.nbytes)
+        if end > index.nbytes:
+            raise ValueError(f"the snapshot's tensors end at byte {end}, past its {index.nbytes} bytes")
         self._crcs = [0] * len(index.tensors)
         self._next = 0  # position in _order of the first tensor not yet complete
         self.received = 0
@@ -202,6 +210,11 @@ class CrcAsItLands:
             if crc != entry.crc32c:
                 return f"crc32c mismatch in tensor {entry.fqn!r}"
         return None
+
+
+def _span(entry: TensorEntry) -> tuple[int, int]:
+    """Payload order: by offset, an empty tensor before a non-empty one at the same offset."""
+    return entry.offset, entry.nbytes
 
 
 def first_corruption(index: SnapshotIndex, data: torch.Tensor) -> str | None:

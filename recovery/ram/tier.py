@@ -429,5 +429,7 @@ class RamTier:
     def restore(self, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None) -> RamRestore:
         """Collective: restore ``state`` in place from the newest step every rank has in RAM of the
         current ``timeline``, if it is not older than ``persistent_step`` (nor newer than ``newest``).
-        Returns what was decided (source None: not from RAM); see ``resilient.recovery.ram.restore``."""
+        Returns what was decided (source None: not from RAM; with ``persistent_step`` given, the
+        state's tensors are then undefined and the caller must load a committed step, or fail); see
+        ``resilient.recovery.ram.restore``."""
         return restore_from_ram(self, state, persistent_step, newest=newest)

@@ -100,16 +100,25 @@ def test_a_newer_checkpoint_beats_older_ram_snapshots(tmp_path, ckpt, ram):
     assert trainer.applied is not None and float(trainer.applied["model"]["w"][0, 0]) == 6.0
 
 
-def test_a_corrupt_snapshot_without_a_buddy_is_excluded_and_storage_restores(tmp_path, ckpt, ram):
+@pytest.mark.parametrize("damaged", [0, 1], ids=["first_tensor", "second_tensor"])
+def test_a_corrupt_snapshot_without_a_buddy_is_excluded_and_storage_restores(tmp_path, ckpt, ram, damaged):
+    # With committed step 2 behind the decision, step 4 is copied into the state as it is checked
+    # (``ram.inplace``): its good first tensor (1004.0) and the damaged bytes land there before the
+    # crc fails, and the persistent load must overwrite every one of them.
     start_run(tmp_path / "run", ckpt, ram)
     save(ckpt, 2)
     snapshot(ram, 4)
     index = ram.own.indexes()[4]
-    ram.own.data(index)[index.tensors[0].offset] ^= 1
-    result, _, _ = restore_with(tmp_path / "run", ckpt, ram)
+    ram.own.data(index)[index.tensors[damaged].offset] ^= 1
+    result, caller, _ = restore_with(tmp_path / "run", ckpt, ram)
     assert (result.source, result.step) == ("persistent", 2)
-    assert result.excluded == [{"step": 4, "source": "own", "reason": "crc32c mismatch in tensor 'model.w'"}]
+    fqn = index.tensors[damaged].fqn
+    assert result.excluded == [{"step": 4, "source": "own", "reason": f"crc32c mismatch in tensor '{fqn}'"}]
     assert events(tmp_path / "run")[0]["excluded"] == result.excluded
+    assert caller.applied is not None
+    assert torch.equal(caller.applied["model"]["w"], torch.full((8, 4), 2.0))
+    assert torch.equal(caller.applied["model"]["z"], torch.full((4, 4), 2.5))
+    assert caller.applied["train"] == {"step": 2, "tokens_seen": 20}
 
 
 def test_a_listing_error_still_lets_ram_restore_and_is_raised_without_it(tmp_path, ram):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from resilient.recovery.ram import wire
-from resilient.recovery.ram.channel import ChannelError, PutTarget, ReplicationClient, ReplicationServer
+from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.ram.handler import PutTarget
 from tests.recovery.ram.test_channel import _wait_for
 
 pytestmark = pytest.mark.timeout(60)

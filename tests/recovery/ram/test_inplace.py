@@ -11,7 +11,7 @@ import torch
 
 from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
-from resilient.recovery.ram.store import SnapshotIndex, checksum, layout_tensors, tensor_view
+from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
 from resilient.recovery.ram.wire import Scatter
 
 pytestmark = pytest.mark.timeout(60)
@@ -112,3 +112,36 @@ def test_tensors_that_cannot_take_the_bytes_in_place_send_the_restore_to_fresh_m
     meta = _state(2)
     meta["w"] = torch.empty(300, 70, device="meta")
     assert tensor_targets(index, meta) is None
+    subclass = _state(2)
+    subclass["w"] = torch.randn(300, 70).as_subclass(_Marked)  # no .numpy(): the old way, not an error
+    assert tensor_targets(index, subclass) is None
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+def test_crc_as_it_lands_matches_the_crc_of_the_bytes_for_any_cut_and_order():
+    source = _state(3)
+    index, data = _snapshot(source)
+    index.tensors.reverse()  # an index lists its tensors in any order; the payload is by offset
+    payload = memoryview(data.numpy())
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        crc = CrcAsItLands(index)
+        cuts = sorted(torch.randint(0, index.nbytes, (5,), generator=rng).tolist())
+        for start, end in zip([0, *cuts], [*cuts, index.nbytes], strict=True):
+            crc(payload[start:end])  # pieces of any size, empty ones included
+        assert crc.corruption() is None
+    partial = CrcAsItLands(index)
+    partial(payload[:100])
+    assert partial.corruption() == f"100 of the snapshot's {index.nbytes} bytes were checksummed"
+
+
+def test_tensors_that_overlap_in_an_index_are_refused_before_anything_lands():
+    index, _ = _snapshot(_state(1))
+    index.tensors[1].offset = 100  # "b" now inside "w"
+    with pytest.raises(ValueError, match="overlaps"):
+        CrcAsItLands(index)
+    with pytest.raises(ValueError, match="overlaps"):
+        TensorLanding(index, tensor_targets(index, _state(2)) or {})

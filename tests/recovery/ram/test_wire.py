@@ -118,6 +118,28 @@ def test_tampered_frame_is_rejected(pair, where):
         server.receive(1 << 30, lambda op, key, meta, n: memoryview(landed)[:n])
 
 
+def test_a_scattered_payload_is_authenticated_across_its_views(pair):
+    # Received into three views (as into training tensors and a gap): every byte is MACed, so a
+    # byte flipped in flight at the boundary of two views fails the frame, after ``landed`` saw
+    # every piece (what it computed is dropped with the frame).
+    client, server = pair
+    payload = bytearray(secrets.token_bytes(3 * 1024 * 1024 + 5))
+    head, tag = client.seal("value", "rank0/step-000000002", {}, memoryview(payload))
+    sizes = [1024 * 1024 + 3, 7, len(payload) - 1024 * 1024 - 10]
+    views = [memoryview(bytearray(n)) for n in sizes]
+    seen: list[int] = []
+    scatter = wire.Scatter(views, lambda i, piece: seen.append(i))
+    _in_background(lambda: client.sock.sendall(head + payload + tag))
+    message = server.receive(1 << 30, lambda op, key, meta, n: scatter)
+    assert message.payload is scatter and b"".join(bytes(v) for v in views) == bytes(payload)
+    assert seen == [0, 0, 1, 2, 2]  # 1 MiB pieces within each view
+    head, tag = client.seal("value", "rank0/step-000000004", {}, memoryview(payload))
+    payload[sizes[0]] ^= 0x01  # the first byte of the second view, in flight
+    _in_background(lambda: client.sock.sendall(head + payload + tag))
+    with pytest.raises(wire.ChannelError, match=r"message #1 failed its MAC check"):
+        server.receive(1 << 30, lambda op, key, meta, n: wire.Scatter([memoryview(bytearray(n))]))
+
+
 def test_replayed_and_reordered_frames_are_rejected(pair):
     client, server = pair
     first = client.seal("put", "k", {"n": 0}, memoryview(b"zero"))

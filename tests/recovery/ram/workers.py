@@ -9,8 +9,16 @@ import os
 import torch
 
 from resilient.recovery.config import RecoveryConfig
-from resilient.recovery.ram.store import RankStore, SnapshotIndex, checksum, layout_tensors, tensor_view
+from resilient.recovery.ram.store import (
+    RankStore,
+    SnapshotIndex,
+    checksum,
+    layout_tensors,
+    local_tensors,
+    tensor_view,
+)
 from resilient.recovery.ram.tier import RamTier
+from resilient.state import flatten_state
 
 
 def write_snapshot(
@@ -97,16 +105,17 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
 
     wire.MAPPED_BUFFER_MIN_BYTES = 1
     fresh = wire.fresh_buffer
+    state = empty_state()
+    snapshot_bytes = layout_tensors(local_tensors(flatten_state(state)))[1]
     snapshots_into_fresh_memory = []
 
     def counting(nbytes: int) -> bytearray | memoryview:
-        if nbytes >= 8192:  # a whole snapshot (the state is ~8.2 KB), not a reply header
+        if nbytes == snapshot_bytes:  # a whole snapshot, not a reply header
             snapshots_into_fresh_memory.append(nbytes)
         return fresh(nbytes)
 
     wire.fresh_buffer = counting
     ram = tier(rank, world, store_dir)
-    state = empty_state()
     outcome = ram.restore(state, persistent_step)
     ram.close()
     w = float(state["model"]["w"][0, 0])
