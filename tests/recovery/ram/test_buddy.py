@@ -9,7 +9,7 @@ import pytest
 from resilient.errors import ResilientError
 from resilient.recovery.ram.buddy import BuddyHandler
 from resilient.recovery.ram.pairing import Pairing
-from resilient.recovery.ram.store import RankStore, first_corruption
+from resilient.recovery.ram.store import RankStore, SnapshotIndex, first_corruption
 from tests.recovery.ram.workers import write_snapshot
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,9 +32,8 @@ def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
     assert copy.values == {"v": 3.0}
 
 
-def test_a_copy_received_in_place_is_published_only_on_commit(tmp_path):
-    # reserve_put: the channel receives straight into the slot; nothing is visible before commit
-    # (the MAC verified), an abort leaves nothing, and a sender that is not ours is refused.
+def _rank1_keeping_step5_of_rank0(tmp_path) -> tuple[SnapshotIndex, memoryview, RankStore, BuddyHandler]:
+    """Rank 0's snapshot of step 5 (index, bytes) and rank 1's handler with the store it keeps it in."""
     sender = RankStore(str(tmp_path / "sender"), keep=2)
     write_snapshot(sender, 5, 5.0)
     index = sender.indexes()[5]
@@ -43,8 +42,14 @@ def test_a_copy_received_in_place_is_published_only_on_commit(tmp_path):
     handler = BuddyHandler(
         SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
     )
+    return index, memoryview(sender.data(index).numpy())[: index.nbytes], kept, handler
+
+
+def test_a_copy_received_in_place_is_published_only_on_commit(tmp_path):
+    # reserve_put: the channel receives straight into the slot; nothing is visible before commit
+    # (the MAC verified), an abort leaves nothing, and a sender that is not ours is refused.
+    index, payload, kept, handler = _rank1_keeping_step5_of_rank0(tmp_path)
     header, key = {"index": index.to_json()}, "rank0/step-000000005"
-    payload = memoryview(sender.data(index).numpy())[: index.nbytes]
     aborted = handler.reserve_put(0, key, header, index.nbytes)
     aborted.buffer[:] = payload
     aborted.abort()
@@ -79,16 +84,8 @@ def _landing(target, payload: memoryview, sizes: list[int]) -> None:
 
 
 def test_a_copy_is_checksummed_as_it_lands_and_a_damaged_one_is_not_published(tmp_path, monkeypatch):
-    sender = RankStore(str(tmp_path / "sender"), keep=2)
-    write_snapshot(sender, 5, 5.0)
-    index = sender.indexes()[5]
-    index.rank = 0
-    kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
-    handler = BuddyHandler(
-        SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
-    )
+    index, payload, kept, handler = _rank1_keeping_step5_of_rank0(tmp_path)
     header, key = {"index": index.to_json()}, "rank0/step-000000005"
-    payload = memoryview(sender.data(index).numpy())[: index.nbytes]
     # Pieces that cut tensors and gaps anywhere ("a": bytes 0-59, a gap, "b": 64-71, a tail).
     assert [(e.offset, e.nbytes) for e in index.tensors] == [(0, 60), (64, 8)] and index.nbytes == 128
     sizes = [7, 50, 1, 30, 40]
