@@ -168,6 +168,11 @@ class _Decision:
                     self._exclude(step, "buddy", f"copy kept for rank {rank}: {reason}")
         return sorted(offered)
 
+    def unfit(self, index: SnapshotIndex) -> str | None:
+        """Why a snapshot found outside this rank's own store may not go into its state: another
+        rank's, or incompatible (None: it may, once its bytes verify)."""
+        return self._not_of(index, self.tier.rank) or self.incompatible(index)
+
     @staticmethod
     def _not_of(index: SnapshotIndex, rank: int) -> str | None:
         return None if index.rank == rank else f"taken on rank {index.rank}, not {rank}"
@@ -258,7 +263,7 @@ class _Decision:
         """``index``'s snapshot in ``data`` if it verifies (and, found outside this rank's own
         store, is this rank's and fits the state), else why not. In place (``ram.inplace``), it is
         copied into the training tensors as it is checked."""
-        reason = None if own else self._not_of(index, self.tier.rank) or self.incompatible(index)
+        reason = None if own else self.unfit(index)
         if reason is not None:
             return reason
         targets = tensor_targets(index, local_tensors(self.leaves)) if self.in_place else None
@@ -284,9 +289,7 @@ class _Decision:
             # The client hands over the memory it received into (wire.fresh_buffer): no further
             # copy; the tensor keeps that memory alive.
             data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-            index = SnapshotIndex.from_json(header["index"])
-            fetched = self._not_of(index, self.tier.rank) or first_corruption(index, data) or self.incompatible(index)
-            fetched = fetched or ("buddy", index, data)
+            fetched = self._verified("buddy", SnapshotIndex.from_json(header["index"]), data)
         if isinstance(fetched, str):
             self._exclude(step, "buddy", fetched)
             return None
@@ -330,7 +333,7 @@ class _IntoTensors:
             index = SnapshotIndex.from_json(header["index"])
         except Exception:  # a malformed index is excluded after the receive, with its reason
             return None
-        if nbytes != index.nbytes or decision._not_of(index, decision.tier.rank) or decision.incompatible(index):
+        if nbytes != index.nbytes or decision.unfit(index):
             return None
         targets = tensor_targets(index, local_tensors(decision.leaves))
         if targets is None:
