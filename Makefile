@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint bench clean
+.PHONY: install check test demo lint bench clean
 
 install: $(STAMP)
 
@@ -15,8 +15,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The loop while working: unit and single-process tests over two xdist workers (a few minutes here).
+# Multi-process tests (gloo worlds, torchrun, launchers) are marked `dist` or `e2e` and left out.
+FAST := -m "not dist and not e2e"
+check: install
+	$(PY) -m pytest -q -n 2 $(FAST) --durations=10
+
+# Everything: the fast set over two workers, then the multi-process tests one at a time (they time
+# heartbeats and kills, and each already uses both cores).
 test: install
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -n 2 $(FAST) --durations=10
+	$(PY) -m pytest -q -m "dist or e2e" --durations=20
 
 demo: install
 	$(PY) -m resilient.tools.demo

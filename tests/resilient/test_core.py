@@ -119,6 +119,7 @@ def _agree_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_agree_raises_the_same_error_on_every_rank() -> None:
     results = run_world(_agree_worker, 2, timeout_s=90)
     for rank, out in enumerate(results):

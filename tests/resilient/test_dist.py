@@ -39,6 +39,7 @@ def _gather_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_all_gather_json_takes_one_collective_when_the_texts_fit() -> None:
     from resilient import dist as rdist
 

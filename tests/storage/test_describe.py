@@ -80,6 +80,7 @@ def _dtensor_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_dtensor_layout_is_reused_until_its_local_tensor_or_placement_changes() -> None:
     results = run_world(_dtensor_worker, 2, timeout_s=90)
     rows = {0: [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0]], 1: [[9.0, 10.0, 11.0], [12.0, 13.0, 14.0]]}

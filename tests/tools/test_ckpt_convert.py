@@ -112,6 +112,7 @@ def _measure(*argv: str) -> int:
     return last["max_rss_kib"] << 10
 
 
+@pytest.mark.e2e  # four CLI processes, each importing torch
 def test_convert_larger_than_max_memory_stays_bounded(tmp_path):
     """256 MiB of tensors through --max-memory 32MiB, both directions; peak RSS is compared with
     converting a 64 KiB state (the same code paths: the interpreter, torch and TensorStore)."""

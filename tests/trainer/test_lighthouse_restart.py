@@ -20,7 +20,7 @@ from resilient.runfiles import pid_path, write_pid_file
 from resilient.trainer.launch import ReplicaJob, ReplicaLaunch
 from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, start_lighthouse
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def _ask(url: str, replica: str, timeout_s: float, out: dict) -> None:

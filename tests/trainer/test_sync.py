@@ -131,6 +131,14 @@ def _train(rank: int, world: int, root: str) -> dict[str, Any]:
     return results
 
 
+def _close_to_reference(logged: list, reference: list) -> bool:
+    """Loss, token count and lr to the bit; the gradient norm to a relative 1e-6."""
+    return len(logged) == len(reference) and all(
+        (loss, text, n, lr) == (r[0], r[1], r[2], r[4]) and norm == pytest.approx(r[3], rel=1e-6)
+        for (loss, text, n, norm, lr), r in zip(logged, reference, strict=True)
+    )
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_one_step_over_the_sync(tmp_path: Path) -> None:
@@ -139,11 +147,13 @@ def test_one_step_over_the_sync(tmp_path: Path) -> None:
     assert local["default_sync"] == "LocalSync"
     for run in (local, refused, mirrored):
         assert run["step"] == STEPS and run["hook_steps"] == [1, 2, 3] and run["steps_logged"] == [1, 2, 3]
-    assert [tuple(values) for values in local["logged"]] == REFERENCE
+    # Against the recorded run: the gradient norm's vectorized reduction follows the CPU's vector
+    # width (AVX2 and AVX-512 machines differ in its last float32 bit), so it is compared to 1e-6.
+    assert _close_to_reference(local["logged"], REFERENCE)
     # The refused attempt changed nothing: the retry trained the same batch from the same state.
-    assert [tuple(values) for values in refused["logged"]] == REFERENCE
+    assert refused["logged"] == local["logged"]
     # Two identical groups: the job's token count doubles, every other value is the same to the bit.
-    assert [tuple(values) for values in mirrored["logged"]] == [(a, b, 2 * n, c, d) for a, b, n, c, d in REFERENCE]
+    assert [tuple(v) for v in mirrored["logged"]] == [(a, b, 2 * n, c, d) for a, b, n, c, d in local["logged"]]
     assert local["samples"] == refused["samples"] == mirrored["samples"] and len(local["samples"]) == STEPS
     # Healed one step ahead: its step k trained, and logged, the batch the others trained at step k + 1.
     assert results["healed"]["samples"][:2] == local["samples"][1:]
