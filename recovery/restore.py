@@ -26,10 +26,11 @@ the damaged steps passed are set aside (their manifest renamed), because the run
 numbers again. Any other error (storage
 unreachable, a state that does not match) is raised on every rank: an older step would not help.
 
-Timelines: every restore that does not come from RAM (persistent, fresh, ``checkpoint.resume``
-off) starts a new timeline of the run, so RAM snapshots of the history it left are never restored
-again; so does a peer heal (the live group may have rewound since this group's snapshots were
-taken). A RAM restore to step S continues the current one, without its snapshots after S.
+Timelines: every restore starts a new timeline of the run (``ram.timeline``). One that does not come
+from RAM (persistent, fresh, ``checkpoint.resume`` off, a peer heal: the live group may have rewound
+since this group's snapshots were taken) keeps no RAM snapshot of the history it left eligible. A
+RAM restore to step S branches: the parent's snapshots up to S stay eligible, none after S (a node
+absent during the restore still holds them).
 
 The group decides together before any rank loads, and falls back together (the model is Orbax's
 emergency checkpoint manager: decide globally, try the fast tier, fall back through one collective):
@@ -136,7 +137,7 @@ def restore(
         result = RestoreResult(peer.step, "peer", peer.bytes, peer.seconds)
         # A heal is a restore not from RAM: a new timeline (``timelines.healed``), without storage
         # when the RAM tier is off (nothing is tagged with it then).
-        heal = functools.partial(timelines.healed, load_step=load_step, storage=ram is not None)
+        heal = functools.partial(timelines.healed, load_step=load_step, storage=ram is not None, step=peer.step)
         result.timeline = _shared_timeline(heal, checkpointer, run_dir, ram)
     elif not resume:
         # A fresh start leaves whatever RAM holds behind for good, as a persistent restore does.
@@ -200,8 +201,13 @@ def _from_tiers(
     if result.source not in ("own", "buddy") or rewind is not None:
         # Not from RAM, or back to a chosen step: every snapshot taken so far belongs to a history
         # the run left. A new timeline, recorded before training goes on.
-        begin = functools.partial(timelines.start, load_step=load_step)
+        begin = functools.partial(timelines.start, load_step=load_step, step=result.step)
         result.timeline = _shared_timeline(begin, checkpointer, run_dir, ram)
+    else:
+        # From RAM: a branch at the restored step. Snapshots after it, on a node absent now, must
+        # never restore later beside the steps retrained here (``ram.timeline``).
+        branch = functools.partial(timelines.branch, parent=current, step=result.step)
+        result.timeline = _shared_timeline(branch, checkpointer, run_dir, ram)
     if result.loaded:
         apply(state)
     result.seconds = time.perf_counter() - start

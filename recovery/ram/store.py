@@ -59,7 +59,7 @@ from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.ram.node_id import sanitize
-from resilient.recovery.ram.timeline import incarnation_of
+from resilient.recovery.ram.timeline import Timeline, incarnation_of
 from resilient.state import Leaf, held_elsewhere
 
 log = logging.getLogger(__name__)
@@ -249,10 +249,10 @@ class _Slot:
 class RankStore:
     """The snapshots of one rank in one directory, newest ``keep`` visible."""
 
-    def __init__(self, directory: str, keep: int, current: Callable[[], tuple[str, str]] | None = None) -> None:
+    def __init__(self, directory: str, keep: int, current: Callable[[], Timeline] | None = None) -> None:
         self.directory, self.keep = directory, keep
         self.current = current
-        """The ``(run_id, timeline)`` the run's record names now (the tier's ``timeline``); None: unknown."""
+        """The timeline the run's record names now (the tier's ``timeline``); None: unknown."""
         self._slots: dict[str, _Slot] = {}
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -327,26 +327,35 @@ class RankStore:
     def _evict(self, keep: int, published: tuple[str, str]) -> None:
         # A snapshot known abandoned can never restore again: it goes first, whatever its step
         # (ranking by step alone let an old run's step 40 evict a new run's step 2 on every publish).
-        # Known abandoned: another run's, or one of an older incarnation than the current timeline,
-        # or, when what was published is of the timeline the run's record names now, any other
-        # (records only move forward). Never a newer timeline's: a late publish tagged with an older
-        # one (a snapshot or copy in flight across a restore) must not wipe the current snapshots.
-        current = self.current() if self.current is not None else published
-        recorded = self.current is not None and published == current
+        # Known abandoned: another run's, or one of an older incarnation than the current timeline
+        # that is not an eligible ancestor's, or, when what was published is of the timeline the
+        # run's record names now, any other not eligible (records only move forward). Never a newer
+        # timeline's: a late publish tagged with an older one (a snapshot or copy in flight across a
+        # restore) must not wipe the current snapshots. ``keep`` counts the snapshots of what was
+        # published and, when that is the current timeline, its eligible ancestors' with it.
+        current = self.current() if self.current is not None else Timeline(published[0], 0, published[1])
+        recorded = self.current is not None and published == (current.run_id, current.timeline)
         indexes = self.indexes()
-        abandoned = [s for s, i in indexes.items() if _abandoned((i.run_id, i.timeline), current, recorded=recorded)]
+        abandoned = [s for s, i in indexes.items() if _abandoned(i, current, recorded=recorded)]
         for step in abandoned:
             self.remove(step)
-        steps = sorted(s for s, i in indexes.items() if (i.run_id, i.timeline) == published and s not in abandoned)
+
+        def counted(index: SnapshotIndex) -> bool:
+            if (index.run_id, index.timeline) == published:
+                return True
+            return recorded and current.eligible(index.run_id, index.timeline, index.step)
+
+        steps = sorted(s for s, i in indexes.items() if counted(i) and s not in abandoned)
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
-    def drop_abandoned(self, current: tuple[str, str]) -> None:
-        """Remove every snapshot not of ``current``, the timeline the run's record names now (known
-        abandoned, as ``_evict`` decides after a publish of it), then the slots they used. For a
-        store nothing publishes into any more (``RamTier.left_here``), which ``_evict`` never visits."""
+    def drop_abandoned(self, current: Timeline) -> None:
+        """Remove every snapshot ``current`` (the timeline the run's record names now) does not
+        keep eligible (known abandoned, as ``_evict`` decides after a publish of it), then the
+        slots they used. For a store nothing publishes into any more (``RamTier.left_here``), which
+        ``_evict`` never visits."""
         for step, index in self.indexes().items():
-            if _abandoned((index.run_id, index.timeline), current, recorded=True):
+            if _abandoned(index, current, recorded=True):
                 self.remove(step)
         self.drop_spare_slots()
 
@@ -382,14 +391,14 @@ class RankStore:
         return slot
 
 
-def _abandoned(tags: tuple[str, str], current: tuple[str, str], *, recorded: bool) -> bool:
-    """Whether a snapshot tagged ``tags`` is known never to restore again (see ``RankStore._evict``;
+def _abandoned(index: SnapshotIndex, current: Timeline, *, recorded: bool) -> bool:
+    """Whether ``index``'s snapshot is known never to restore again (see ``RankStore._evict``;
     ``recorded``: ``current`` is the timeline the run's record names now)."""
-    if tags == current:
+    if current.eligible(index.run_id, index.timeline, index.step):
         return False
-    if tags[0] != current[0] or recorded:
+    if index.run_id != current.run_id or recorded:
         return True
-    mine, theirs = incarnation_of(current[1]), incarnation_of(tags[1])
+    mine, theirs = incarnation_of(current.timeline), incarnation_of(index.timeline)
     return mine is not None and theirs is not None and theirs < mine
 
 

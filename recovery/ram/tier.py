@@ -261,9 +261,9 @@ class RamTier:
             for store in self.copies_of(rank):
                 store.drop_abandoned(current)
 
-    def _current(self) -> tuple[str, str]:
+    def _current(self) -> Timeline:
         """What the stores evict against: this run's timeline now (a publish of another one is late)."""
-        return self.timeline.run_id, self.timeline.timeline
+        return self.timeline
 
     def connect_to(self, rank: int) -> ReplicationClient:
         """A new channel client to ``rank``'s server (the restore fetches its buddy copy with it)."""
@@ -384,7 +384,8 @@ class RamTier:
             entry.crc32c = checksum(data, entry)
         self.own.publish(index)
         mark_store(self.root)
-        if not self._pruned and (index.run_id, index.timeline) == self._current():
+        current = self._current()
+        if not self._pruned and (index.run_id, index.timeline) == (current.run_id, current.timeline):
             self._pruned = True
             self._drop_abandoned_left_here()
         record = {
