@@ -44,6 +44,7 @@ from typing import IO
 
 from resilient.errors import ConfigError, ResilientError
 from resilient.recovery.config import LIGHTHOUSE_ENV
+from resilient.recovery.ownership import JOB_ID_ENV
 from resilient.runfiles import (
     GROUP_ENV,
     METRICS_FILE,
@@ -242,6 +243,13 @@ class ReplicaJob:
         self.launch = launch
         self.run_dir = os.path.abspath(launch.run_dir)
         self.log_dir = logs_dir(self.run_dir)
+        # Every group of this job one job (``recovery.ownership``): the scheduler's id where there
+        # is one, else the lighthouse every node's groups share, else this launch.
+        self.job_id = (
+            os.environ.get(JOB_ID_ENV)
+            or os.environ.get("SLURM_JOB_ID")
+            or (f"launch-{launch.lighthouse_at or launch.lighthouse or launch.launch_id}")
+        )
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_url = launch.lighthouse
         self.lighthouse_port = 0
@@ -281,6 +289,7 @@ class ReplicaJob:
                 **os.environ,
                 **self.launch.env,
                 GROUP_ENV: str(group),
+                JOB_ID_ENV: self.job_id,
                 "REPLICA_GROUP_ID": str(group),
                 LIGHTHOUSE_ENV: self.lighthouse_url,
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",

@@ -2,8 +2,8 @@
 
 Paths (the contract tools and ``resilient-chaos`` rely on)::
 
-    <store_dir>/group<G>/node<N>/           simulated node N of replica group G (one machine)
-    <store_dir>/group<G>/node-<identity>/    the real node of that identity (``ram.node_id``)
+    <store>/group<G>/node<N>/               simulated node N of replica group G (one machine)
+    <store>/group<G>/node-<identity>/        the real node of that identity (``ram.node_id``)
         own/rank<R>/step-<S>.json            index of rank R's snapshot of step S (visible = complete)
         own/rank<R>/slot<K>.bin              the bytes, in a reused slot file
         buddy/rank<R>/...                    copies this node keeps for rank R of its buddy node
@@ -14,9 +14,10 @@ mesh, so its shard); after a renumbering, a directory may hold a rank that now r
 every index records the rank, node identity and local rank it was taken on, so the restore finds a
 rank's snapshot by what it is, not by where it lies (``ram.restore``).
 
-``store_dir`` (``recovery.store_dir``) defaults to ``/dev/shm/resilient/<key>``, key a hash of the
-absolute run.dir, so a restarted worker of the same run finds it and two runs on one machine never
-share it. The path is only a place: which snapshots may restore is decided by the run identity and
+The store is ``<store_dir>/<key>``, ``store_dir`` being ``recovery.store_dir`` or ``/dev/shm/resilient``
+and key a hash of the absolute run.dir, so a restarted worker of the same run finds it and two runs
+on one machine never share it; the job's ranks hold it (``recovery.ownership``) while they run.
+The path is only a place: which snapshots may restore is decided by the run identity and
 timeline every index carries (``ram.timeline``), so a new run in an old place never resumes the old
 run's snapshots, and retention drops those first.
 
@@ -58,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
 from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ownership import held
 from resilient.recovery.ram.node_id import sanitize
 from resilient.recovery.ram.timeline import Timeline, incarnation_of
 from resilient.state import Leaf, held_elsewhere
@@ -443,7 +445,7 @@ def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> lis
             age = time.time() - os.stat(marker).st_mtime
         except FileNotFoundError:
             continue  # not ours: never touched
-        if age > stale_after_s:
+        if age > stale_after_s and not held(entry.path):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
             log.info("removed the RAM store of a dead run: %s (unused for %.0f s)", entry.path, age)
@@ -460,10 +462,10 @@ def run_dir_key(run_dir: str) -> str:
 
 
 def store_root(config: RecoveryConfig, run_dir: str) -> str:
-    """``<store_dir>``: the configured one, else ``/dev/shm/resilient/<run-dir-key>``."""
-    if config.store_dir:
-        return os.path.abspath(config.store_dir)
-    return os.path.join(DEFAULT_STORE_ROOT, run_dir_key(run_dir))
+    """``<store_dir>/<run-dir-key>``, ``store_dir`` the configured one or ``/dev/shm/resilient``:
+    keyed by run under any ``store_dir``, so two runs configured with one never share a store."""
+    parent = os.path.abspath(config.store_dir) if config.store_dir else DEFAULT_STORE_ROOT
+    return os.path.join(parent, run_dir_key(run_dir))
 
 
 def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int | str) -> str:

@@ -32,6 +32,7 @@ from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
 from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.ownership import StoreLock, hold_store, job_identity
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
 from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
@@ -39,7 +40,6 @@ from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import RamRestore, restore_from_ram
 from resilient.recovery.ram.store import (
-    DEFAULT_STORE_ROOT,
     RankStore,
     SnapshotIndex,
     check_private_dir,
@@ -91,6 +91,7 @@ class RamTier:
         self._pruned = False
         # Simulated nodes until ``start`` learns every rank's machine (``_place``).
         self._place(Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains)))
+        self._lock: StoreLock | None = None
         self._server: ReplicationServer | None = None
         self._client: ReplicationClient | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -159,6 +160,8 @@ class RamTier:
         except Exception:
             if self._server is not None:
                 self._server.close()
+            if self._lock is not None:
+                self._lock.close()
             raise
         buddy = self.pairing.buddy_of(self.rank)
         if buddy is not None and self.config.replication:
@@ -184,6 +187,8 @@ class RamTier:
                 thread_nice=self.config.background_nice,
             )
             self._server.start()
+        except StorageError:
+            raise  # another run holds this store: its own line names it
         except Exception as e:
             hint = "set recovery.store_dir to a writable local directory, or checkpoint.memory_every=0"
             raise StorageError(
@@ -192,14 +197,12 @@ class RamTier:
         return list(self._server.address)
 
     def _open_store(self) -> None:
-        check_private_dir(os.path.dirname(self.root) if self._default_root else self.root)
+        check_private_dir(os.path.dirname(self.root))
+        # Held for the tier's life: another job's ranks on this store are refused (``ownership``).
+        self._lock = hold_store(self.root, job_identity(), self.run_dir)
         mark_store(self.root)
-        if self.rank == 0 and self._default_root:
-            clean_stale_stores(DEFAULT_STORE_ROOT, self.root, self.config.stale_after_s)
-
-    @property
-    def _default_root(self) -> bool:
-        return os.path.dirname(self.root) == DEFAULT_STORE_ROOT
+        if self.rank == 0:
+            clean_stale_stores(os.path.dirname(self.root), self.root, self.config.stale_after_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the snapshot in flight (published and replicated), stop the channel; bounded."""
@@ -218,6 +221,9 @@ class RamTier:
             self._client.close()
         if self._server is not None:
             self._server.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def buddy_store(self, rank: int) -> RankStore:
         with self._stores_lock:  # server threads and the restore path share one store per rank

@@ -229,7 +229,8 @@ def test_a_ram_restore_branches_so_a_returning_nodes_later_steps_never_restore(t
     try:
         start_run(run, ckpt, ram)
         snapshot(ram, 80, 90)
-        shutil.copytree(ram.own.directory, node_h)  # what H keeps while it is away
+        own = ram.own.directory
+        shutil.copytree(own, node_h)  # what H keeps while it is away
         ram.own.remove(90)  # the ranks present have no step 90
         restored, _, _ = restore_with(run, ckpt, ram)
         assert (restored.source, restored.step) == ("own", 80)
@@ -242,8 +243,8 @@ def test_a_ram_restore_branches_so_a_returning_nodes_later_steps_never_restore(t
         assert {s: i.timeline for s, i in ram.own.indexes().items()} == {85: branch.timeline, 90: branch.timeline}
     finally:
         ram.close()
-    shutil.rmtree(tmp_path / "store" / "group0" / "node0" / "own" / "rank0")
-    shutil.copytree(node_h, tmp_path / "store" / "group0" / "node0" / "own" / "rank0")  # H is back
+    shutil.rmtree(own)
+    shutil.copytree(node_h, own)  # H is back
     back = tier(tmp_path / "store")
     try:
         result, caller, _ = restore_with(run, ckpt, back)
