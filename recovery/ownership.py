@@ -161,13 +161,23 @@ def _alive(record: dict[str, Any], ttl_s: float) -> bool:
         return False
     pid = record.get("pid")
     if record.get("host") == socket.gethostname() and isinstance(pid, int):
+        return _running(pid)
+    return True
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
-    return True
+        return True
 
 
 class RunDirClaim:
