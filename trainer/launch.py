@@ -59,7 +59,14 @@ from resilient.runfiles import (
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, signal_group, start_lighthouse
+from resilient.trainer.lighthouse import (
+    RELAX_AFTER_S,
+    free_port,
+    interface_of,
+    kill_group,
+    signal_group,
+    start_lighthouse,
+)
 from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
 from resilient.validate import check_int
 
@@ -88,7 +95,7 @@ class ReplicaLaunch:
     node_rank: int = 0
     lighthouse_at: str = ""
     """HOST:PORT of the job's lighthouse when the groups span nodes: node 0 starts it there (bound to
-    every interface) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
+    the interface HOST resolves to) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
 
     def __post_init__(self) -> None:
         check_int("--replica-groups", self.groups, 1)
@@ -308,7 +315,8 @@ class ReplicaJob:
             self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms,
             heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
-            bind="0.0.0.0" if self.launch.lighthouse_at else "127.0.0.1",  # other nodes' groups reach it
+            # Other nodes' groups reach it on the job's interface; nothing else listens.
+            bind=interface_of(self.launch.lighthouse_at) if self.launch.lighthouse_at else "127.0.0.1",
             min_replicas=min_replicas,
         )
         self.lighthouse_min_replicas = min_replicas

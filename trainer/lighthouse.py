@@ -7,6 +7,7 @@ must need every healthy group first is told at ``ReplicaJob._supervise_lighthous
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -63,7 +64,7 @@ def start_lighthouse(
     command = [
         lighthouse_binary(),
         "--bind",
-        f"{bind}:{port}",
+        f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}",
         "--min_replicas",
         str(min_replicas),
         "--join_timeout_ms",
@@ -72,12 +73,29 @@ def start_lighthouse(
         str(heartbeat_timeout_ms),
     ]
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    reach = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind.strip("[]")
     try:
-        wait_for_port("127.0.0.1", port, LIGHTHOUSE_START_TIMEOUT_S, proc)
+        wait_for_port(reach, port, LIGHTHOUSE_START_TIMEOUT_S, proc)
     except BaseException:
         kill_group(proc)
         raise
     return proc
+
+
+def interface_of(endpoint: str) -> str:
+    """The local address the job's lighthouse binds to for ``HOST:PORT`` (``--rdzv-endpoint``):
+    HOST's, so that it listens on the job's interface only, never on every interface (torchft's
+    lighthouse has no authentication: ``recovery.quorum_auth``). ConfigError when HOST does not
+    resolve."""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot resolve {host!r} to bind the lighthouse to ({e})") from e
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
