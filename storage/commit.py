@@ -285,7 +285,10 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
         extra={"event": "commit", "step": job.step},
     )
     try:
-        apply_retention(store, KeepLast(job.keep_last))
+        # Another replica group may be persisting this very step (both restored it): its attempt,
+        # younger than a commit can take, is left alone.
+        young_s = job.commit_timeout_s + decision_grace_s(job.commit_timeout_s, store.location.scheme)
+        apply_retention(store, KeepLast(job.keep_last), young_s=young_s)
     except Exception as e:  # noqa: BLE001 - the step is committed: cleanup is retried after the next commit and never decides the save
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
 

@@ -324,3 +324,28 @@ def test_a_waiting_rank_never_decides_before_a_stalled_coordinator():
     finally:
         coordinator.join(20)
     assert commit.decision_grace_s(1.0) >= commit.DECISION_WAIT_S
+
+
+@pytest.mark.timeout(30)
+def test_retention_leaves_another_writers_young_attempt_alone():
+    # Two replica groups both persisting a restored step 5: group A commits, and its retention
+    # deleted group B's attempt in flight (B's save then failed with StorageError once).
+    import time
+
+    from resilient.storage.retention import apply_retention, attempt_age_s, new_attempt
+
+    store = open_store(parse_url("memory://retention-in-flight"))
+    mine, theirs = new_attempt(), new_attempt()
+    old = f"attempt-{int((time.time() - 3600) * 1000):011x}-0badc0de"
+    for step, attempt in ((5, mine), (5, theirs), (5, old), (5, "attempt-dead000000000000"), (4, theirs), (3, old)):
+        store.write(f"step-{step:09d}/{attempt}/w/c/0", b"x")
+    commit_manifest(store, Manifest(step=5, attempt=mine, world_size=1, arrays={}, values={}))
+    assert 0 <= attempt_age_s(theirs) < 5 and attempt_age_s("attempt-dead000000000000") is None
+    deleted = apply_retention(store, KeepLast(None), young_s=60.0)
+    # Uncommitted step 3 (nothing young in it), and step 5's old and legacy-named strays.
+    assert sorted(deleted) == sorted(
+        ["step-000000003", "step-000000005/attempt-dead000000000000", f"step-000000005/{old}"]
+    )
+    assert store.read(f"step-000000005/{theirs}/w/c/0") == b"x"  # before: deleted
+    assert store.read(f"step-000000004/{theirs}/w/c/0") == b"x"  # an older step another writer persists
+    assert store.read(f"step-000000005/{mine}/w/c/0") == b"x"
