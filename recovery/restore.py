@@ -19,8 +19,11 @@ with the same recipe goes on in that timeline instead of rewinding again.
 
 Damaged steps: when the newest committed step does not load on some rank (an ``IntegrityError``:
 checksum mismatch, a damaged manifest, a missing chunk), every rank learns it through one
-collective and the group falls back to the next older committed step, recording
-``restore_fallback`` in ``events.jsonl``; an older step's strict load writes every tensor and value
+collective. First the tensor it names is re-read, every crc32c checked, on another rank
+(``restore_recheck`` event): intact there, the step is loaded once more (a bad read on one node
+must not set a good step aside for everyone; failing again, it is that node's fault, raised). Else
+the group falls back to the next older committed step, recording ``restore_fallback`` in
+``events.jsonl``; an older step's strict load writes every tensor and value
 of the state again, so what the failed attempt wrote is overwritten. Once an older state has loaded,
 the damaged steps passed are set aside (their manifest renamed), because the run saves those step
 numbers again. Any other error (storage
@@ -50,7 +53,9 @@ bytes, seconds, storage_reads, excluded, run_id, timeline_incarnation, timeline)
 from __future__ import annotations
 
 import functools
+import glob
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +69,8 @@ from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.ram.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
+from resilient.storage.offline.catalog import open_checkpoint
+from resilient.storage.offline.verify import verify_step
 from resilient.storage.retention import SET_ASIDE_MANIFEST, set_aside
 
 log = logging.getLogger(__name__)
@@ -277,7 +284,12 @@ def _from_persistent(
     for i, step in enumerate(candidates):
         older = candidates[i + 1] if i + 1 < len(candidates) else None
         try:
-            _load_committed(result, state, checkpointer, step)
+            try:
+                _load_committed(result, state, checkpointer, step)
+            except IntegrityError as e:
+                if not _intact_elsewhere(checkpointer, step, e, run_dir):
+                    raise
+                _load_again(result, state, checkpointer, step, e)
             _set_aside(checkpointer, passed)
             return
         except IntegrityError as e:
@@ -299,6 +311,51 @@ def _from_persistent(
         f"{'; '.join(damaged)}. Check them with `resilient-ckpt verify --all {checkpointer.url}`, or set "
         f"checkpoint.resume=false to start afresh"
     )
+
+
+_FAILED_ON = re.compile(r"\[rank (\d+)")
+_TENSOR = re.compile(r"tensor '([^']+)'")
+
+
+def _intact_elsewhere(checkpointer: Checkpointer, step: int, error: IntegrityError, run_dir: str) -> bool:
+    """Collective: whether the tensor ``error`` names reads back intact, every crc32c matching, on
+    another rank than the one that failed (a bad read on one node, not a damaged step: falling back
+    would set a good step aside for everyone). False when the error names no tensor, or on one rank."""
+    text = str(error)
+    tensor, failed = _TENSOR.search(text), _FAILED_ON.search(text)
+    world = rdist.get_world_size()
+    if tensor is None:
+        return False
+    other = (int(failed.group(1)) + 1) % world if failed is not None else 0
+
+    def recheck() -> list[str]:
+        ref = open_checkpoint(checkpointer.url, step)
+        return [p.message for p in verify_step(ref, patterns=[glob.escape(tensor.group(1))]).problems]
+
+    try:
+        problems = rdist.agree(recheck, src=other, what=f"re-reading tensor {tensor.group(1)!r} of step {step}")
+    except ResilientError as e:  # could not re-read: the step counts as damaged, as before
+        problems = [str(e)]
+    if rdist.get_rank() == 0:
+        write_event(run_dir, "restore_recheck", group=group_id(), step=step, rank=other, intact=not problems)
+    return not problems
+
+
+def _load_again(
+    result: RestoreResult, state: dict[str, Any], checkpointer: Checkpointer, step: int, first: Exception
+) -> None:
+    """The step verified intact elsewhere: load it once more (a transient bad read passes); a
+    second failure is that node's, never a reason to set a good step aside: raised on every rank."""
+    log.warning(
+        "[rank %d] step %d verifies intact on another rank: loading it again (%s)", rdist.get_rank(), step, first
+    )
+    try:
+        _load_committed(result, state, checkpointer, step)
+    except IntegrityError as again:
+        raise RestoreError(
+            f"step {step} under {checkpointer.url} verifies intact on another rank, but {again}; the node of that "
+            f"rank reads storage wrongly (memory, disk cache, network): check it, or run without it"
+        ) from again
 
 
 def _manifest_bytes(checkpointer: Checkpointer, step: int) -> bytes | None:
