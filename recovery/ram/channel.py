@@ -11,8 +11,8 @@ holds the two ends that speak it: ``ReplicationServer`` (stores into and serves 
 ``missing`` | ``error``.
 
 No bounce buffers: a put's payload is sent from the caller's memory (e.g. the mapped snapshot slot),
-MACed chunk by chunk as it goes out; a handler with ``reserve_put`` has it received straight into its
-own memory (e.g. a buddy store slot), MACed chunk by chunk as it lands, and ``get(key, into=...)``
+encrypted chunk by chunk as it goes out; a handler with ``reserve_put`` has it decrypted straight into
+its own memory (e.g. a buddy store slot), chunk by chunk as it lands, and ``get(key, into=...)``
 does the same for the client (into one buffer, or scattered over several: the training tensors).
 The wire MAC covers every payload byte, so nothing here re-checksums.
 
