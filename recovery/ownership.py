@@ -43,6 +43,10 @@ CLAIM_TTL_S = 120.0
 """A run directory's record not refreshed for this long (its job on another host) is taken over."""
 
 
+class StoreInUse(StorageError):
+    """Another job's ranks hold a RAM store (``hold_store``)."""
+
+
 def job_identity() -> str:
     """This job's identity (see the module docstring); the same on every rank and replica group."""
     for key in (JOB_ID_ENV, "SLURM_JOB_ID"):
@@ -71,7 +75,7 @@ class StoreLock:
 
 
 def hold_store(root: str, job: str, run_dir: str, *, wait_s: float = 3.0) -> StoreLock:
-    """Hold ``root`` for ``job`` (a shared ``flock`` beside the job's other ranks); StorageError
+    """Hold ``root`` for ``job`` (a shared ``flock`` beside the job's other ranks); StoreInUse
     naming the other run's directory when another job's ranks hold it. Retries for ``wait_s``: a
     peer rank of this job may be writing ``owner.json`` under the exclusive lock just then."""
     os.makedirs(root, mode=0o700, exist_ok=True)
@@ -98,7 +102,7 @@ def hold_store(root: str, job: str, run_dir: str, *, wait_s: float = 3.0) -> Sto
         os.close(fd)
         raise
     os.close(fd)
-    raise StorageError(
+    raise StoreInUse(
         f"the RAM store {root} is in use by the run in {other.get('run_dir', '(unknown)')} (job "
         f"{other.get('job', '?')!r}, pid {other.get('pid', '?')} on {other.get('host', '?')}); give this run "
         f"its own recovery.store_dir or run.dir, or stop that run"

@@ -187,7 +187,8 @@ def _from_tiers(
     steps, listing_error = _committed_or_error(checkpointer, ram_may_restore=ram is not None)
     # Rank 0 reads the run's identity and timeline for everyone: which RAM snapshots may restore,
     # and whether checkpoint.load_step was applied already.
-    current = _shared_timeline(timelines.current, checkpointer, run_dir, ram)
+    records = rdist.agree(ram.node_record, what="RAM timeline records") if ram is not None else []
+    current = _shared_timeline(functools.partial(timelines.current, records=records), checkpointer, run_dir, ram)
     rewind = _rewind_to(load_step, current, steps, listing_error, checkpointer.url)
     persistent = rewind if rewind is not None else (steps[-1] if steps else None)
     reads_before = checkpointer.storage_reads

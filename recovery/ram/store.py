@@ -312,6 +312,16 @@ class RankStore:
             self._leases[name] = self._leases.get(name, 0) + 1
         return name, self._slot(name, nbytes).data
 
+    def warm(self, nbytes: int, count: int) -> None:
+        """Create and map the missing slots 0..``count``-1 of ``nbytes`` (background thread): else
+        ``reserve`` makes one (fallocated, faulted in) on the training thread when it needs it."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name in (f"slot{k}.bin" for k in range(count)):
+            with self._lock:
+                ready = name in self._slots and self._slots[name].nbytes == nbytes
+            if not ready:
+                self._slot(name, nbytes)
+
     def publish(self, index: SnapshotIndex) -> None:
         """Make ``index`` visible (atomic rename), then drop the snapshots known abandoned and
         ``index``'s timeline's beyond ``keep``."""
@@ -387,9 +397,12 @@ class RankStore:
             return 0
 
     def _slot(self, name: str, nbytes: int) -> _Slot:
-        slot = self._slots.get(name)
+        with self._lock:
+            slot = self._slots.get(name)
         if slot is None or slot.nbytes != nbytes:
-            slot = self._slots[name] = _Slot(os.path.join(self.directory, name), nbytes)
+            slot = _Slot(os.path.join(self.directory, name), nbytes)
+            with self._lock:
+                self._slots[name] = slot
         return slot
 
 
@@ -417,7 +430,7 @@ def check_private_dir(path: str) -> None:
 
 
 def mark_store(root: str) -> None:
-    """Create (or touch) ``<root>/store.json``: marks a directory this code owns and when it was last used."""
+    """Create (or touch) ``<root>/store.json``: a directory this code owns, and when it was last used."""
     os.makedirs(root, mode=0o700, exist_ok=True)
     path = os.path.join(root, STORE_MARKER)
     if os.path.exists(path):

@@ -32,7 +32,7 @@ from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
 from resilient.recovery.config import RecoveryConfig
-from resilient.recovery.ownership import StoreLock, hold_store, job_identity
+from resilient.recovery.ownership import StoreInUse, StoreLock, hold_store, job_identity
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
 from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
@@ -55,6 +55,7 @@ from resilient.recovery.ram.store import (
     tensor_view,
 )
 from resilient.recovery.ram.timeline import UNTRACKED, Timeline
+from resilient.runfiles import TIMELINE_FILE, read_json, write_json
 from resilient.state import flatten_state
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,26 @@ class RamTier:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.timeline: Timeline = UNTRACKED
+        self._timeline: Timeline = UNTRACKED
+
+    @property
+    def timeline(self) -> Timeline:
         """Set by the restore policy before the decision (what may restore) and after it (what new
         snapshots are tagged with)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: Timeline) -> None:
+        self._timeline = value
+        if value.run_id and value.timeline:
+            # Kept next to the data it governs, on every node: a restore needs neither the run
+            # directory (lost with a pod) nor storage to know which snapshots may restore.
+            with contextlib.suppress(OSError):
+                write_json(os.path.join(self.node_dir, TIMELINE_FILE), value.to_json())
+
+    def node_record(self) -> dict[str, Any] | None:
+        """The timeline this node's store last recorded (``timeline``), for the restore policy."""
+        return read_json(os.path.join(self.node_dir, TIMELINE_FILE))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -187,7 +205,7 @@ class RamTier:
                 thread_nice=self.config.background_nice,
             )
             self._server.start()
-        except StorageError:
+        except StoreInUse:
             raise  # another run holds this store: its own line names it
         except Exception as e:
             hint = "set recovery.store_dir to a writable local directory, or checkpoint.memory_every=0"
@@ -408,6 +426,18 @@ class RamTier:
         finally:
             self.own.release(index.slot)
             self.stats.write(record)
+        self._warm_slots(index.nbytes)
+
+    def _warm_slots(self, nbytes: int) -> None:
+        """Have every slot the store can need ready (``keep`` visible, one in replication, one for
+        the next copy), made here rather than on the training thread; within the store budget."""
+        limit, count = self.config.max_store_bytes, self.keep + 2
+        if limit and self.own.bytes_used() + nbytes > limit:
+            return
+        try:
+            self.own.warm(nbytes, count)
+        except OSError as e:  # a full tmpfs: the copy that needs the slot reports it
+            log.warning("[rank %d] cannot prepare RAM snapshot slots ahead: %s", self.rank, e)
 
     def _replicate(self, index: SnapshotIndex, data: torch.Tensor) -> dict[str, Any]:
         buddy = self.pairing.buddy_of(self.rank)

@@ -31,10 +31,13 @@ the newest step of it that may restore (the smallest branch step on the way down
 timeline).
 
 The current timeline is recorded in ``<run.dir>/group<G>/timeline.json`` (path from ``runfiles``),
-one per replica group, written by the group's rank 0 before the group trains on it. Why there and
-not in the checkpoint root: the RAM tier must restore while storage is unreachable (its reason to
+one per replica group, written by the group's rank 0 before the group trains on it, and a copy in
+every node's RAM store (``RamTier.timeline``: each rank writes the agreed timeline next to its
+snapshots), so that a run directory lost with a pod (Kubernetes) does not make every snapshot
+ineligible: the newest node copy of this root stands in for it (``current``). Why not in the
+checkpoint root: the RAM tier must restore while storage is unreachable (its reason to
 exist), and each replica group has its own stores and rewinds on its own (a per-group object in
-the root would be one more storage write on every restart). Losing the file is safe: with no
+the root would be one more storage write on every restart). Losing every copy is safe: with no
 record of this run nothing in RAM is eligible, and the next timeline's random part is new, so a
 deleted run dir can never bring an abandoned timeline back (a bare counter restarting at 0 could).
 The record names its checkpoint root: with storage unreachable it is trusted for that root only.
@@ -46,6 +49,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -166,10 +170,12 @@ def root_run_id(store: ObjectStore) -> str:
     return run_id
 
 
-def current(store: ObjectStore, run_dir: str, group: int) -> Timeline:
-    """Rank 0's side: the timeline whose snapshots may restore now (``timeline == ""``: none may)."""
-    record = read_record(run_dir, group)
+def current(store: ObjectStore, run_dir: str, group: int, records: Sequence[Any] = ()) -> Timeline:
+    """Rank 0's side: the timeline whose snapshots may restore now (``timeline == ""``: none may).
+    ``records``: what every rank's node store recorded (``RamTier.node_record``); the newest of this
+    root stands in for the run directory's record when that is gone (a pod restarted with it)."""
     url = store.location.url
+    record = read_record(run_dir, group) or newest(records, url)
     try:
         run_id = root_run_id(store)
     except StorageError:
@@ -180,6 +186,12 @@ def current(store: ObjectStore, run_dir: str, group: int) -> Timeline:
     if record is not None and record.run_id == run_id:
         return record
     return Timeline(run_id=run_id, incarnation=0, timeline="", root=url)
+
+
+def newest(records: Sequence[Any], root: str) -> Timeline | None:
+    """The newest (highest incarnation) of ``records`` naming ``root``; None when none does."""
+    found = [t for t in map(Timeline.from_json, records) if t is not None and t.root == root and t.timeline]
+    return max(found, key=lambda t: t.incarnation, default=None)
 
 
 def start(

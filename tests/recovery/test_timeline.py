@@ -114,7 +114,9 @@ def test_a_restore_not_from_ram_abandons_every_older_snapshot_for_good(tmp_path)
         restarted.close()
 
 
-def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
+def test_a_lost_run_dir_record_is_replaced_by_the_node_stores_and_with_both_lost_nothing_is_eligible(tmp_path):
+    # Kubernetes: rank 0's pod restarted and run.dir (inside the container) went with it. Before,
+    # every RAM snapshot was then ineligible (a silent fall back to storage).
     run = tmp_path / "run"
     ram = tier(tmp_path / "store")
     try:
@@ -122,18 +124,22 @@ def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
             start_run(run, ckpt, ram)
             save(ckpt, 2)
             snapshot(ram, 4)
-            (run / "group0").mkdir(parents=True, exist_ok=True)
-            (run / "group0").mkdir(parents=True, exist_ok=True)
-            (run / "group0" / "timeline.json").write_text("{not json")
-            result, _, _ = restore_with(run, ckpt, ram)
-        assert (result.source, result.step) == ("persistent", 2)
+            recorded = _record(run)
+            assert recorded is not None and ram.node_record() == recorded  # kept next to the snapshots
+            (run / "group0" / "timeline.json").write_text("{not json")  # lost or damaged
+            result, caller, _ = restore_with(run, ckpt, ram)
+            assert (result.source, result.step) == ("own", 4)
+            assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 1004.0
+            assert result.timeline is not None and result.timeline.parent == recorded["timeline"]
+            # Both gone: nothing in RAM is eligible.
+            (run / "group0" / "timeline.json").unlink()
+            (Path(ram.node_dir) / "timeline.json").unlink()
+            lost, _, _ = restore_with(run, ckpt, ram)
+        assert (lost.source, lost.step) == ("persistent", 2)
         run_id = _run_id(tmp_path / "ckpt")
-        assert _reasons(result.excluded) == {
-            4: f"no current timeline of run {run_id!r} is recorded in the run directory"
-        }
+        assert _reasons(lost.excluded) == {4: f"no current timeline of run {run_id!r} is recorded in the run directory"}
         record = _record(run)
-        assert record is not None and record["run_id"] == run_id and record["incarnation"] == 0
-        assert record["timeline"].startswith("0-") and result.timeline.to_json() == record
+        assert record is not None and record["run_id"] == run_id and record["timeline"].startswith("0-")
     finally:
         ram.close()
 
