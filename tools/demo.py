@@ -107,7 +107,7 @@ def _summary() -> None:
     )
     print(
         f"[ckpt]  committed steps {Checkpointer(config.checkpoint.url).steps()} under {config.checkpoint.url} "
-        f"(keep_last={config.checkpoint.keep_last})"
+        f"(keep_last={config.checkpoint.storage.keep_last})"
     )
     print(f"[files] metrics: {group_file(RUN_DIR, METRICS_FILE, 0)}")
     print(f"        samples: {group_file(RUN_DIR, SAMPLES_FILE, 0)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -15,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from resilient.errors import ConfigError
 from resilient.storage.checkpointer import Checkpointer
-from resilient.storage.config import CheckpointerConfig
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.data import OmniPipeline
 from resilient.trainer.model import OmniModel
@@ -123,18 +123,8 @@ def build_stages(
 
 def build_checkpointer(config: TrainConfig, saves_log: str | None) -> Checkpointer:
     """The run's Checkpointer; ``saves_log``: where this rank appends its SaveStats (None: nowhere)."""
-    ckpt = config.checkpoint
-    return Checkpointer(
-        ckpt.url,
-        config=CheckpointerConfig(
-            keep_last=ckpt.keep_last or None,
-            writer=ckpt.writer,
-            if_busy=ckpt.if_busy,
-            commit_timeout_s=ckpt.timeout_s,
-            close_timeout_s=ckpt.timeout_s,
-            metrics_path=saves_log,
-        ),
-    )
+    storage = dataclasses.replace(config.checkpoint.storage, metrics_path=saves_log)
+    return Checkpointer(config.checkpoint.url, config=storage)
 
 
 def load_step_hooks(paths: list[str], trainer: Trainer) -> list[StepHook]:
