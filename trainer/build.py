@@ -20,7 +20,7 @@ from resilient.trainer.config import TrainConfig
 from resilient.trainer.data import OmniPipeline
 from resilient.trainer.model import OmniModel
 from resilient.trainer.parallelize import build_mesh, parallelize_model, stage_mesh
-from resilient.trainer.pipeline import OmniStage, Stages, prune_to_stages, rank_stages, stage_layers
+from resilient.trainer.pipeline_parallel import OmniStage, Stages, prune_to_stages, rank_stages, stage_layers
 from resilient.trainer.schedule import build_optimizer, build_scheduler
 from resilient.trainer.state import TrainingParts
 
@@ -79,12 +79,12 @@ def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, 
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.decay_steps)
     # Data-parallel rank = dp_shard coordinate: tensor-parallel and pipeline peers share their batch.
-    pipeline = OmniPipeline(config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=p.dp_shard)
+    data = OmniPipeline(config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=p.dp_shard)
     parts = TrainingParts(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        pipeline=pipeline,
+        data=data,
         stages=stages,
         global_params=global_params,
     )

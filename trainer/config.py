@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.errors import ConfigError
-from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
+from resilient.recovery.config import RamTierConfig, ReplicaConfig, check_rows_divisible
 from resilient.runfiles import default_ckpt_url
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.url import parse_url
@@ -228,9 +228,9 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    replica: QuorumConfig = field(default_factory=QuorumConfig)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     """Replica groups under a torchft quorum (``resilient.recovery``); off by default."""
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    recovery: RamTierConfig = field(default_factory=RamTierConfig)
     """The RAM tier's node stores and buddy replication (``checkpoint.memory_every`` turns it on)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Per-rank step breakdown and straggler detection."""
@@ -339,8 +339,8 @@ _SECTIONS: dict[str, type] = {
     "data": DataSection,
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
-    "replica": QuorumConfig,
-    "recovery": RecoveryConfig,
+    "replica": ReplicaConfig,
+    "recovery": RamTierConfig,
     "metrics": MetricsConfig,
 }
 _COMPONENTS: dict[str, tuple[str, type, tuple[str, ...]]] = {

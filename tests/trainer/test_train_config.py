@@ -271,3 +271,17 @@ def test_the_trainer_builds_its_checkpointer_from_the_section(tmp_path: Path) ->
         assert ckpt.config.commit_timeout_s == config.checkpoint.timeout_s
     finally:
         ckpt.close()
+
+
+def test_section_classes_say_what_they_hold() -> None:
+    import dataclasses
+
+    from resilient.recovery.config import RamTierConfig, ReplicaConfig
+    from resilient.trainer.state import TrainingParts
+
+    config = load_config(None)
+    assert type(config.replica) is ReplicaConfig and type(config.recovery) is RamTierConfig
+    assert "data" in {f.name for f in dataclasses.fields(TrainingParts)}  # the data pipeline
+    assert "pipeline" not in {f.name for f in dataclasses.fields(TrainingParts)}
+    with pytest.raises(ImportError):
+        __import__("resilient.trainer.pipeline")  # pipeline parallelism is trainer/pipeline_parallel.py
