@@ -58,6 +58,13 @@ from resilient.trainer.multinode import (
     rendezvous_of,
     split_ranks,
 )
+from resilient.trainer.preempt import (
+    PREEMPTED_EXIT,
+    forwarded_signals,
+    launcher_grace_s,
+    preempt_flags,
+    preempted_since,
+)
 from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
 
 
@@ -192,18 +199,21 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             max_restarts=3 if args.max_restarts is None else args.max_restarts,
             join_timeout_ms=args.join_timeout_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            grace_s=args.grace_s + 10.0,  # torchrun itself waits up to 30 s for its workers
+            grace_s=launcher_grace_s(config, args.grace_s),  # torchrun waits this long for its workers
             nnodes=int(args.nnodes or 1),  # flag_error: a fixed N with replica groups
             node_rank=args.node_rank or 0,
             lighthouse_at=args.rdzv_endpoint or "",
             env={NODE_RANK_ENV: str(args.node_rank)} if args.nnodes else {},
+            torchrun_flags=preempt_flags(config),
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
-    code = run_replicated(launch)
+    code = run_replicated(launch, forwarded_signals(config))
+    if preempted_since(config.run.dir, started):
+        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     elif code != 0:
@@ -229,7 +239,11 @@ def run_one_group(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s, env)
+    started = time.time() - 1.0  # as in run_replica_groups
+    command = torchrun_command(args, quiet=not args.debug, config=config)
+    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config))
+    if preempted_since(config.run.dir, started):
+        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     return code

@@ -57,6 +57,14 @@ class RunConfig:
     """'cpu', 'cuda', or 'auto' (cuda when available); collectives use gloo on cpu, nccl on cuda."""
     collective_timeout_s: float = 300.0
     """Timeout of every collective of the process group (a hung peer fails the job after it)."""
+    preempt_signal: str = ""
+    """A signal that asks for a stop like SIGTERM does (saved, exit 143, resumed at the next start),
+    e.g. 'SIGUSR1', which SLURM sends ahead of the time limit (``sbatch --signal``). SIGTERM always
+    does. One of 'SIGUSR1', 'SIGUSR2', 'SIGHUP'; empty: SIGTERM only."""
+    preempt_grace_s: float = 120.0
+    """Seconds from a preemption signal to the last step being committed: the launcher gives torchrun
+    this much (plus a margin) before it kills the workers; emitted cluster files ask the scheduler
+    for more (SLURM's signal lead time, Kubernetes' terminationGracePeriodSeconds)."""
     step_hooks: list[str] = field(default_factory=list)
     """Import paths 'package.module:factory'; each factory(trainer) returns a callable(step, trainer)
     run after every committed step (fault injection, custom logging), or None."""
@@ -73,6 +81,8 @@ class RunConfig:
             raise ConfigError(f"run.hang_timeout_s={self.hang_timeout_s} is below 1 s: use 0 (off) or >= 1")
         check_choice("run.device", self.device, ("auto", "cpu", "cuda"))
         check_number("run.collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
+        check_choice("run.preempt_signal", self.preempt_signal, ("", "SIGUSR1", "SIGUSR2", "SIGHUP"))
+        check_number("run.preempt_grace_s", self.preempt_grace_s, 1.0, 86400.0)
         if not isinstance(self.step_hooks, list) or not all(isinstance(h, str) and ":" in h for h in self.step_hooks):
             raise ConfigError(f"run.step_hooks={self.step_hooks!r} must be a list of 'package.module:factory'")
 

@@ -29,6 +29,7 @@ from resilient.errors import CommitError, ResilientError
 from resilient.faults import fault_point
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
+from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
 from resilient.trainer.build import StepHook, load_step_hooks
@@ -36,6 +37,7 @@ from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, flops_per_token
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted, PreemptWatch, preempt_signals, stop_preempted
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
 
@@ -104,6 +106,9 @@ class Trainer:
         self.phases = observer.phases
         self.peak_flops = config.run.peak_flops
         """FLOP/s of one rank's device, the MFU denominator (``trainer.peak``, set by build_trainer)."""
+        self.preemption = PreemptWatch(preempt_signals(config.run.preempt_signal))
+        """Installed around ``run`` by the entry point: a SIGTERM (or ``run.preempt_signal``) makes
+        the ranks save the current step and stop (``trainer.preempt``)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -167,12 +172,33 @@ class Trainer:
             if self.step not in self._committed_steps():
                 raise
 
+    def _stop_preempted(self, signum: int) -> Preempted:
+        """Save the current step and wait for its commit (every rank alike), record the event."""
+
+        def save() -> None:
+            self.checkpointer.wait()  # a save still persisting first: if_busy="skip" must not skip this one
+            if self._saved_step != self.step and self._saves_this_step():
+                self.save()
+            self.checkpointer.wait()
+
+        def record(event: str, **fields: Any) -> None:
+            if self.outputs.enabled:
+                write_event(self.config.run.dir, event, group=group_id(), **fields)
+            self.outputs.message(f"preempted: step {self.step} is committed; exiting {PREEMPTED_EXIT} to be resumed")
+
+        with self.observer.paused():  # the save may take long: not a hang
+            return stop_preempted(self.step, signum, save=save, committed=self._committed_steps, record=record)
+
     # -- one step ----------------------------------------------------------------------------
 
     def _iteration(self) -> None:
         """One step attempt. A committed step moves the data cursor and the step count, saves and
         snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
-        nothing and is tried again (same global batch)."""
+        nothing and is tried again (same global batch). First the ranks agree whether the job was
+        asked to stop (a preemption signal on any rank): then the current step is saved instead."""
+        signum = self.preemption.agreed()
+        if signum:
+            raise self._stop_preempted(signum)
         self.observer.attempt(self.step)
         start = time.perf_counter()
         batch, data_wait = self._next_batch()

@@ -33,6 +33,7 @@ from resilient.trainer.loop import Trainer
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs
 from resilient.trainer.peak import peak_flops
+from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted
 from resilient.trainer.quiet import report_failure
 from resilient.trainer.timing import StartupClock, process_start_time
 
@@ -201,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = build_trainer(config, device, clock)
         clock.mark("model")
-        trainer.run()
+        with trainer.preemption:
+            trainer.run()
         trainer.close()
+    except Preempted:
+        _close_quietly(trainer)
+        return PREEMPTED_EXIT
     except BaseException as e:
         if trainer is not None:
             _close_quietly(trainer)
