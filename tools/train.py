@@ -164,6 +164,8 @@ def emit_files(args: argparse.Namespace) -> int:
             rdzv_port=args.rdzv_port,
             max_restarts=MULTINODE_RESTARTS if args.max_restarts is None else args.max_restarts,
             trainer_args=trainer_args(args),
+            preempt_grace_s=config.run.preempt_grace_s,
+            preempt_signal=config.run.preempt_signal or "SIGUSR1",
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

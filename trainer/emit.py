@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
 from resilient.trainer.multinode import parse_nnodes
+from resilient.trainer.preempt import SHUTDOWN_MARGIN_S
 
 EMIT_KINDS = ("slurm", "k8s")
 DEFAULT_IMAGE = "ghcr.io/your-org/resilient:latest"
@@ -51,6 +53,10 @@ class EmitSpec:
     max_restarts: int = 3
     trainer_args: list[str] = field(default_factory=list)
     """``--config`` / ``--set`` arguments every node passes on to its ranks."""
+    preempt_grace_s: float = 120.0
+    """``run.preempt_grace_s`` of the recipe: the time a preempted job needs to save and exit."""
+    preempt_signal: str = "SIGUSR1"
+    """SLURM: the signal asked for ahead of the time limit (``run.preempt_signal``, set on every node)."""
     replica_groups: int = 0
     """0: one group across all nodes. G: G torchft replica groups, G / nodes on each node, meeting at
     the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.multinode``)."""
@@ -117,8 +123,15 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str) -> str:
-    """The ``resilient-train`` line one node runs; the three strings are shell words (``"$VAR"``)."""
+def shutdown_s(spec: EmitSpec) -> int:
+    """Seconds from a stop signal until every launcher on a node has exited: the grace the trainer
+    saves in, torchrun's margin after it, and the launcher's own (``trainer.preempt``)."""
+    return math.ceil(spec.preempt_grace_s + SHUTDOWN_MARGIN_S + 10.0)
+
+
+def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str, extra: tuple[str, ...] = ()) -> str:
+    """The ``resilient-train`` line one node runs; the three strings are shell words (``"$VAR"``);
+    ``extra``: more trainer arguments, after the recipe's."""
     if spec.replica_groups:  # each group rendezvous on its own node: no --rdzv-id
         words = ["resilient-train", "--replica-groups", str(spec.replica_groups)]
         words += ["--nproc-per-group", str(spec.nproc_per_group), "--nnodes", spec.nnodes]
@@ -127,7 +140,7 @@ def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str) ->
         words = ["resilient-train", "--nnodes", spec.nnodes, "--nproc-per-node", str(spec.nproc_per_node)]
         flags = ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
         flags += [] if spec.elastic else ["--node-rank", node_rank]
-    tail = ["--max-restarts", str(spec.max_restarts), *spec.trainer_args]
+    tail = ["--max-restarts", str(spec.max_restarts), *spec.trainer_args, *extra]
     return " ".join([*(shlex.quote(w) for w in words), *flags, *(shlex.quote(w) for w in tail)])
 
 
@@ -157,6 +170,10 @@ def _slurm_header(spec: EmitSpec) -> list[str]:
         # a lost node makes SLURM requeue the job (same job id, SLURM_RESTART_COUNT + 1), which
         # resumes from the newest step every rank has (RAM tier on surviving nodes, else storage).
         "#SBATCH --requeue",
+        # Preemption ahead of the time limit: the batch shell gets the signal this long before it,
+        # passes it to the job step, and every rank saves its step and exits 143; then the job is
+        # requeued and resumes there (see the end of the script).
+        f"#SBATCH --signal=B:{spec.preempt_signal.removeprefix('SIG')}@{shutdown_s(spec) + 30}",
         "#SBATCH --open-mode=append",
         "#SBATCH --output=%x-%j.out",
         "",
@@ -166,7 +183,8 @@ def _slurm_header(spec: EmitSpec) -> list[str]:
 
 def _slurm_node_script(spec: EmitSpec) -> str:
     need = _kibibytes(spec.shm_size)
-    command = node_command(spec, '"$SLURM_NODEID"', '"$RDZV_ENDPOINT"', '"$RDZV_ID"')
+    preempt = ("--set", f"run.preempt_signal={spec.preempt_signal}")
+    command = node_command(spec, '"$SLURM_NODEID"', '"$RDZV_ENDPOINT"', '"$RDZV_ID"', preempt)
     return "\n".join(
         [
             # The machine's name, not SLURM_NODEID: that is a position in the allocation, and a
@@ -199,10 +217,36 @@ def slurm_script(spec: EmitSpec) -> str:
         # rendezvous that can no longer complete.
         # Replica groups: 0, the other nodes' groups train on without the lost ones.
         f"srun --ntasks-per-node=1 --kill-on-bad-exit={0 if spec.replica_groups else 1} "
-        f"bash -c {shlex.quote(_slurm_node_script(spec))}",
+        f"bash -c {shlex.quote(_slurm_node_script(spec))} &",
+        *_slurm_preemption(spec),
         "",
     ]
     return "\n".join(lines)
+
+
+def _slurm_preemption(spec: EmitSpec) -> list[str]:
+    """The batch shell waits for the job step in the background, so that the signal SLURM sends it
+    ahead of the time limit runs the trap at once (a foreground srun would hold it until the step
+    ends): the trap passes it to srun, which passes it to every node's launcher. A step that then
+    exits 143 (preempted, its last step saved) requeues the job: it resumes from that step."""
+    name = spec.preempt_signal.removeprefix("SIG")
+    return [
+        "step_pid=$!",
+        "preempted=0",
+        f"trap 'preempted=1; woke=1; kill -{name} \"$step_pid\" 2>/dev/null || true' {name}",
+        "# wait returns early when the trap runs: wait again (127: the step's status was taken already).",
+        "code=0",
+        "woke=1",
+        'while [ "$woke" = 1 ]; do',
+        "  woke=0",
+        '  if wait "$step_pid"; then code=0; else status=$?; [ "$status" = 127 ] || code=$status; fi',
+        "done",
+        'if [ "$preempted" = 1 ] && [ "$code" = 143 ]; then',
+        '  echo "preempted: the last step is saved; requeueing job $SLURM_JOB_ID" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$code"',
+    ]
 
 
 def _meeting_point(spec: EmitSpec) -> str:
@@ -287,6 +331,9 @@ def k8s_manifest(spec: EmitSpec) -> str:
         "            # A crashed launcher restarts in the same pod: its memory-backed /dev/shm, and with",
         "            # it the RAM tier's snapshots, survives a container restart (not a new pod).",
         "            restartPolicy: OnFailure",
+        # A pod being stopped (preempted, drained) gets SIGTERM: every rank saves the step it is
+        # at within run.preempt_grace_s and exits 143; Kubernetes kills it only after this.
+        f"            terminationGracePeriodSeconds: {shutdown_s(spec) + 30}",
         *_k8s_container(spec, endpoint),
         "            volumes:",
         "            - name: dshm",

@@ -86,7 +86,7 @@ def test_sbatch_script_parses_and_starts_one_launcher_per_node(tmp_path: Path) -
         assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # the allocation's first node
         assert _flag(argv, "--rdzv-id") == "4242-1"  # new for each requeue of the job
         assert _flag(argv, "--nproc-per-node") == "4" and _flag(argv, "--max-restarts") == "3"
-        assert argv[-2:] == ["--config", "r.toml"]
+        assert argv[-4:] == ["--config", "r.toml", "--set", "run.preempt_signal=SIGUSR1"]
 
 
 def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
@@ -252,3 +252,61 @@ EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
 )
 def test_bad_emit_flags_are_one_line_exit_2(argv: list[str], says: str) -> None:
     assert says in _one_line_exit_2(argv)
+
+
+def _preempt_stubs(tmp_path: Path) -> dict[str, str]:
+    """An ``srun`` that runs until it gets SIGUSR1, then exits 143 as a preempted launcher does (it
+    says it got the signal), and an ``scontrol`` that records a requeue."""
+    env = _stubs(tmp_path)
+    bin_dir = tmp_path / "bin"
+    body = (
+        'trap \'echo "step got USR1" >> "$OUT/log"; exit 143\' USR1\n'
+        'echo started >> "$OUT/log"\n'
+        "for i in $(seq 1 300); do sleep 0.1; done\nexit 0\n"
+    )
+    _stub(bin_dir, "srun", body)
+    _stub(bin_dir, "scontrol", 'if [ "$1" = requeue ]; then echo "requeue $2" >> "$OUT/log"; else echo n1; fi\n')
+    return env
+
+
+def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempted(tmp_path: Path) -> None:
+    spec = EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)
+    script = slurm_script(spec)
+    assert "#SBATCH --signal=B:USR1@170" in script  # grace + torchrun's and the launcher's margins + 30
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]"}
+    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "log"
+    for _ in range(100):
+        if log.exists() and "started" in log.read_text():
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    job.send_signal(10)  # SIGUSR1, as SLURM sends it to the batch shell (B:)
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 143, stderr
+    assert log.read_text().splitlines() == ["started", "step got USR1", "requeue 77"]
+    assert "requeueing job 77" in stderr
+
+
+def test_sbatch_does_not_requeue_a_job_that_ended(tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2)))
+    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n[1-2]"}
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "requeue" not in done.stderr, done.stderr
+
+
+def test_jobset_grace_period_covers_the_trainers_preemption_grace() -> None:
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, preempt_grace_s=300.0)))
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 370 > 300 + 30  # above the grace and torchrun's margin
+
+
+def test_cli_takes_the_preemption_settings_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    sets = ["--set", "run.preempt_grace_s=200", "--set", "run.preempt_signal=SIGUSR2"]
+    assert main(["--emit", "slurm", "--config", TINY, "--nnodes", "2", *sets]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --signal=B:USR2@270" in script and "trap '" in script and "' USR2" in script
+    assert main(["--emit", "k8s", "--config", TINY, "--nnodes", "2", "--set", "run.preempt_grace_s=200"]) == 0
+    assert "terminationGracePeriodSeconds: 270" in capsys.readouterr().out
