@@ -21,6 +21,7 @@ from resilient.dist import agree, free_port
 from resilient.errors import ConfigError
 from resilient.recovery.ram.tier import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
+from resilient.storage.shared import check_shared_root
 from resilient.trainer.build import (
     build_checkpointer,
     build_parts,
@@ -129,6 +130,8 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
     trainer = None
     try:
         checkpointer = build_checkpointer(config, saves_log)
+        # A root that is not shared would hang the first save for the whole commit timeout.
+        check_shared_root(checkpointer.store, setting="checkpoint.url")
         trainer = trainer_class(config, mesh, parts, checkpointer, outputs, device, observer)
         trainer.ram = ram
         trainer.peak_flops = peak
