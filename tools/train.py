@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, ResilientError, disk_full
 from resilient.runfiles import group_id, logs_dir
 from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import load_config
@@ -65,7 +65,7 @@ from resilient.trainer.preempt import (
     preempt_flags,
     preempted_since,
 )
-from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
+from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, reported_since
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -222,7 +222,9 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         line = reported_since(config.run.dir, started)
         where = f"the groups' logs are in {logs_dir(config.run.dir)}"
         print(f"{line} ({where})" if line else f"error: a replica group exited with {code}; {where}", file=sys.stderr)
-        return ERROR_EXIT if line else code
+        if not line:
+            return code
+        return RUNTIME_EXIT if disk_full(ResilientError(line)) else ERROR_EXIT  # a full disk is no bad input
     return code
 
 

@@ -16,11 +16,13 @@ import contextlib
 import os
 import sys
 
-from resilient.errors import ResilientError
+from resilient.errors import ResilientError, disk_full
 from resilient.runfiles import logs_dir
 
 DEBUG_ENV = "RESILIENT_DEBUG"
 ERROR_EXIT = 2
+RUNTIME_EXIT = 1
+"""A failure of the machine, not of the input (a full disk): rerunning once it is fixed resumes."""
 
 
 def debug_enabled() -> bool:
@@ -79,12 +81,13 @@ def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:
     """The exit code for a worker that failed with ``error``; None: re-raise it (a traceback)."""
     if debug_enabled():
         return None
-    if isinstance(error, ResilientError):
+    if isinstance(error, ResilientError) or disk_full(error):
         # An agreed error already names the rank that saw it ("[rank 0 (and 1 other rank(s))] ...").
         line = f"error: {error}" if str(error).startswith("[rank ") else f"error: [rank {rank}] {error}"
         if claim_report(run_dir, line):
             print(line, file=sys.stderr, flush=True)
-        return ERROR_EXIT
+        # A full disk is a failure of the machine, not of the input: 1, not the usage code.
+        return RUNTIME_EXIT if disk_full(error) else ERROR_EXIT
     if isinstance(error, KeyboardInterrupt):
         return 128 + 2  # Ctrl-C: torchrun passed the launcher's SIGINT on; the launcher says where we stood
     if isinstance(error, Exception) and os.path.exists(error_path(run_dir)):
