@@ -67,9 +67,11 @@ from resilient.trainer.preempt import (
 )
 from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, reported_since
 
+PROG = "resilient-train"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--nproc", type=int, help="ranks of the group (default: parallel.pp x dp_shard x tp of the recipe)"
     )
@@ -96,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace-s", type=float, default=30.0, help="wait after forwarding a signal before killing")
     parser.add_argument("--debug", action="store_true", help="show every rank's traceback on a failure")
     _add_cluster_flags(parser)
+    if not (sys.argv[1:] if argv is None else argv):
+        # Nothing given: training a built-in default into ./runs/default would surprise; say how.
+        parser.print_usage(sys.stderr)
+        parser.error("give a recipe, e.g. --config configs/tiny.toml")
     args = parser.parse_args(argv)
     error = emit_flag_error(args) if args.emit else flag_error(args)
     if error:
@@ -178,7 +184,8 @@ def _check_group_ranks(world_size: int, nproc_per_group: int) -> None:
     if nproc_per_group != world_size:
         raise ConfigError(
             f"--nproc-per-group {nproc_per_group} but parallel.pp x dp_shard x tp = {world_size} ranks per group: "
-            f"set parallel.pp / parallel.dp_shard / parallel.tp so that their product is {nproc_per_group}"
+            f"use --nproc-per-group {world_size}, or set parallel.pp / parallel.dp_shard / parallel.tp so that "
+            f"their product is {nproc_per_group}"
         )
 
 
@@ -192,6 +199,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     try:
         overrides = [*args.overrides, "replica.enabled=true", f"replica.groups={args.replica_groups}"]
         config = load_config(args.config, overrides)
+        _check_group_ranks(config.parallel.world_size, args.nproc_per_group)  # before anything starts
         launch = ReplicaLaunch(
             groups=args.replica_groups,
             nproc_per_group=args.nproc_per_group,
@@ -255,6 +263,12 @@ def run_one_group(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.config is None and not args.emit:
+        print(
+            f"{PROG}: error: --config RECIPE is required (e.g. --config configs/tiny.toml): it says what to train",
+            file=sys.stderr,
+        )
+        return 2
     if args.emit:
         return emit_files(args)
     if args.debug:

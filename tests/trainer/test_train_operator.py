@@ -174,6 +174,7 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
 
     monkeypatch.setattr(cli, "run_replicated", fake_run)
     args = ["--replica-groups", "2", "--nproc-per-group", "1", "--config", TINY, "--set", f"run.dir={run_dir}"]
+    args += ["--set", "parallel.dp_shard=1", "--set", "parallel.tp=1"]  # one rank per group, as launched
     code = cli.main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
