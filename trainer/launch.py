@@ -60,7 +60,14 @@ from resilient.runfiles import (
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, signal_group, start_lighthouse
+from resilient.trainer.lighthouse import (
+    RELAX_AFTER_S,
+    die_with_parent,
+    free_port,
+    kill_group,
+    signal_group,
+    start_lighthouse,
+)
 from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
 from resilient.trainer.preempt import preempt_flags
 from resilient.validate import check_int
@@ -178,7 +185,8 @@ def run(
         # What torchrun sets for more than one rank when unset, without the 5-line warning it
         # prints above the one line the operator should read.
         env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(command, start_new_session=True, env=env)
+    # SIGTERM when this launcher dies however it dies: torchrun then stops its workers (they save).
+    proc = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if proc.poll() is None:
@@ -302,7 +310,12 @@ class ReplicaJob:
             command = group_command(self.launch, group)
             log = self._log(f"group{group}.log")
             self.groups[group] = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # as in run(): nothing outlives the launcher
             )
             self.events.write("group_started", group=group, pid=self.groups[group].pid)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -30,6 +31,7 @@ from resilient.trainer.build import (
     seed_everything,
 )
 from resilient.trainer.config import TrainConfig, load_config
+from resilient.trainer.lighthouse import set_parent_death_signal
 from resilient.trainer.loop import Trainer
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs
@@ -187,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     _setup_logging(rank)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun gone (SIGKILLed, OOM-killed): stop as on a preemption rather than live on in a
+        # session of our own; the ranks get it together and save the step they are at.
+        set_parent_death_signal(signal.SIGTERM)
     # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
     write_pid(config.run.dir, group_id(), rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world

@@ -95,3 +95,37 @@ def test_a_preempted_run_commits_its_step_exits_143_and_resumes_there(tmp_path: 
     restores = [e for e in read_events(str(run_dir)) if e["event"] == "restore" and e["t"] > event["t"]]
     assert restores and all(e["step"] == stop for e in restores), restores
     assert Checkpointer(str(run_dir / "ckpt")).steps() == [stop, stop + 2]
+
+
+def _job_processes(run_dir: Path) -> list[int]:
+    """Processes whose command line names ``run_dir`` (torchrun and its workers), but not this one."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if str(run_dir).encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_sigkilled_launcher_leaves_no_process_of_its_job(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, 500, "checkpoint.persist_every=1000", f'run.step_hooks=["{PACE}"]')
+    _wait_for_steps(proc, run_dir, 2)
+    assert len(_job_processes(run_dir)) >= 3  # the launcher, torchrun, two ranks
+    proc.kill()  # SIGKILL: the launcher runs no cleanup of its own
+    deadline = time.monotonic() + 200  # torchrun stops its workers, which save first (preempt grace)
+    while time.monotonic() < deadline and _job_processes(run_dir):
+        time.sleep(0.5)
+    left = _job_processes(run_dir)
+    for pid in left:  # do not leak them into the next test
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)  # its pipes close with the last process that inherited them
+    assert left == []
+    # They did not just vanish: torchrun passed the launcher's death on and the ranks saved.
+    assert [e["event"] for e in read_events(str(run_dir)) if e["event"] == "preempted"] == ["preempted"]
