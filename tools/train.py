@@ -28,9 +28,9 @@ import sys
 import time
 
 from resilient.errors import ConfigError, ResilientError, disk_full
-from resilient.runfiles import group_id, logs_dir
+from resilient.runfiles import METRICS_FILE, group_file, group_id, logs_dir, read_jsonl_by_step
 from resilient.tools.cli import OneLineParser
-from resilient.trainer.config import load_config
+from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.emit import (
     DEFAULT_IMAGE,
     DEFAULT_RDZV_PORT,
@@ -44,7 +44,6 @@ from resilient.trainer.emit import (
 from resilient.trainer.launch import (
     ReplicaLaunch,
     check_nproc,
-    interrupted_line,
     run,
     run_replicated,
     torchrun_command,
@@ -53,6 +52,7 @@ from resilient.trainer.launch import (
 from resilient.trainer.multinode import (
     MULTINODE_RESTARTS,
     NODE_RANK_ENV,
+    RendezvousWait,
     flag_error,
     parse_nnodes,
     rendezvous_of,
@@ -195,6 +195,19 @@ def _gpus_per_node(args: argparse.Namespace, device: str, per_node: int) -> int:
     return 0 if device == "cpu" else per_node  # one GPU per rank
 
 
+def interrupted_line(config: TrainConfig) -> str:
+    """What the operator reads after Ctrl-C: where the run stood and what survives of it."""
+    steps = read_jsonl_by_step(group_file(config.run.dir, METRICS_FILE, 0))
+    from resilient.storage.checkpointer import Checkpointer  # deferred: the config check skips torch
+
+    try:
+        committed = Checkpointer(config.checkpoint.url).steps()
+    except ResilientError:
+        committed = []
+    last = committed[-1] if committed else "none"
+    return f"interrupted at step {max(steps, default=0)}; last committed step {last}; rerun the same command to resume"
+
+
 def run_replica_groups(args: argparse.Namespace) -> int:
     try:
         overrides = [*args.overrides, "replica.enabled=true", f"replica.groups={args.replica_groups}"]
@@ -253,7 +266,8 @@ def run_one_group(args: argparse.Namespace) -> int:
         return 2
     started = time.time() - 1.0  # as in run_replica_groups
     command = torchrun_command(args, quiet=not args.debug, config=config)
-    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config))
+    waiting = RendezvousWait(rendezvous_of(args), config.run.dir) if args.nnodes else None
+    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), waiting)
     if preempted_since(config.run.dir, started):
         return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:

@@ -40,22 +40,20 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
-from resilient.errors import ConfigError, ResilientError
+from resilient.errors import ConfigError
 from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.runfiles import (
     GROUP_ENV,
-    METRICS_FILE,
     EventLog,
-    group_file,
     lighthouse_pid_path,
     logs_dir,
     pids_dir,
     read_events,
-    read_jsonl_by_step,
     read_pid_file,
     write_pid_file,
 )
@@ -136,19 +134,6 @@ def check_nproc(config: TrainConfig, nproc: int | None) -> int:
     return nproc
 
 
-def interrupted_line(config: TrainConfig) -> str:
-    """What the operator reads after Ctrl-C: where the run stood and what survives of it."""
-    steps = read_jsonl_by_step(group_file(config.run.dir, METRICS_FILE, 0))
-    from resilient.storage.checkpointer import Checkpointer  # deferred: the config check skips torch
-
-    try:
-        committed = Checkpointer(config.checkpoint.url).steps()
-    except ResilientError:
-        committed = []
-    last = committed[-1] if committed else "none"
-    return f"interrupted at step {max(steps, default=0)}; last committed step {last}; rerun the same command to resume"
-
-
 def torchrun_command(args: argparse.Namespace, quiet: bool = False, config: TrainConfig | None = None) -> list[str]:
     """The torchrun command line for one group: standalone (a local rendezvous on a free port), or
     this node's share of a multi-node group (``resilient.trainer.multinode``). ``args``: ``nproc``
@@ -174,9 +159,11 @@ def run(
     grace_s: float,
     env: dict[str, str] | None = None,
     forward_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+    waiting: Callable[[], None] | None = None,
 ) -> int:
     """Run ``command`` (with ``env`` added to ours), forwarding ``forward_signals`` to it; returns
-    its exit code (128 + N if killed by signal N, as a shell reports it)."""
+    its exit code (128 + N if killed by signal N, as a shell reports it). ``waiting`` is called
+    about every second meanwhile (``multinode.RendezvousWait`` says who the node waits for)."""
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
@@ -195,7 +182,9 @@ def run(
     previous = {sig: signal.signal(sig, forward) for sig in forward_signals}
     try:
         # No timeout on a training run itself; the trainer bounds its own waits. Signals interrupt it.
-        code = proc.wait()
+        while (code := _wait_a_second(proc)) is None:
+            if waiting is not None:
+                waiting()
         return _shell_code(code)
     except BaseException:
         _stop(proc, grace_s)
@@ -205,6 +194,13 @@ def run(
             signal.signal(sig, handler)
         if proc.poll() is None:
             _stop(proc, grace_s)
+
+
+def _wait_a_second(proc: subprocess.Popen) -> int | None:
+    try:
+        return proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _nproc_of(command: list[str]) -> int:
