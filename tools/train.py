@@ -32,11 +32,11 @@ from resilient.runfiles import METRICS_FILE, group_file, group_id, logs_dir, rea
 from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.emit import (
-    DEFAULT_IMAGE,
     DEFAULT_RDZV_PORT,
     DEFAULT_SHM,
     EMIT_KINDS,
     EmitSpec,
+    check_k8s_root,
     emit_flag_error,
     k8s_manifest,
     slurm_script,
@@ -132,7 +132,12 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         help="print an sbatch script (slurm) or a JobSet manifest (k8s) for --nnodes (default 2) nodes",
     )
     emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
-    emit.add_argument("--image", default=DEFAULT_IMAGE, help="k8s: container image with resilient installed")
+    emit.add_argument("--image", help="k8s (required): container image with resilient installed")
+    emit.add_argument("--time", default="24:00:00", help="slurm: the job's time limit, [DAYS-]HH:MM:SS")
+    emit.add_argument("--cpus-per-node", type=int, default=0, help="CPUs per node (default: 8 per rank)")
+    emit.add_argument(
+        "--mem-per-node", default="", help="memory per node, e.g. 512Gi (default k8s: /dev/shm + 16Gi per rank)"
+    )
     emit.add_argument(
         "--gpus-per-node", type=int, help="GPUs to request per node (default: ranks per node; 0 when run.device is cpu)"
     )
@@ -152,6 +157,8 @@ def emit_files(args: argparse.Namespace) -> int:
         replica = ["replica.enabled=true", f"replica.groups={groups}"] if groups else []
         config = load_config(args.config, [*args.overrides, *replica])
         low, high = parse_nnodes(args.nnodes or "2")
+        if args.emit == "k8s":
+            check_k8s_root(config.checkpoint.url)
         if groups:
             _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
             per_node = groups // high * args.nproc_per_group
@@ -165,7 +172,10 @@ def emit_files(args: argparse.Namespace) -> int:
             max_nodes=high,
             nproc_per_node=per_node,
             gpus_per_node=_gpus_per_node(args, config.run.device, per_node),
-            image=args.image,
+            image=args.image or "",
+            time_limit=args.time,
+            cpus_per_node=args.cpus_per_node,
+            mem_per_node=args.mem_per_node,
             shm_size=args.shm_size,
             rdzv_port=args.rdzv_port,
             max_restarts=MULTINODE_RESTARTS if args.max_restarts is None else args.max_restarts,
