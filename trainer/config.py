@@ -48,8 +48,9 @@ class RunConfig:
     """Print a progress line every this many steps (metrics.jsonl gets every step); >= 1."""
     peak_flops: float = 0.0
     """Peak FLOP/s of ONE rank's device, the MFU denominator. 0: from the table of known GPUs
-    (``trainer/peak.py``), else measured at startup with a short matmul; both MFU and the peak used
-    are recorded in ``metrics.jsonl``."""
+    (``trainer/peak.py``), else the model's own matmul shapes measured once per machine (cached,
+    raised when a step does better: MFU stays <= 1); the peak and its source are in ``config.json``
+    and ``metrics.jsonl``."""
     hang_timeout_s: float = 600.0
     """No step completed for this long: every rank writes its threads' stacks to
     ``group<G>/hang/`` and a ``hang`` event (0: no watchdog). Restores and the final save are exempt."""

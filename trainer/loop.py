@@ -37,6 +37,7 @@ from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, flops_per_token
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.peak import Peak
 from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted, PreemptWatch, preempt_signals, stop_preempted
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
@@ -106,6 +107,8 @@ class Trainer:
         self.phases = observer.phases
         self.peak_flops = config.run.peak_flops
         """FLOP/s of one rank's device, the MFU denominator (``trainer.peak``, set by build_trainer)."""
+        self.peak: Peak | None = None
+        """Where ``peak_flops`` came from; a measured one rises to what a step achieves (MFU <= 1)."""
         self.preemption = PreemptWatch(preempt_signals(config.run.preempt_signal))
         """Installed around ``run`` by the entry point: a SIGTERM (or ``run.preempt_signal``) makes
         the ranks save the current step and stop (``trainer.preempt``)."""
@@ -346,9 +349,15 @@ class Trainer:
             ckpt_stall_s=ckpt_stall,
             data_skipped=result.data_skipped,
             tokens_per_s=self.tokens_per_step / step_time,
-            mfu=self._flops_per_step / step_time / (self.peak_flops * self.mesh.size()),
+            mfu=self._mfu(step_time),
             peak_flops=self.peak_flops,
         )
+
+    def _mfu(self, step_time: float) -> float:
+        achieved = self._flops_per_step / step_time / self.mesh.size()  # per rank, as the peak
+        if self.peak is not None:
+            self.peak_flops = self.peak.at_least(achieved, record=self.outputs.enabled)
+        return achieved / self.peak_flops
 
     # -- checkpoints -------------------------------------------------------------------------
 

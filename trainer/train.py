@@ -35,7 +35,7 @@ from resilient.trainer.lighthouse import set_parent_death_signal
 from resilient.trainer.loop import Trainer
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs
-from resilient.trainer.peak import peak_flops
+from resilient.trainer.peak import find_peak, model_matmul_shapes
 from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted
 from resilient.trainer.quiet import report_failure
 from resilient.trainer.timing import StartupClock, process_start_time
@@ -104,7 +104,7 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
         steps=config.run.steps,
     )
     dtype = torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32
-    peak, peak_source = peak_flops(str(device), config.run.peak_flops, dtype)
+    peak = find_peak(str(device), config.run.peak_flops, dtype, model_matmul_shapes(config))
     outputs.context = {"layout": observer.layout}
     if config.metrics.tensorboard:
         outputs.open_tensorboard()
@@ -115,8 +115,9 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
             "group": group_id(),
             "device": str(device),
             "incarnation": observer.incarnation,
-            "peak_flops": peak,
-            "peak_flops_source": peak_source,
+            "peak_flops": peak.flops,
+            "peak_flops_source": peak.source,
+            "peak_flops_key": peak.key,
         },
     )
     saves_log = os.path.join(outputs.directory, SAVES_FILE) if outputs.enabled else None
@@ -136,7 +137,7 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
         check_shared_root(checkpointer.store, setting="checkpoint.url")
         trainer = trainer_class(config, mesh, parts, checkpointer, outputs, device, observer)
         trainer.ram = ram
-        trainer.peak_flops = peak
+        trainer.peak, trainer.peak_flops = peak, peak.flops
         trainer.install_configured_hooks()
     except BaseException:
         # Nothing else holds these yet: close the RAM channel (and a half-built trainer's torchft
