@@ -1,4 +1,4 @@
-"""``resilient-train``: launch one replica group of the trainer on this machine.
+"""``resilient-train``: train a recipe here, on several nodes or as replica groups; or print cluster files.
 
     resilient-train --nproc 4 --config configs/tiny.toml --set run.steps=20
 

@@ -62,3 +62,10 @@ def test_ckpt_help_imports_no_heavy_module() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=50)
     assert done.stdout.strip() == "[] True", done.stdout + done.stderr
+
+
+def test_help_says_what_the_command_does(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "train a recipe here, on several nodes or as replica groups" in " ".join(text.split())
