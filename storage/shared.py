@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from resilient.dist import agree
-from resilient.errors import StorageError
+from resilient.errors import ConfigError
 from resilient.storage.objects import ObjectStore
 
 CHECK_PREFIX = "shared-check-"
@@ -25,8 +25,9 @@ steps ignores them: they are no step directory)."""
 
 
 def check_shared_root(store: ObjectStore, *, setting: str, group: Any = None) -> None:
-    """Collective over ``group``: raise the same StorageError on every rank when some rank does not
-    see what rank 0 wrote under ``store``'s root; ``setting`` names the key that chose the root."""
+    """Collective over ``group``: raise the same ConfigError on every rank when some rank does not
+    see what rank 0 wrote under ``store``'s root; ``setting`` names the key that chose the root (a
+    setting to change, not a failure to retry: a restart would meet the same root)."""
     wrote = agree(lambda: _write_token(store), src=0, group=group, what="writing the shared-root token")
     key, url = wrote["key"], wrote["url"]  # rank 0's URL: the message must be the same on every rank
     expected = key.removeprefix(CHECK_PREFIX).removesuffix(".json")
@@ -41,7 +42,7 @@ def check_shared_root(store: ObjectStore, *, setting: str, group: Any = None) ->
     missing = [rank for rank, view in enumerate(seen) if not view["found"]]
     if missing:
         hosts = sorted({seen[rank]["host"] for rank in missing})
-        raise StorageError(
+        raise ConfigError(
             f"{setting}={url} is not shared between the ranks: rank(s) {missing} on "
             f"{', '.join(hosts)} do not see the file rank 0 (on {seen[0]['host']}) wrote there, so no "
             f"save could ever commit; set {setting} to a directory every node mounts (a shared "

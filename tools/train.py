@@ -65,7 +65,7 @@ from resilient.trainer.preempt import (
     preempt_flags,
     preempted_since,
 )
-from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, reported_since
+from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 
 PROG = "resilient-train"
 
@@ -277,7 +277,15 @@ def run_one_group(args: argparse.Namespace) -> int:
     started = time.time() - 1.0  # as in run_replica_groups
     command = torchrun_command(args, quiet=not args.debug, config=config)
     waiting = RendezvousWait(rendezvous_of(args), config.run.dir) if args.nnodes else None
-    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), waiting)
+
+    def watch(torchrun_pid: int) -> bool:
+        # A setting to change fails every restart the same way: stop torchrun at the first.
+        stop = final_claim_since(config.run.dir, started) is not None
+        return (waiting(torchrun_pid) if waiting else False) or stop
+
+    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), watch)
+    if final_claim_since(config.run.dir, started):
+        return ERROR_EXIT  # the rank printed the line
     if preempted_since(config.run.dir, started):
         return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:

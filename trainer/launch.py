@@ -159,11 +159,13 @@ def run(
     grace_s: float,
     env: dict[str, str] | None = None,
     forward_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
-    waiting: Callable[[], None] | None = None,
+    watch: Callable[[int], bool] | None = None,
 ) -> int:
     """Run ``command`` (with ``env`` added to ours), forwarding ``forward_signals`` to it; returns
-    its exit code (128 + N if killed by signal N, as a shell reports it). ``waiting`` is called
-    about every second meanwhile (``multinode.RendezvousWait`` says who the node waits for)."""
+    its exit code (128 + N if killed by signal N, as a shell reports it). ``watch(pid)`` is called
+    about every second meanwhile, with torchrun's pid (``multinode.RendezvousWait`` says whom the
+    node waits for); when it returns True, torchrun is stopped (SIGTERM): a rank reported an error
+    that its restarts would only meet again."""
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
@@ -182,9 +184,11 @@ def run(
     previous = {sig: signal.signal(sig, forward) for sig in forward_signals}
     try:
         # No timeout on a training run itself; the trainer bounds its own waits. Signals interrupt it.
+        stopping = False
         while (code := _wait_a_second(proc)) is None:
-            if waiting is not None:
-                waiting()
+            if watch is not None and watch(proc.pid) and not stopping:
+                stopping = True
+                proc.terminate()
         return _shell_code(code)
     except BaseException:
         _stop(proc, grace_s)

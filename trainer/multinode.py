@@ -201,8 +201,8 @@ WAIT_REPORT_S = 5.0
 
 
 class RendezvousWait:
-    """Called while this node's torchrun runs (``launch.run``'s ``waiting``): until the first rank
-    of this launch starts (the rendezvous is complete: torchrun starts ranks only then), says every
+    """Called while this node's torchrun runs (``launch.run``'s ``watch``): until torchrun starts
+    its ranks (the rendezvous is complete: it starts them only then), says every
     ``WAIT_REPORT_S`` whom it waits for, where and since when. A node whose peers never come would
     otherwise sit silent until torchrun's join timeout (10 minutes)."""
 
@@ -213,13 +213,14 @@ class RendezvousWait:
         self._next = self.since + WAIT_REPORT_S
         self.started = False
 
-    def __call__(self) -> None:
+    def __call__(self, torchrun_pid: int = 0) -> bool:
+        """Say so if still waiting; never asks to stop torchrun (returns False)."""
         if self.started:
-            return
-        self.started = self._ranks_started()
+            return False
+        self.started = self._ranks_started(torchrun_pid)
         now = time.time()
         if self.started or now < self._next:
-            return
+            return False
         self._next = now + WAIT_REPORT_S
         r = self.rendezvous
         others = f"{r.max_nodes - 1} other node(s)" if r.min_nodes == r.max_nodes else f"{r.min_nodes}+ nodes in all"
@@ -230,8 +231,13 @@ class RendezvousWait:
             file=sys.stderr,
             flush=True,
         )
+        return False
 
-    def _ranks_started(self) -> bool:
+    def _ranks_started(self, torchrun_pid: int) -> bool:
+        """torchrun started its ranks (it does once the rendezvous is complete): it has children,
+        or (where /proc does not list them) a rank of this launch wrote its pid file."""
+        if torchrun_pid and _has_children(torchrun_pid):
+            return True
         folder = pids_dir(self.run_dir)
         try:
             names = os.listdir(folder)
@@ -241,6 +247,21 @@ class RendezvousWait:
             name.startswith("group") and ".tmp" not in name and _mtime(os.path.join(folder, name)) >= self.since - 1.0
             for name in names
         )
+
+
+def _has_children(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                if f.read().strip():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _mtime(path: str) -> float:

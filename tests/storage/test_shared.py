@@ -28,9 +28,7 @@ def test_a_root_each_rank_sees_differently_is_refused_on_every_rank(tmp_path) ->
     results = run_world(_check, 2, str(tmp_path), True)
     (said, _), (said_1, listing_1) = results
     assert said == said_1, "every rank raises the same error"
-    assert said.startswith(
-        f"StorageError: checkpoint.url={tmp_path}/node0 is not shared between the ranks: rank(s) [1]"
-    )
+    assert said.startswith(f"ConfigError: checkpoint.url={tmp_path}/node0 is not shared between the ranks: rank(s) [1]")
     assert "set checkpoint.url to a directory every node mounts" in said
     assert listing_1 == []  # rank 1 wrote nothing under its own root
 

@@ -391,7 +391,7 @@ def test_a_waiting_node_says_whom_it_waits_for_where_and_since_when(
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("waiting for 1 other node(s) of --nnodes 2 to join the rendezvous at node0:29400")
     assert "(--rdzv-id job7) since " in line and "start the same command on each of them" in line
-    write_pid(str(tmp_path), 0, 0)  # the first rank of this launch: the rendezvous is complete
+    write_pid(str(tmp_path), 0, 0)  # a rank of this launch started: the rendezvous is complete
     wait()
     wait()
     assert capsys.readouterr().err == "" and wait.started
@@ -410,3 +410,21 @@ def test_a_node_alone_at_the_rendezvous_is_not_silent(tmp_path: Path) -> None:
         kill_tree(proc)
     lines = [line for line in log.read_text().splitlines() if line.startswith("waiting for")]
     assert lines and "to join the rendezvous at 127.0.0.1:" in lines[0], log.read_text()[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_a_checkpoint_root_each_node_sees_apart_is_refused_at_start_without_restarts(tmp_path: Path) -> None:
+    # Each node's own directory, as a node-local path under each pod: refused before any save,
+    # naming the setting, and torchrun does not restart the ranks into the same refusal.
+    port = free_port()
+    nodes = [_node(rank, port, tmp_path, f"checkpoint.url={tmp_path / f'ckpt-node{rank}'}") for rank in (0, 1)]
+    for rank, proc in enumerate(nodes):
+        communicate_or_fail(proc, 150, f"node {rank}")
+    for rank, proc in enumerate(nodes):
+        log = (tmp_path / f"node{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, log[-3000:]
+        assert "is not shared between the ranks" in errors[0] and "set checkpoint.url to" in errors[0]
+        assert log.count("failed (exitcode: 2)") <= 1, log[-3000:]  # no restart into the same error
+    assert [p for rank in (0, 1) for p in (tmp_path / f"ckpt-node{rank}").glob("step-*")] == []
