@@ -186,7 +186,27 @@ class FailureHistory:
     """What a run has seen: seconds it was exposed to failures, and failures counted per class."""
 
     exposure_s: float = 0.0
-    counts: Mapping[str, int] = field(default_factory=dict)
+    counts: Mapping[str, float] = field(default_factory=dict)
+
+
+HALF_LIFE_S = 24 * 3600.0
+"""Failures and failure-free time count half as much a day later: rates change within a run (a
+flaky node that is then replaced), and an estimate that never forgets keeps checkpointing for a
+burst that is over."""
+
+
+def recent_history(
+    failures: list[tuple[float, str]], start_s: float, now_s: float, half_life_s: float = HALF_LIFE_S
+) -> FailureHistory:
+    """The history as of ``now_s`` with older evidence discounted: each failure (``(time, class)``)
+    weighs ``2^-(age / half_life_s)``, and so does each second exposed since ``start_s``."""
+    decay = math.log(2) / half_life_s
+    counts: dict[str, float] = {}
+    for t, cls in failures:
+        if t <= now_s:
+            counts[cls] = counts.get(cls, 0.0) + math.exp(-decay * (now_s - t))
+    exposure = (1.0 - math.exp(-decay * max(0.0, now_s - start_s))) / decay
+    return FailureHistory(exposure_s=exposure, counts=counts)
 
 
 def prior_rates(node_mtbf_s: float, nodes: int) -> dict[str, float]:

@@ -17,6 +17,7 @@ from resilient.trainer.cadence_model import (
     mtbf_s,
     optimize,
     prior_rates,
+    recent_history,
     tier_optimum,
     tier_waste,
     waste,
@@ -123,3 +124,13 @@ def test_estimate_starts_at_the_prior_and_follows_the_evidence():
     # Much evidence: close to the observed rate (1,000 in 10^6 s), whatever the prior said.
     many = estimate_rates(FailureHistory(exposure_s=1e6, counts={"process": 1000}), node_mtbf, nodes)
     assert many["process"] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_recent_history_forgets_a_burst_that_is_over():
+    day = 86400.0
+    burst = [(day + 60.0 * i, "node") for i in range(10)]
+    during = estimate_rates(recent_history(burst, 0.0, day + 600.0), 2.28e7, 16)
+    after = estimate_rates(recent_history(burst, 0.0, 5 * day), 2.28e7, 16)
+    assert after["node"] < during["node"] / 5
+    # Nothing forgotten within a moment: the counts are the failures themselves.
+    assert recent_history(burst, 0.0, day + 540.0).counts["node"] == pytest.approx(10, rel=1e-2)
