@@ -26,6 +26,7 @@ from resilient.errors import ConfigError
 from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
 from resilient.runfiles import default_ckpt_url
 from resilient.storage.url import parse_url
+from resilient.trainer.cadence_model import LLAMA3_NODE_MTBF_S
 from resilient.trainer.data.config import DataConfig
 from resilient.trainer.model.config import ModelConfig
 from resilient.trainer.parallel_config import ParallelConfig, check_model_compatible
@@ -181,6 +182,22 @@ class CheckpointConfig:
     committed step under ``url`` with none after it (those would be saved again); applies once: a
     restart with the same value goes on from where the rewound run got to."""
 
+    # -- cadence (docs/cadence.md): how the intervals above may change during a run -------------
+    cadence: str = "fixed"
+    """'fixed': ``memory_every`` / ``persist_every`` as set. 'adaptive': those are the starting
+    values; each tier that is on is re-chosen as the run goes from its measured cost, restore time
+    and the run's failures (Young/Daly per tier), within its range; event ``cadence`` on change."""
+    memory_every_range: list[int] = field(default_factory=lambda: [1, 10_000])
+    """Adaptive: [min, max] steps of the RAM snapshot interval."""
+    persist_every_range: list[int] = field(default_factory=lambda: [1, 100_000])
+    """Adaptive: [min, max] steps of the durable save interval."""
+    mtbf_prior_s: float = LLAMA3_NODE_MTBF_S
+    """Adaptive: mean seconds between interruptions of ONE node before the run has evidence (the
+    job's is this / its nodes); default from the Llama 3 report (``cadence_model.LLAMA3_NODE_MTBF_S``)."""
+    max_loss_s: float = 0.0
+    """Adaptive: the most work (seconds of training) a whole-job loss may cost: caps the durable
+    interval whatever the estimate says, over ``persist_every_range`` too (0: no cap)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
             raise ConfigError(f"checkpoint.url={self.url!r} must be a string (a path or a URL)")
@@ -192,6 +209,7 @@ class CheckpointConfig:
         check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
         check_int("checkpoint.memory_every", self.memory_every, 0)
         check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
+        self._check_cadence()
         if self.load_step is not None:
             check_int("checkpoint.load_step", self.load_step, 0)
             if not self.resume:
@@ -199,6 +217,30 @@ class CheckpointConfig:
                     f"checkpoint.load_step={self.load_step} needs checkpoint.resume=true (resume off starts "
                     f"at step 0): unset one of them"
                 )
+
+    def _check_cadence(self) -> None:
+        check_choice("checkpoint.cadence", self.cadence, ("fixed", "adaptive"))
+        check_number("checkpoint.mtbf_prior_s", self.mtbf_prior_s, 1.0, 1e12)
+        check_number("checkpoint.max_loss_s", self.max_loss_s, 0.0, 1e9)
+        if self.max_loss_s and self.cadence != "adaptive":
+            raise ConfigError(
+                f"checkpoint.max_loss_s={self.max_loss_s} needs checkpoint.cadence='adaptive' (a fixed "
+                "persist_every is the bound there): set cadence='adaptive' or drop max_loss_s"
+            )
+        for name, start in (("memory_every", self.memory_every), ("persist_every", self.persist_every)):
+            key, bounds = f"checkpoint.{name}_range", getattr(self, f"{name}_range")
+            if not isinstance(bounds, list | tuple) or len(bounds) != 2:
+                raise ConfigError(f"{key}={bounds!r} must be [min, max] steps, e.g. [1, 1000]")
+            check_int(f"{key}[0]", bounds[0], 1)
+            check_int(f"{key}[1]", bounds[1], 1)
+            if bounds[0] > bounds[1]:
+                raise ConfigError(f"{key}={list(bounds)}: min is above max; swap them")
+            if self.cadence == "adaptive" and start and not bounds[0] <= start <= bounds[1]:
+                raise ConfigError(
+                    f"checkpoint.{name}={start} is outside {key}={list(bounds)}: the starting interval must lie "
+                    "within its range"
+                )
+            setattr(self, f"{name}_range", [int(bounds[0]), int(bounds[1])])
 
 
 # Model fields that the data fixes: the model must accept every token the pipeline produces.
