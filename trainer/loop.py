@@ -129,6 +129,7 @@ class Trainer:
             load_step=self.config.checkpoint.load_step,
         )
         self.restored_from = result.source
+        self.observer.restore_sources = result.group_sources or [result.source]
         assert result.timeline is not None  # every restore reads the root's run id
         self.observer.restored(result.timeline.run_id)
         if result.loaded:
