@@ -35,6 +35,10 @@ from resilient.trainer.cadence_model import (
 )
 from resilient.trainer.config import TrainConfig
 
+TIERS = ("memory", "persist")
+_DETAIL = ("cost_s", "restore_s", "mtbf_s", "waste", "waste_fixed", "step_s")
+"""The fields of a ``cadence`` event that say what its interval was chosen from."""
+
 DECIDE_EVERY = 10
 """Steps between two decisions (one small broadcast within the group each time)."""
 WINDOW = 200
@@ -109,6 +113,8 @@ class Cadence:
         self.restore_s: dict[str, list[float]] = {"memory": [], "persist": []}
         self._history: tuple[float | None, list[tuple[float, str]]] | None = None
         self._downtime_s = 0.0
+        self._last: dict[str, dict[str, Any]] = {}
+        """The group's last ``cadence`` event per tier in earlier incarnations (read with the history)."""
 
     @property
     def memory_every(self) -> int:
@@ -139,6 +145,7 @@ class Cadence:
         if self._history is None:
             events = read_events(self.run_dir)
             self._history = failure_history(events, self.group)
+            self.restore_s = {"memory": [], "persist": []}
             for e in events:
                 if e.get("event") == "restore" and e.get("group", self.group) == self.group and e.get("rank") == 0:
                     self.restored(str(e.get("source")), float(e.get("seconds", 0.0) or 0.0))
@@ -148,21 +155,45 @@ class Cadence:
                 if e.get("event") == "startup" and e.get("group", self.group) == self.group
             ]
             self._downtime_s = statistics.fmean(starts) if starts else 0.0
+            for e in events:
+                if e.get("event") == "cadence" and e.get("group", self.group) == self.group and e.get("tier") in TIERS:
+                    self._last[e["tier"]] = e
         return self._history
+
+    def _cost_s(self, tier: str) -> float | None:
+        """The tier's measured cost, else the one the last incarnation measured (a restarted run
+        does not wait for new samples before it can decide)."""
+        measured = self.meter.cost_s(tier)
+        if measured is not None:
+            return measured
+        last = self._last.get(tier, {}).get("cost_s")
+        return float(last) if isinstance(last, int | float) else None
+
+    def resumed(self) -> dict[str, Any]:
+        """Rank 0 at a (re)start: the intervals the run had reached before it (its last ``cadence``
+        events), to be taken by every rank (``take``); the configured start on a first start."""
+        self._read_history()
+        self._history = None  # read again at the first decision: this start's own startup is not written yet
+        every = dict(self.every)
+        for tier, event in self._last.items():
+            if isinstance(event.get("every_steps"), int) and (tier != "memory" or self.start["memory"] > 0):
+                every[tier] = event["every_steps"]
+        detail = {tier: {k: v for k, v in e.items() if k in _DETAIL} for tier, e in self._last.items()}
+        return {"every": every, "detail": {t: {**d, "resumed": True} for t, d in detail.items()}}
 
     # -- decisions -----------------------------------------------------------------------------
 
     def inputs(self, now: float | None = None) -> CadenceInputs | None:
         """The model's inputs from what was measured and read; None until the costs are known."""
-        step_s, persist = self.meter.step_s(), self.meter.cost_s("persist")
+        start, failures = self._read_history()
+        step_s, persist = self.meter.step_s(), self._cost_s("persist")
         if step_s is None or step_s <= 0 or persist is None:
             return None
-        start, failures = self._read_history()
         now = time.time() if now is None else now
         rates = estimate_rates(recent_history(failures, start or now, now), self.mtbf_prior_s, self.nodes)
         memory = None
         if self.start["memory"] > 0:
-            cost = self.meter.cost_s("memory")
+            cost = self._cost_s("memory")
             if cost is None:
                 return None
             memory = TierCost(cost, _mean_or(self.restore_s["memory"], cost))

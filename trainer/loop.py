@@ -134,7 +134,8 @@ class Trainer:
         )
         self.restored_from = result.source
         self.observer.restore_sources = result.group_sources or [result.source]
-        self.cadence.restored(result.source, result.seconds)
+        if self.cadence.adaptive:  # the intervals the run had reached go on after a restart
+            self._cadence_events(self.cadence.take(rdist.agree(self.cadence.resumed, src=0, what="checkpoint cadence")))
         assert result.timeline is not None  # every restore reads the root's run id
         self.observer.restored(result.timeline.run_id)
         if result.loaded:

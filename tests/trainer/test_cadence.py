@@ -126,3 +126,20 @@ def test_ranks_use_the_same_intervals(tmp_path: Path):
     results = run_world(_agree_worker, 2, str(tmp_path), timeout_s=90)
     assert results[0] == results[1]
     assert results[0]["every"] != {"memory": 10, "persist": 100}  # it did move
+
+
+def test_a_restart_goes_on_with_the_intervals_and_costs_the_run_had_reached(tmp_path: Path):
+    now = 1e9
+    _startups(tmp_path, ["first", "rank_failed"], now)
+    for tier, every, cost in (("memory", 3, 0.05), ("persist", 40, 2.0)):
+        record = {"event": "cadence", "group": 0, "t": now - 100, "tier": tier, "every_steps": every, "cost_s": cost}
+        append_jsonl(events_path(str(tmp_path)), record)
+    cadence = Cadence(_config(tmp_path), group=0, nodes=2, buddies=True)
+    proposal = cadence.resumed()
+    assert proposal["every"] == {"memory": 3, "persist": 40} and proposal["detail"]["memory"]["resumed"]
+    (event,) = cadence.take(proposal)
+    assert (event["every_steps"], event["previous"], cadence.vote) == (3, 10, 40.0)
+    # No checkpoint measured yet in this incarnation: the last one's costs stand in.
+    for _ in range(5):
+        cadence.observe(1.0, {})
+    assert cadence.propose(now)["detail"]["memory"]["cost_s"] == pytest.approx(0.05)
