@@ -46,6 +46,8 @@ WINDOW = 200
 change (a bigger batch, a slower bucket), long enough to average out one slow step."""
 MIN_SAMPLES = 2
 """Checkpoints of a tier measured before its cost is trusted (until then its interval stays)."""
+MIN_SLOWDOWN_SAMPLES = 5
+"""Steps after a checkpoint, and clean steps, measured before the slowdown counts in the cost."""
 
 
 class CostMeter:
@@ -78,9 +80,10 @@ class CostMeter:
         if len(self.blocked[tier]) < MIN_SAMPLES:
             return None
         cost = statistics.fmean(self.blocked[tier])
-        base = statistics.median(self.clean) if self.clean else None
-        if base is not None and self.after[tier]:
-            cost += max(0.0, statistics.fmean(self.after[tier]) - base)
+        # Medians: one step slowed by something else (a neighbour, a page-cache flush) must not
+        # read as the tier's cost; with too few samples the slowdown is not counted yet.
+        if len(self.clean) >= MIN_SLOWDOWN_SAMPLES and len(self.after[tier]) >= MIN_SLOWDOWN_SAMPLES:
+            cost += max(0.0, statistics.median(self.after[tier]) - statistics.median(self.clean))
         return cost
 
 

@@ -57,6 +57,11 @@ def test_cost_meter_counts_blocked_time_and_the_slower_next_step():
     assert meter.step_s() == pytest.approx(1.0)
     assert meter.cost_s("memory") == pytest.approx(0.5)
     assert meter.cost_s("persist") is None  # never measured: its interval stays
+    few = CostMeter()
+    few.observe(1.2, {"memory": 0.2})
+    few.observe(5.0, {})  # one slow step after the first snapshot: too little to call a slowdown
+    few.observe(1.2, {"memory": 0.2})
+    assert few.cost_s("memory") == pytest.approx(0.2)
 
 
 def test_fixed_cadence_never_moves(tmp_path: Path):
