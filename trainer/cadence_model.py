@@ -47,7 +47,7 @@ host: the node is drained and replaced, so its RAM is gone) and the rest to soft
 maintenance, of which a crashed process restarted in place is most and whole-job losses (a switch,
 a maintenance window, storage) the least. An assumption the run's own history overrides."""
 
-PRIOR_WEIGHT = 2.0
+PRIOR_WEIGHT = 1.0
 """How many failures' worth of evidence the prior counts as: the estimate follows the run's own
 history once it has seen a few failures (or a few prior-MTBFs without one)..."""
 
