@@ -44,8 +44,8 @@ DECIDE_EVERY = 10
 WINDOW = 200
 """Steps (and checkpoints) of measurements the costs are computed from: recent enough to follow a
 change (a bigger batch, a slower bucket), long enough to average out one slow step."""
-MIN_SAMPLES = 2
-"""Checkpoints of a tier measured before its cost is trusted (until then its interval stays)."""
+MIN_SAMPLES = 1
+"""Checkpoints of a tier measured before its cost is used (until then its interval stays)."""
 MIN_SLOWDOWN_SAMPLES = 5
 """Steps after a checkpoint, and clean steps, measured before the slowdown counts in the cost."""
 
@@ -187,29 +187,43 @@ class Cadence:
     # -- decisions -----------------------------------------------------------------------------
 
     def inputs(self, now: float | None = None) -> CadenceInputs | None:
-        """The model's inputs from what was measured and read; None until the costs are known."""
+        """The model's inputs from what was measured and read; None until a tier's cost is known.
+        A durable cost not measured yet (the first save is many steps away) leaves that interval
+        where it is: its range is pinned (``bounds``) and RAM, always the cheaper tier to restore
+        from, serves whatever it survives."""
         start, failures = self._read_history()
-        step_s, persist = self.meter.step_s(), self._cost_s("persist")
-        if step_s is None or step_s <= 0 or persist is None:
+        step_s, persist, memory_cost = self.meter.step_s(), self._cost_s("persist"), self._cost_s("memory")
+        on = self.start["memory"] > 0
+        if step_s is None or step_s <= 0 or (persist is None and (not on or memory_cost is None)):
             return None
         now = time.time() if now is None else now
         rates = estimate_rates(recent_history(failures, start or now, now), self.mtbf_prior_s, self.nodes)
         memory = None
-        if self.start["memory"] > 0:
-            cost = self._cost_s("memory")
-            if cost is None:
+        if on:
+            if memory_cost is None:
                 return None
-            memory = TierCost(cost, _mean_or(self.restore_s["memory"], cost))
+            memory = TierCost(memory_cost, _mean_or(self.restore_s["memory"], memory_cost))
+        if persist is None:
+            assert memory is not None
+            persist_tier = TierCost(memory.cost_s, memory.restore_s)
+        else:
+            persist_tier = TierCost(persist, _mean_or(self.restore_s["persist"], persist))
         downtime = dict.fromkeys(rates, self._downtime_s)
-        persist_tier = TierCost(persist, _mean_or(self.restore_s["persist"], persist))
         return CadenceInputs(step_s, persist_tier, memory, rates, downtime, self.buddies)
+
+    def bounds_now(self) -> Bounds:
+        """The configured bounds, with the durable interval pinned while its cost is unknown."""
+        if self._cost_s("persist") is not None:
+            return self.bounds
+        here = self.every["persist"]
+        return Bounds(memory=self.bounds.memory, persist=(here, here), max_loss_s=self.bounds.max_loss_s)
 
     def propose(self, now: float | None = None) -> dict[str, Any]:
         """Rank 0: the intervals the model chooses now, and what they were chosen from (JSON)."""
         inputs = self.inputs(now)
         if inputs is None:
             return {"every": dict(self.every), "detail": {}}
-        every = optimize(inputs, self.bounds, start=self.every)
+        every = optimize(inputs, self.bounds_now(), start=self.every)
         detail = {}
         assignment = assign(inputs, every)
         for tier in every:

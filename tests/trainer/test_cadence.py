@@ -148,3 +148,15 @@ def test_a_restart_goes_on_with_the_intervals_and_costs_the_run_had_reached(tmp_
     for _ in range(5):
         cadence.observe(1.0, {})
     assert cadence.propose(now)["detail"]["memory"]["cost_s"] == pytest.approx(0.05)
+
+
+def test_the_ram_interval_is_decided_before_the_first_save_is_measured(tmp_path: Path):
+    now = 1e9
+    _startups(tmp_path, ["first", *["rank_failed"] * 6], now)
+    cadence = Cadence(_config(tmp_path, "checkpoint.max_loss_s=50"), group=0, nodes=2, buddies=True)
+    for i in range(12):
+        blocked = {"memory": 0.05} if i % 4 == 0 else {}
+        cadence.observe(1.0 + sum(blocked.values()), blocked)
+    every = cadence.propose(now)["every"]
+    assert every["memory"] != cadence.memory_every  # decided (18 steps: Young's √(2 C M) here)
+    assert every["persist"] == 50  # no save measured: pinned, except that max_loss_s still caps it
