@@ -49,7 +49,7 @@ a maintenance window, storage) the least. An assumption the run's own history ov
 
 PRIOR_WEIGHT = 1.0
 """How many failures' worth of evidence the prior counts as: the estimate follows the run's own
-history once it has seen a few failures (or a few prior-MTBFs without one)..."""
+history once it has seen a failure or two (or a prior-MTBF or two without one)..."""
 
 PRIOR_MAX_EXPOSURE_S = 6 * 3600.0
 """... but never more than this much failure-free time: a small job's prior MTBF is months, and a
