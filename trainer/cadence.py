@@ -60,6 +60,11 @@ class CostMeter:
         self.clean: deque[float] = deque(maxlen=WINDOW)
         self._previous: tuple[str, ...] = ()
 
+    @property
+    def measured(self) -> bool:
+        """Some checkpoint was measured."""
+        return any(self.blocked.values())
+
     def observe(self, step_s: float, blocked: dict[str, float]) -> None:
         """One committed step: its wall time and each tier's blocked seconds (tiers that ran only)."""
         net = max(0.0, step_s - sum(blocked.values()))
@@ -115,6 +120,7 @@ class Cadence:
         """What the last proposal was made from, per tier (the ``cadence`` event's fields)."""
         self.restore_s: dict[str, list[float]] = {"memory": [], "persist": []}
         self._history: tuple[float | None, list[tuple[float, str]]] | None = None
+        self._decided_at = 0
         self._downtime_s = 0.0
         self._last: dict[str, dict[str, Any]] = {}
         """The group's last ``cadence`` event per tier in earlier incarnations (read with the history)."""
@@ -127,8 +133,19 @@ class Cadence:
     def persist_every(self) -> int:
         return self.every["persist"]
 
+    def started(self, step: int) -> None:
+        """The trainer (re)starts at ``step``: the next decision is ``DECIDE_EVERY`` steps on."""
+        self._decided_at = step
+
     def decides_at(self, step: int) -> bool:
-        return self.adaptive and step > 0 and step % DECIDE_EVERY == 0
+        """Whether every rank decides at ``step``: ``DECIDE_EVERY`` steps after the last decision
+        and once a checkpoint was measured since this start (a restart at step 8 that is killed
+        again at 17 must not always decide at 10, before its first snapshot). The same on every
+        rank: the ranks checkpoint at the same steps."""
+        if not self.adaptive or step - self._decided_at < DECIDE_EVERY or not self.meter.measured:
+            return False
+        self._decided_at = step
+        return True
 
     # -- measurements --------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ class Trainer:
         self.observer.restore_sources = result.group_sources or [result.source]
         if self.cadence.adaptive:  # the intervals the run had reached go on after a restart
             self._cadence_events(self.cadence.take(rdist.agree(self.cadence.resumed, src=0, what="checkpoint cadence")))
+            self.cadence.started(self.step)
         assert result.timeline is not None  # every restore reads the root's run id
         self.observer.restored(result.timeline.run_id)
         if result.loaded:

@@ -64,6 +64,15 @@ def test_cost_meter_counts_blocked_time_and_the_slower_next_step():
     assert few.cost_s("memory") == pytest.approx(0.2)
 
 
+def test_decisions_wait_for_a_measured_checkpoint_after_each_start(tmp_path: Path):
+    cadence = Cadence(_config(tmp_path), group=0, nodes=2, buddies=True)
+    cadence.started(8)
+    assert not cadence.decides_at(10) and not cadence.decides_at(18)  # too early; nothing measured
+    cadence.observe(1.1, {"memory": 0.1})
+    assert not cadence.decides_at(17) and cadence.decides_at(18) and not cadence.decides_at(19)
+    assert cadence.decides_at(28)
+
+
 def test_fixed_cadence_never_moves(tmp_path: Path):
     cadence = _measured(Cadence(load_config(None, [f"run.dir='{tmp_path}'"]), group=0, nodes=2, buddies=True))
     assert not cadence.decides_at(10)
