@@ -28,6 +28,8 @@ from resilient.recovery.config import RamTierConfig, ReplicaConfig, check_rows_d
 from resilient.runfiles import default_ckpt_url
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.url import parse_url
+from resilient.trainer.cadence_config import check_cadence
+from resilient.trainer.cadence_model import LLAMA3_NODE_MTBF_S
 from resilient.trainer.data.config import DataConfig
 from resilient.trainer.model.config import ModelConfig
 from resilient.trainer.parallel_config import ParallelConfig, check_model_compatible
@@ -199,6 +201,21 @@ class CheckpointConfig:
     storage: CheckpointerConfig = field(default_factory=lambda: CheckpointerConfig(**STORAGE_DEFAULTS))
     """The Checkpointer's settings (keys ``checkpoint.keep_last``, ``checkpoint.io_threads``, ...)."""
 
+    # -- cadence (docs/cadence.md): how the intervals above may change during a run -------------
+    cadence: str = "fixed"
+    """'fixed': ``memory_every`` / ``persist_every`` as set. 'adaptive': those are the starting
+    values; each tier that is on is re-chosen as the run goes from its measured cost, restore time
+    and the run's failures (Young/Daly per tier), within its range; event ``cadence`` on change."""
+    memory_every_range: list[int] = field(default_factory=lambda: [1, 10_000])
+    """Adaptive: [min, max] steps of the RAM snapshot interval (``persist_every_range``: durable)."""
+    persist_every_range: list[int] = field(default_factory=lambda: [1, 100_000])
+    mtbf_prior_s: float = LLAMA3_NODE_MTBF_S
+    """Adaptive: mean seconds between interruptions of ONE node before the run has evidence (the
+    job's: this / its nodes); default: the Llama 3 report's (``cadence_model.LLAMA3_NODE_MTBF_S``)."""
+    max_loss_s: float = 0.0
+    """Adaptive: the most work (seconds of training) a whole-job loss may cost: caps the durable
+    interval whatever the estimate says, over ``persist_every_range`` too (0: no cap)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
             raise ConfigError(f"checkpoint.url={self.url!r} must be a string (a path or a URL)")
@@ -207,6 +224,7 @@ class CheckpointConfig:
         check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
         check_int("checkpoint.memory_every", self.memory_every, 0)
         check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
+        check_cadence(self)
         if self.load_step is not None:
             check_int("checkpoint.load_step", self.load_step, 0)
             if not self.resume:
