@@ -1,5 +1,5 @@
 """Video through FFmpeg for ``resilient.trainer.data.media.decode_video``: the frame on screen at
-each sampled instant, resized once (split from media.py, which holds the shared container helpers)."""
+each sampled instant, resized once."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import math
 import av
 import numpy as np
 
-from resilient.trainer.data.media import (
+from resilient.trainer.data.media_stream import (
     MediaError,
-    _check_complete,
-    _declared_duration,
-    _packet_budget,
-    _packets,
-    _timeline_origin,
-    _to_pts,
+    check_complete,
+    declared_duration,
+    only_stream,
+    packet_budget,
+    packets,
+    seek_pts,
+    timeline_origin,
 )
 
 
@@ -27,18 +28,19 @@ def decode_video_av(
         if not container.streams.video:
             raise MediaError(f"cannot decode video from .{ext}: the file has no video stream")
         stream = container.streams.video[0]
+        only_stream(container, stream)
         # Frame threads decode several frames at once: a 2-4x speedup on long-GOP H.264 when cores
         # are free; the benchmark pins threads=1 to measure one core.
         stream.thread_type = "AUTO"
         stream.codec_context.thread_count = threads
-        origin = _timeline_origin(container)
+        origin = timeline_origin(container)
         if start_s > 0:
             # Lands on the keyframe at or before start_s; the frames from there to start_s are
             # decoded (they are needed as references) but never resized.
-            container.seek(_to_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
+            container.seek(seek_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
         sampler = _FrameSampler(fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin)
         frame_duration = _fallback_frame_duration(stream)
-        for packet in _packets(container, stream, _packet_budget(data)):
+        for packet in packets(container, stream, packet_budget(data)):
             # A frame no target shows is only decoded if later frames reference it: at fps=2 from a
             # 25 fps source most non-reference (B) frames are never shown, and skipping them is
             # exact. FFmpeg reads skip_frame per packet sent, so it can change packet by packet.
@@ -48,7 +50,7 @@ def decode_video_av(
                 break
         else:  # decoded to the end of the file: it must be as long as its header says
             stream_end = sampler.held_time + frame_duration if sampler.held is not None else 0.0
-            _check_complete(ext, _declared_duration(container, stream), stream_end, kind="video")
+            check_complete(ext, declared_duration(container, stream), stream_end, kind="video")
         frames = sampler.finish(frame_duration)
     if not frames:
         return np.zeros((0, size, size, 3), dtype=np.float32)
