@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row; lines report the median")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the generated clips")
     parser.add_argument("--no-loader", action="store_true", help="decode rows only (no shard build, no training)")
+    parser.add_argument("--only", default="", help="run only the rows whose name contains this (e.g. audio)")
     parser.add_argument(
         "--torchcodec-python",
         default=os.environ.get("TORCHCODEC_PYTHON"),
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="data_bench-") as directory:
             inputs = build_inputs(directory, seconds, torchcodec)
             results = []
-            for row in ROWS:
+            for row in (row for row in ROWS if args.only in row.__name__):
                 results.append(row(inputs, repeats))
                 print(json.dumps(results[-1]), flush=True)
     finally:

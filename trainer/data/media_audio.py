@@ -204,20 +204,20 @@ def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: i
 
 
 class _AudioTimeline:
-    """Decoded frames as float32 channel planes at the native rate, each with the native sample
-    index of its first sample (pts * time_base, less the origin). Runs follow each other
-    contiguously from the first one's timestamp: matroska stores pts in milliseconds, and placing
-    every 21 ms AAC frame by its rounded pts would open or overlap a few samples at each seam. Only
-    a jump larger than _GAP_S (a real hole in the stream) is placed by its timestamp.
+    """Decoded frames, as float planes at the native rate, in runs: each run starts at the native
+    sample index of its first frame (pts * time_base, less the origin) and its frames follow each
+    other contiguously. Matroska stores pts in milliseconds, and placing every 21 ms AAC frame by
+    its rounded pts would open or overlap a few samples at each seam; only a jump larger than
+    _GAP_S (a real hole in the stream) starts a new run, placed by its timestamp.
 
-    Frames are kept as the decoder made them and mixed down once at the end: per-frame numpy work
-    is most of the cost of a 21 ms AAC frame after the decoder itself."""
+    The frames are held as the decoder made them and copied out once, at the end: per-frame work
+    in Python is most of what a 21 ms AAC frame costs after the decoder itself."""
 
     _GAP_S = 0.02
 
     def __init__(self, *, origin: float, rate: int) -> None:
         self.origin, self.rate = origin, rate
-        self.pieces: list[tuple[int, list[np.ndarray]]] = []  # (first native index, one array per channel)
+        self.runs: list[tuple[int, list[av.AudioFrame]]] = []
         self.end = 0
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
         # Converts any sample format to float planes at the native rate (no rate change, so no filter
@@ -231,22 +231,27 @@ class _AudioTimeline:
         numerator, denominator = self._tick
         # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
         stamped = round((frame.pts * numerator / denominator - self.origin) * self.rate)
-        start = stamped if not self.pieces or abs(stamped - self.end) > self._GAP_S * self.rate else self.end
+        if not self.runs or abs(stamped - self.end) > self._GAP_S * self.rate:
+            self.runs.append((stamped, []))
+            self.end = stamped
+        frames = self.runs[-1][1]
         for converted in self._to_float.resample(frame):
-            count = converted.samples
-            # A copy of each plane's samples (the decoder reuses the frame's buffers); cheaper per frame
-            # than to_ndarray, which stacks the planes through numpy's generic machinery.
-            planes = [np.frombuffer(plane, np.float32, count).copy() for plane in converted.planes]
-            self.pieces.append((start, planes))
-            start += count
-        self.end = start
+            frames.append(converted)
+            self.end += converted.samples
 
     def mono(self, first: int, last: int) -> np.ndarray:
         """Mono samples of native indices [first, last); what no frame covers is zero."""
-        channels = len(self.pieces[0][1]) if self.pieces else 1
+        runs = [(position, frames) for position, frames in self.runs if frames]
+        channels = len(runs[0][1][0].planes) if runs else 1
         out = np.zeros((channels, last - first), dtype=np.float32)
-        for start, planes in self.pieces:
-            lo, hi = max(start, first), min(start + len(planes[0]), last)
-            for channel, plane in enumerate(planes[:channels] if lo < hi else ()):
-                out[channel, lo - first : hi - first] = plane[lo - start : hi - start]
+        for position, frames in runs:
+            for channel in range(channels):
+                # Views of each frame's plane (its buffer may be padded past the samples), copied
+                # once by the concatenation.
+                samples = np.concatenate([np.frombuffer(f.planes[channel], np.float32, f.samples) for f in frames])
+                lo, hi = max(position, first), min(position + len(samples), last)
+                if channels == 1 and len(runs) == 1 and (lo, hi) == (first, last):
+                    return samples[lo - position : hi - position]  # the common case: one mono run covers it
+                if lo < hi:
+                    out[channel, lo - first : hi - first] = samples[lo - position : hi - position]
         return out[0] if channels == 1 else out.mean(axis=0, dtype=np.float32)
