@@ -41,7 +41,7 @@ class Torchcodec:
     """A torchcodec_floor.py process under another interpreter; ``available`` says whether it
     started, ``why_not`` why not."""
 
-    def __init__(self, python: str | None) -> None:
+    def __init__(self, python: str | None, *, clock: str = "cpu") -> None:
         self.process: subprocess.Popen | None = None
         self.version, self.why_not = "", "no --torchcodec-python given"
         if not python:
@@ -49,7 +49,7 @@ class Torchcodec:
         script = Path(__file__).resolve().parent / "torchcodec_floor.py"
         try:
             self.process = subprocess.Popen(
-                [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+                [python, str(script), clock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
             answer = self._ask({"kind": "version"})
             self.version = f"torchcodec {answer['torchcodec']}, torch {answer['torch']}"

@@ -27,23 +27,26 @@ import torchcodec
 from torchcodec.decoders import AudioDecoder, VideoDecoder
 from torchcodec.transforms import Resize
 
+# The clock data_bench names as the argument: "cpu" (this process's CPU time) or "wall".
+CLOCK = time.process_time if sys.argv[1:] != ["wall"] else time.perf_counter
+
 
 def audio(request: dict) -> dict:
     with open(request["path"], "rb") as f:
         data = f.read()
-    start = time.perf_counter()
+    start = CLOCK()
     AudioDecoder(data, sample_rate=request["sample_rate"], num_channels=1).get_all_samples()
-    return {"seconds": time.perf_counter() - start}
+    return {"seconds": CLOCK() - start}
 
 
 def video(request: dict) -> dict:
     with open(request["path"], "rb") as f:
         data = f.read()
     size, fps = request["size"], request["fps"]
-    start = time.perf_counter()
+    start = CLOCK()
     decoder = VideoDecoder(data, dimension_order="NHWC", num_ffmpeg_threads=1, transforms=[Resize((size, size))])
     frames = decoder.get_frames_played_at([j / fps for j in range(request["frames"])]).data
-    seconds = time.perf_counter() - start
+    seconds = CLOCK() - start
     if request.get("save"):
         np.save(request["save"], frames.numpy().astype(np.float32) / np.float32(255.0))
     return {"seconds": seconds}

@@ -204,20 +204,21 @@ def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: i
 
 
 class _AudioTimeline:
-    """Decoded frames, as float planes at the native rate, in runs: each run starts at the native
-    sample index of its first frame (pts * time_base, less the origin) and its frames follow each
-    other contiguously. Matroska stores pts in milliseconds, and placing every 21 ms AAC frame by
-    its rounded pts would open or overlap a few samples at each seam; only a jump larger than
-    _GAP_S (a real hole in the stream) starts a new run, placed by its timestamp.
+    """Decoded samples, float at the native rate, in runs: each run starts at the native sample
+    index of its first frame (pts * time_base, less the origin) and its frames follow each other
+    contiguously. Matroska stores pts in milliseconds, and placing every 21 ms AAC frame by its
+    rounded pts would open or overlap a few samples at each seam; only a jump larger than _GAP_S
+    (a real hole in the stream) starts a new run, placed by its timestamp.
 
-    The frames are held as the decoder made them and copied out once, at the end: per-frame work
-    in Python is most of what a 21 ms AAC frame costs after the decoder itself."""
+    Per frame, each channel's samples are copied out of the decoder's buffer (which it then reuses)
+    and nothing else: per-frame work in Python is most of what a 21 ms AAC frame costs after the
+    decoder itself. Runs are joined and mixed down once, at the end."""
 
     _GAP_S = 0.02
 
     def __init__(self, *, origin: float, rate: int) -> None:
         self.origin, self.rate = origin, rate
-        self.runs: list[tuple[int, list[av.AudioFrame]]] = []
+        self.runs: list[tuple[int, list[list[np.ndarray]]]] = []  # (first index, per channel: pieces)
         self.end = 0
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
         # Converts any sample format to float planes at the native rate (no rate change, so no filter
@@ -232,26 +233,26 @@ class _AudioTimeline:
         # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
         stamped = round((frame.pts * numerator / denominator - self.origin) * self.rate)
         if not self.runs or abs(stamped - self.end) > self._GAP_S * self.rate:
-            self.runs.append((stamped, []))
+            self.runs.append((stamped, [[] for _ in frame.planes]))
             self.end = stamped
-        frames = self.runs[-1][1]
+        channels = self.runs[-1][1]
         for converted in self._to_float.resample(frame):
-            frames.append(converted)
-            self.end += converted.samples
+            count = converted.samples
+            for pieces, plane in zip(channels, converted.planes, strict=True):
+                pieces.append(np.frombuffer(plane, np.float32, count).copy())
+            self.end += count
 
     def mono(self, first: int, last: int) -> np.ndarray:
         """Mono samples of native indices [first, last); what no frame covers is zero."""
-        runs = [(position, frames) for position, frames in self.runs if frames]
-        channels = len(runs[0][1][0].planes) if runs else 1
-        out = np.zeros((channels, last - first), dtype=np.float32)
-        for position, frames in runs:
-            for channel in range(channels):
-                # Views of each frame's plane (its buffer may be padded past the samples), copied
-                # once by the concatenation.
-                samples = np.concatenate([np.frombuffer(f.planes[channel], np.float32, f.samples) for f in frames])
+        runs = [(position, channels) for position, channels in self.runs if channels[0]]
+        count = len(runs[0][1]) if runs else 1
+        out = np.zeros((count, last - first), dtype=np.float32)
+        for position, channels in runs:
+            for channel, pieces in enumerate(channels):
+                samples = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
                 lo, hi = max(position, first), min(position + len(samples), last)
-                if channels == 1 and len(runs) == 1 and (lo, hi) == (first, last):
+                if count == 1 and len(runs) == 1 and (lo, hi) == (first, last):
                     return samples[lo - position : hi - position]  # the common case: one mono run covers it
                 if lo < hi:
                     out[channel, lo - first : hi - first] = samples[lo - position : hi - position]
-        return out[0] if channels == 1 else out.mean(axis=0, dtype=np.float32)
+        return out[0] if count == 1 else out.mean(axis=0, dtype=np.float32)

@@ -3,11 +3,13 @@ each sampled instant, resized once."""
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from resilient.trainer.data.media_stream import (
     MediaError,
@@ -40,7 +42,10 @@ def decode_video_av(
             container.seek(seek_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
         sampler = _FrameSampler(fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin)
         frame_duration = _fallback_frame_duration(stream)
+        keyframes = _keyframe_times(stream, origin, len(data))
         for packet in packets(container, stream, packet_budget(data)):
+            if sampler.can_jump(packet, keyframes, stream.codec_context.has_b_frames):
+                continue
             # A frame no target shows is only decoded if later frames reference it: at fps=2 from a
             # 25 fps source most non-reference (B) frames are never shown, and skipping them is
             # exact. FFmpeg reads skip_frame per packet sent, so it can change packet by packet.
@@ -55,6 +60,19 @@ def decode_video_av(
     if not frames:
         return np.zeros((0, size, size, 3), dtype=np.float32)
     return np.stack(frames).astype(np.float32) / np.float32(255.0)
+
+
+def _keyframe_times(stream: av.video.stream.VideoStream, origin: float, size: int) -> list[float]:
+    """Seconds (from the origin) of the keyframes the container's index lists, ascending, as far as
+    the bytes at hand reach (a cut file's index names keyframes that never arrive)."""
+    if stream.time_base is None:
+        return []
+    numerator, denominator = stream.time_base.numerator, stream.time_base.denominator
+    return sorted(
+        entry.timestamp * numerator / denominator - origin
+        for entry in stream.index_entries
+        if entry.is_keyframe and entry.pos + entry.size <= size
+    )
 
 
 def _fallback_frame_duration(stream: av.video.stream.VideoStream) -> float:
@@ -75,12 +93,27 @@ class _FrameSampler:
         self.held: av.VideoFrame | None = None
         self.held_time = 0.0
         self.frame_duration: float | None = None
+        # One reformatter for the whole decode: it keeps its scaler between frames. frame.reformat()
+        # builds a new one per call, and setting up a 40x AREA scaler costs far more than running it.
+        self._resize = VideoReformatter()
 
     def _target(self, j: int) -> float:
         return self.start_s + j / self.fps
 
     def _done(self) -> bool:
         return self.limit is not None and len(self.frames) >= self.limit
+
+    def can_jump(self, packet: av.Packet, keyframes: list[float], reordered_frames: int) -> bool:
+        """Whether decoding may leave this packet out and restart at a later keyframe: when frames
+        come in display order (no B-frames, pts = dts) and a keyframe lies after this packet, at or
+        before the first pending target, every pending target is shown by that keyframe or a frame
+        after it, and none of those references this one. A codec without non-reference frames
+        (MPEG-4 Part 2 without B-frames) then decodes a few frames per target instead of all."""
+        if reordered_frames or not keyframes or packet.pts is None or packet.pts != packet.dts or not packet.time_base:
+            return False
+        time = float(packet.pts * packet.time_base) - self.origin
+        after = bisect.bisect_right(keyframes, time + 1e-9)
+        return after < len(keyframes) and not self._done() and keyframes[after] <= self._target(len(self.frames)) + 1e-9
 
     def may_show(self, packet: av.Packet, fallback_duration: float) -> bool:
         """Whether the frame in ``packet`` can be on screen at a pending target: the targets in
@@ -127,8 +160,9 @@ class _FrameSampler:
                 # AREA averages every source pixel that falls in an output pixel: at 640x360 -> 16x16
                 # (a 40x cut) bilinear would read 4 of ~900 pixels per output and alias fine detail
                 # into noise; AREA's box filter is the cheap correct choice for heavy downscaling.
-                rgb = self.held.reformat(width=self.size, height=self.size, format="rgb24", interpolation="AREA")
-                rgb = rgb.to_ndarray()
+                rgb = self._resize.reformat(
+                    self.held, width=self.size, height=self.size, format="rgb24", interpolation="AREA"
+                ).to_ndarray()
             self.frames.append(rgb)
 
 

@@ -238,3 +238,22 @@ def test_video_sampling_equals_a_decode_of_every_frame() -> None:
             instants = [start_s + j / fps for j in range(len(shown))]
             assert shown == [max(i for t, i in every if t <= instant + 1e-9) for instant in instants]
             assert len(shown) == min(math.ceil(1.3 * fps), math.ceil((4.0 - start_s) * fps))
+
+
+@pytest.mark.timeout(30)
+def test_video_jumping_to_keyframes_equals_decoding_every_frame() -> None:
+    """MPEG-4 Part 2 without B-frames (a keyframe every 12 frames, P-frames between): sampled
+    sparsely, decoding jumps from frame to a later keyframe; every sampled frame is still, pixel for
+    pixel, the one a decode of every frame shows at its instant."""
+    data = samples.encode_av(container="mp4", video=samples.moving_frames(48, 64, 48), video_codec="mpeg4", fps=12)
+    with av.open(io.BytesIO(data)) as container:
+        keyframes = [packet.is_keyframe for packet in container.demux(video=0) if packet.size]
+    assert sum(keyframes) == 4 and len(keyframes) == 48  # P-frames between keyframes: jumps are real
+    every = decode_video(data, "mp4", fps=12, size=8)  # a target per source frame: nothing is left out
+    assert every.shape == (48, 8, 8, 3) and len({frame.tobytes() for frame in every}) == 48
+    for start_s in (0.0, 0.37, 1.0, 2.9):
+        for fps in (1, 2, 5, 7):
+            video = decode_video(data, "mp4", fps=fps, size=8, start_s=start_s, duration_s=1.3)
+            instants = [start_s + j / fps for j in range(len(video))]
+            expected = every[[math.floor(instant * 12 + 1e-9) for instant in instants]]
+            assert np.array_equal(video, expected), (start_s, fps)
