@@ -257,3 +257,17 @@ def test_video_jumping_to_keyframes_equals_decoding_every_frame() -> None:
             instants = [start_s + j / fps for j in range(len(video))]
             expected = every[[math.floor(instant * 12 + 1e-9) for instant in instants]]
             assert np.array_equal(video, expected), (start_s, fps)
+
+
+@pytest.mark.timeout(30)
+def test_video_frame_is_the_area_average_of_the_full_size_rgb_frame() -> None:
+    """Each output pixel is the mean of the source pixels it covers, taken over the frame converted
+    to RGB at full size: within a few 8-bit steps of that exact average (a one-step convert and
+    resize of 4:2:0 video averages subsampled chroma and lands several times further away)."""
+    data = samples.encode_av(container="mp4", video=samples.moving_frames(4, 64, 48), video_codec="mpeg4", fps=4)
+    with av.open(io.BytesIO(data)) as container:
+        full = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]) / 255.0
+    reference = full.reshape(4, 8, 6, 8, 8, 3).mean(axis=(2, 4))  # 48x64 -> 8x8: blocks of 6x8 pixels
+    video = decode_video(data, "mp4", fps=4, size=8)
+    assert video.shape == reference.shape
+    assert float(np.mean(np.abs(video - reference))) < 0.004
