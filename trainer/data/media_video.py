@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import io
 import math
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -40,7 +41,9 @@ def decode_video_av(
             # Lands on the keyframe at or before start_s; the frames from there to start_s are
             # decoded (they are needed as references) but never resized.
             container.seek(seek_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
-        sampler = _FrameSampler(fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin)
+        sampler = _FrameSampler(
+            fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin, time_base=stream.time_base
+        )
         frame_duration = _fallback_frame_duration(stream)
         keyframes = _keyframe_times(stream, origin, len(data))
         for packet in packets(container, stream, packet_budget(data)):
@@ -51,7 +54,9 @@ def decode_video_av(
             # exact. FFmpeg reads skip_frame per packet sent, so it can change packet by packet.
             shown = sampler.may_show(packet, frame_duration)
             stream.codec_context.skip_frame = "DEFAULT" if shown else "NONREF"
-            if not all(sampler.offer(frame) for frame in packet.decode()):
+            decoded = packet.decode()
+            sampler.in_flight += (1 if packet.size else 0) - len(decoded)
+            if not all(sampler.offer(frame) for frame in decoded):
                 break
         else:  # decoded to the end of the file: it must be as long as its header says
             stream_end = sampler.held_time + frame_duration if sampler.held is not None else 0.0
@@ -85,8 +90,22 @@ class _FrameSampler:
     start_s + j / fps: a frame is known to cover the targets before the NEXT frame's time, so each
     frame is held until its successor (or the end of the stream) arrives."""
 
-    def __init__(self, *, fps: int, size: int, start_s: float, duration_s: float | None, origin: float) -> None:
+    def __init__(
+        self,
+        *,
+        fps: int,
+        size: int,
+        start_s: float,
+        duration_s: float | None,
+        origin: float,
+        time_base: Fraction | None,
+    ) -> None:
         self.fps, self.size, self.start_s, self.origin = fps, size, start_s, origin
+        # The packets' time base as integers: one division per packet instead of Fraction arithmetic
+        # (integer true division rounds once, exactly as float(Fraction(...)) does).
+        self._tick = (time_base.numerator, time_base.denominator) if time_base else None
+        self.in_flight = 0  # packets sent to the decoder whose frames have not come out yet (frame threads)
+        self._jumped = False  # packets were left out since the held frame: its successor is not its neighbour
         # Number of targets the requested window allows; the stream's end may cut it shorter.
         self.limit = None if duration_s is None else _count_before(duration_s * fps)
         self.frames: list[np.ndarray] = []
@@ -110,19 +129,26 @@ class _FrameSampler:
         before the first pending target, every pending target is shown by that keyframe or a frame
         after it, and none of those references this one. A codec without non-reference frames
         (MPEG-4 Part 2 without B-frames) then decodes a few frames per target instead of all."""
-        if reordered_frames or not keyframes or packet.pts is None or packet.pts != packet.dts or not packet.time_base:
+        if reordered_frames or not keyframes or packet.pts is None or packet.pts != packet.dts or not self._tick:
             return False
-        time = float(packet.pts * packet.time_base) - self.origin
+        time = packet.pts * self._tick[0] / self._tick[1] - self.origin
+        if self.in_flight == 0 and self.held is not None and time > self.held_time:
+            # Frames come in display order and the decoder holds none back: the held frame is on
+            # screen until this packet's frame, known now without decoding it.
+            self._emit_until(time)
         after = bisect.bisect_right(keyframes, time + 1e-9)
-        return after < len(keyframes) and not self._done() and keyframes[after] <= self._target(len(self.frames)) + 1e-9
+        jump = after < len(keyframes) and not self._done() and keyframes[after] <= self._target(len(self.frames)) + 1e-9
+        self._jumped |= jump
+        return jump
 
     def may_show(self, packet: av.Packet, fallback_duration: float) -> bool:
         """Whether the frame in ``packet`` can be on screen at a pending target: the targets in
         [pts, pts + duration). Unknown timing answers yes (decoding a frame is never wrong)."""
-        if packet.pts is None or packet.time_base is None:
+        if packet.pts is None or self._tick is None:
             return True
-        shown_from = float(packet.pts * packet.time_base) - self.origin
-        duration = float(packet.duration * packet.time_base) if packet.duration else fallback_duration
+        numerator, denominator = self._tick
+        shown_from = packet.pts * numerator / denominator - self.origin
+        duration = packet.duration * numerator / denominator if packet.duration else fallback_duration
         j = max(len(self.frames), _count_before((shown_from - self.start_s) * self.fps))
         if self.limit is not None and j >= self.limit:
             return False
@@ -132,10 +158,10 @@ class _FrameSampler:
         """Takes the next decoded frame; False once every target is filled."""
         time = self._time_of(frame)
         if self.held is not None:
-            if time > self.held_time:
+            if time > self.held_time and not self._jumped:
                 self.frame_duration = time - self.held_time
             self._emit_until(time)
-        self.held, self.held_time = frame, time
+        self.held, self.held_time, self._jumped = frame, time, False
         return not self._done()
 
     def _time_of(self, frame: av.VideoFrame) -> float:

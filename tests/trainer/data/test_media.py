@@ -241,7 +241,8 @@ def test_video_sampling_equals_a_decode_of_every_frame() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_video_jumping_to_keyframes_equals_decoding_every_frame() -> None:
+@pytest.mark.parametrize("threads", [0, 1])  # frame threads hold frames back; one thread does not
+def test_video_jumping_to_keyframes_equals_decoding_every_frame(threads: int) -> None:
     """MPEG-4 Part 2 without B-frames (a keyframe every 12 frames, P-frames between): sampled
     sparsely, decoding jumps from frame to a later keyframe; every sampled frame is still, pixel for
     pixel, the one a decode of every frame shows at its instant."""
@@ -253,7 +254,7 @@ def test_video_jumping_to_keyframes_equals_decoding_every_frame() -> None:
     assert every.shape == (48, 8, 8, 3) and len({frame.tobytes() for frame in every}) == 48
     for start_s in (0.0, 0.37, 1.0, 2.9):
         for fps in (1, 2, 5, 7):
-            video = decode_video(data, "mp4", fps=fps, size=8, start_s=start_s, duration_s=1.3)
+            video = decode_video(data, "mp4", fps=fps, size=8, start_s=start_s, duration_s=1.3, threads=threads)
             instants = [start_s + j / fps for j in range(len(video))]
             expected = every[[math.floor(instant * 12 + 1e-9) for instant in instants]]
             assert np.array_equal(video, expected), (start_s, fps)
