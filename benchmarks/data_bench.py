@@ -1,17 +1,26 @@
 """Data-pipeline throughput on ONE core: how fast ``resilient.trainer.data.media`` turns encoded
-bytes into the arrays the tokenizer takes.
+bytes into the arrays the tokenizer takes, against two floors measured in the same run.
 
-    .venv/bin/python benchmarks/data_bench.py            # 10 s clips, 3 repeats: ~10 s on a busy 2-core machine
-    .venv/bin/python benchmarks/data_bench.py --quick    # 4 s clips, 1 repeat: ~5 s (noisier)
+    .venv/bin/python benchmarks/data_bench.py            # 10 s clips, 3 repeats
+    .venv/bin/python benchmarks/data_bench.py --quick    # 4 s clips, 1 repeat (noisier)
+    .venv/bin/python benchmarks/data_bench.py --no-loader --repeats 7 --torchcodec-python /tmp/tcvenv/bin/python
 
 Then the loader rows (``data_loader_rows.py``; ``--no-loader`` leaves them out): rows/s of the
 shard loader with 0, 1, 2 workers against the trainer's consumption at the media demo's settings.
 
 Prints one JSON line per row, ``{"bench": "data", "name": ..., "value": ..., "unit": ...}``, the
-median of ``--repeats`` timed runs after one untimed warm-up, then the issue's goals as ratio lines
-(``unit: "ratio"``, > 1 means the goal is met): audio decodes at >= 50x realtime, video delivers
->= 200 frames/s. Everything is pinned to one core (torch and FFmpeg threads = 1): a data worker is
-one process, and the trainer runs several.
+median of ``--repeats`` timed runs after one untimed round, with ``seconds`` (ours) and, per floor,
+``<floor>_s`` and ``x_<floor>`` = ours / floor (<= 1.0: at least as fast): ``raw_pyav`` is PyAV's
+decode of the same stream with nothing after it, ``torchcodec`` the PyTorch project's decoder,
+run under ``--torchcodec-python`` (an interpreter outside this project's dependencies; the first
+line, ``floors``, says which were measured). Ours and the floors run in turn, round by round
+(data_floors.py). Video rows add ``mae_vs_full_res`` (and torchcodec's): mean absolute error of
+the frames against an exact area average of the frame converted to RGB at full size, 0-1 scale.
+Times are CPU time of the timed process by default (``--clock wall`` for the wall clock): on a
+shared machine a single-threaded decode's wall time mostly measures its wait for a core. Then the
+issue's goals as ratio lines (``unit: "ratio"``, > 1 means the goal is met): audio decodes at
+>= 50x realtime, video delivers >= 200 frames/s. Everything is pinned to one thread (torch and
+FFmpeg threads = 1, torchcodec too): a data worker is one process, and the trainer runs several.
 
 The inputs are encoded by the bench itself into a temporary directory, from the same synthetic
 signals the decoder tests use (tests/trainer/data/media_samples.py). Each row is one function
@@ -85,12 +94,6 @@ def build_inputs(directory: str, seconds: float, torchcodec: data_floors.Torchco
 
 # ---------------------------------------------------------------------------------------------
 # timing and lines
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls after one untimed warm-up (first-call costs: codec
-    init, page faults in fresh buffers)."""
-    return statistics.median(alternating({"it": fn}, repeats)["it"])
 
 
 def alternating(runs: dict[str, Callable[[], float | None]], repeats: int) -> dict[str, list[float]]:
