@@ -137,7 +137,7 @@ def _audio_row(name: str, inputs: Inputs, file: str, ext: str, repeats: int) -> 
         "raw_pyav": lambda: data_floors.raw_audio(data),
     }
     if inputs.torchcodec.available:
-        runs["torchcodec"] = lambda: inputs.torchcodec.audio(inputs.paths[file], 16000)
+        runs["torchcodec"] = lambda: inputs.torchcodec.audio(inputs.paths[file], 16000, wav=ext == "wav")
     times = alternating(runs, repeats)
     return line(name, inputs.seconds / statistics.median(times["ours"]), "x_realtime", **floor_fields(times))
 

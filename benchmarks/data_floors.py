@@ -67,8 +67,8 @@ class Torchcodec:
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
-    def audio(self, path: str, sample_rate: int) -> float:
-        return self._ask({"kind": "audio", "path": path, "sample_rate": sample_rate})["seconds"]
+    def audio(self, path: str, sample_rate: int, *, wav: bool = False) -> float:
+        return self._ask({"kind": "audio", "path": path, "sample_rate": sample_rate, "wav": wav})["seconds"]
 
     def video(self, path: str, *, fps: int, size: int, frames: int, save: str | None = None) -> float:
         request = {"kind": "video", "path": path, "fps": fps, "size": size, "frames": frames, "save": save}

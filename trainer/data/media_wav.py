@@ -42,11 +42,10 @@ class WavSamples:
             samples: np.ndarray = wide[:, 0] | wide[:, 1] | wide[:, 2]
         else:
             samples = np.frombuffer(self.data, self.dtype, (last - first) * self.channels, start)
-        scale = {"<i2": 2.0**-15, "<f4": 1.0}.get(self.dtype, 2.0**-31)
-        out = samples.astype(np.float32)  # a copy: the result never aliases the caller's bytes
-        if scale != 1.0:
-            out *= np.float32(scale)
-        return out.reshape(-1, self.channels)
+        scale = np.float32({"<i2": 2.0**-15, "<f4": 1.0}.get(self.dtype, 2.0**-31))
+        # One pass: each sample converted to float32, then scaled in float32 (a power of two: exact).
+        # The result is a new array: it never aliases the caller's bytes.
+        return np.multiply(samples, scale, dtype=np.float32).reshape(-1, self.channels)
 
 
 def read_wav(data: bytes, ext: str) -> WavSamples | None:
