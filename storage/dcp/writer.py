@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resilient.dtypes import to_numpy, zarr_name
-from resilient.errors import CommitError, StateError
+from resilient.errors import CommitError, ConfigError, StateError
 from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, DEFAULT_MAX_SHARD_BYTES, ArrayPlan, Box, Region, plan_arrays
 from resilient.manifest import MANIFEST, step_dir
 from resilient.storage.commit import commit_step, write_receipt
@@ -99,6 +99,12 @@ class StorageWriter(_DcpStorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives") is False and _world_size() > 1:
+            # Each rank would then plan and commit alone: a step of one rank's pieces, or none.
+            raise ConfigError(
+                "resilient.dcp.StorageWriter needs DCP's collectives (use_collectives=True): the commit "
+                "checks every rank's part at the coordinator"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -189,6 +195,12 @@ class StorageWriter(_DcpStorageWriter):
 
     def _runtime(self, root: str) -> Runtime:
         return runtime(root, self.storage_options)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def array_plans(plans: list[SavePlan], *, inner_chunk_bytes: int, max_shard_bytes: int) -> dict[str, ArrayPlan]:
