@@ -79,11 +79,20 @@ class StorageReader(_DcpStorageReader):
         self._root, self._step = self.url, step
         self.checkpoint_id: str | None = None
         self._loaded: _Step | None = None
+        if self.url is not None:
+            self._check()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._root, self._step = resolve(self.url, self.step, checkpoint_id)
         self.checkpoint_id = os.fspath(checkpoint_id) if checkpoint_id is not None else None
         self._loaded = None
+        if checkpoint_id is not None:
+            self._check()
+
+    def _check(self) -> None:
+        """A missing step or a root that is not ours, said here in one line: raised inside dcp.load,
+        it would reach the caller wrapped in DCP's CheckpointException among its tracebacks."""
+        committed_step(runtime(self._root_url(), self.storage_options), self._step)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         root, step = resolve(self._root, self._step, None)
@@ -212,23 +221,26 @@ def dcp_metadata(loaded: _Step) -> Metadata:
     return Metadata(state_dict_metadata=state, planner_data=paths)
 
 
+def committed_step(rt: Runtime, step: int | None) -> int:
+    """``step`` if committed (None: the newest committed one), else one line saying why not."""
+    rt.store.check_root(create=False)
+    if step is not None:
+        if not rt.store.exists(f"{step_dir(step)}/{MANIFEST}"):
+            _no_step(rt, step)
+        return step
+    committed = list_steps(rt.store).committed
+    if not committed:
+        _no_step(rt, None)
+    return committed[-1]
+
+
 def read_manifest(rt: Runtime, step: int | None) -> Manifest:
     """The manifest of ``step`` (None: the newest committed) or one line saying why there is none."""
-    store, url = rt.store, rt.location.url
-    store.check_root(create=False)
-    if step is not None:
-        data = store.read(f"{step_dir(step)}/{MANIFEST}")
-        if data is None:
-            _no_step(rt, step)
-    else:
-        committed = list_steps(store).committed
-        if not committed:
-            _no_step(rt, None)
-        step = committed[-1]
-        data = store.read(f"{step_dir(step)}/{MANIFEST}")
-        if data is None:
-            raise RestoreError(f"step {step} vanished from {url} while loading; retry")
-    return Manifest.loads(data, where=f"{url}/{step_dir(step)}/{MANIFEST}")
+    step = committed_step(rt, step)
+    data = rt.store.read(f"{step_dir(step)}/{MANIFEST}")
+    if data is None:
+        raise RestoreError(f"step {step} vanished from {rt.location.url} while loading; retry")
+    return Manifest.loads(data, where=f"{rt.location.url}/{step_dir(step)}/{MANIFEST}")
 
 
 def _no_step(rt: Runtime, step: int | None) -> None:

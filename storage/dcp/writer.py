@@ -89,6 +89,8 @@ class StorageWriter(_DcpStorageWriter):
         self._root, self._step = self.url, step
         self.checkpoint_id: str | None = None  # DCP logs it when set
         self._task: SaveTask | None = None  # the coordinator's: what finish() commits
+        if self.url is not None and step is not None:
+            self._check()
 
     # -- DCP's protocol ---------------------------------------------------------------------
 
@@ -96,6 +98,8 @@ class StorageWriter(_DcpStorageWriter):
         self._root, self._step = resolve(self.url, self.step, checkpoint_id)
         self.checkpoint_id = os.fspath(checkpoint_id) if checkpoint_id is not None else None
         self._task = None
+        if checkpoint_id is not None and self._step is not None:
+            self._check()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -111,15 +115,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator: our save plan from DCP's (deduplicated) one, and the attempt id."""
-        root, step = resolve(self._root, self._step, None)
-        step = check_step(step, "dcp.save through resilient.dcp.StorageWriter")
-        rt = self._runtime(root)
-        rt.store.check_root(create=True)
-        if rt.store.exists(f"{step_dir(step)}/{MANIFEST}"):
-            raise CommitError(
-                f"step {step} is already committed at {rt.location.url}; a step is written once: "
-                "save under a new step number (committed steps are never overwritten)"
-            )
+        root, step = self._check(create=True)
         arrays = array_plans(plans, inner_chunk_bytes=self.inner_chunk_bytes, max_shard_bytes=self.max_shard_bytes)
         attempt = f"attempt-{uuid.uuid4().hex[:16]}"
         self._task = SaveTask(root, step, attempt, 0, len(plans), arrays)
@@ -195,6 +191,22 @@ class StorageWriter(_DcpStorageWriter):
 
     def _runtime(self, root: str) -> Runtime:
         return runtime(root, self.storage_options)
+
+    def _check(self, *, create: bool = False) -> tuple[str, int]:
+        """(root, step), refusing a step already committed in one line: checked when the writer is
+        made (inside dcp.save, DCP would wrap the error among its tracebacks) and again by the
+        coordinator when it plans (the step may have been committed since)."""
+        root, step = resolve(self._root, self._step, None)
+        step = check_step(step, "dcp.save through resilient.dcp.StorageWriter")
+        store = self._runtime(root).store
+        if create:
+            store.check_root(create=True)
+        if store.exists(f"{step_dir(step)}/{MANIFEST}"):
+            raise CommitError(
+                f"step {step} is already committed at {store.location.url}; a step is written once: "
+                "save under a new step number (committed steps are never overwritten)"
+            )
+        return root, step
 
 
 def _world_size() -> int:

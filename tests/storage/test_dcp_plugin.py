@@ -12,9 +12,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from resilient import Checkpointer
 from resilient.dcp import LoadPlanner, SavePlanner, StorageReader, StorageWriter
+from resilient.errors import CommitError, IntegrityError, RestoreError, StorageError
 from resilient.manifest import MANIFEST, step_dir
 from resilient.tools.ckpt import main as ckpt_main
 
@@ -141,11 +143,15 @@ def test_checkpoint_id_addresses_root_and_step_like_torchtitan(tmp_path) -> None
 def test_a_committed_step_is_never_overwritten(tmp_path) -> None:
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(url, step=1))
-    with pytest.raises(BaseException, match="step 1 is already committed"):
-        dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(url, step=1))
+    with pytest.raises(CommitError, match="^step 1 is already committed at .*; a step is written once"):
+        StorageWriter(url, step=1)  # one line, before DCP would wrap it
+    late = StorageWriter(url, step=2)
+    dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=StorageWriter(url, step=2))
+    with pytest.raises(CheckpointException, match="step 2 is already committed"):  # the coordinator checks again
+        dcp.save({"w": torch.zeros(3)}, storage_writer=late)
     got = {"w": torch.empty(3)}
     dcp.load(got, storage_reader=StorageReader(url))
-    assert torch.equal(got["w"], torch.ones(3))
+    assert torch.equal(got["w"], torch.full((3,), 2.0))
 
 
 def test_corrupt_chunk_is_named_with_tensor_and_step(tmp_path) -> None:
@@ -156,22 +162,28 @@ def test_corrupt_chunk_is_named_with_tensor_and_step(tmp_path) -> None:
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(BaseException, match=r"(?s)'layer\.w'.*step 3|step 3.*'layer\.w'"):
+    with pytest.raises(CheckpointException, match=r"IntegrityError: .*'layer\.w'.*step 3") as caught:
         dcp.load({"layer": {"w": torch.empty(64)}}, storage_reader=StorageReader(url))
+    error = caught.value.failures[0][0]  # what the rank raised, with its class, under DCP's wrapper
+    assert isinstance(error, IntegrityError) and "'layer.w'" in str(error) and "step 3" in str(error)
 
 
 def test_missing_step_and_foreign_root_are_one_line(tmp_path) -> None:
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(url, step=1))
-    with pytest.raises(BaseException, match=r"step 7 is not committed under .*; committed steps: \[1\]"):
-        dcp.load({"w": torch.empty(3)}, storage_reader=StorageReader(url, step=7))
+    with pytest.raises(RestoreError, match=r"^step 7 is not committed under .*; committed steps: \[1\]$"):
+        StorageReader(url, step=7)
+    with pytest.raises(RestoreError, match=r"^step 7 is not committed under"):
+        dcp.load({"w": torch.empty(3)}, checkpoint_id=f"{url}/step-7", storage_reader=StorageReader())
     theirs = str(tmp_path / "theirs")
     dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(theirs))
-    with pytest.raises(BaseException, match="is a checkpoint of DCP's own FileSystemWriter, not a resilient root"):
-        dcp.load({"w": torch.empty(3)}, storage_reader=StorageReader(theirs))
+    with pytest.raises(RestoreError, match="is a checkpoint of DCP's own FileSystemWriter, not a resilient root"):
+        StorageReader(theirs)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(BaseException, match="no committed resilient checkpoint under"):
-        dcp.load({"w": torch.empty(3)}, storage_reader=StorageReader(str(tmp_path / "empty")))
+    with pytest.raises(RestoreError, match="^no committed resilient checkpoint under .*; nothing to load$"):
+        StorageReader(str(tmp_path / "empty"))
+    with pytest.raises(StorageError, match="does not exist"):
+        StorageReader(str(tmp_path / "nowhere"))
 
 
 def test_writer_and_reader_pickle_without_open_stores(tmp_path) -> None:
