@@ -186,9 +186,15 @@ class StorageReader(_DcpStorageReader):
         if key not in objects:
             data = rt.store.read(key)
             if data is None:
-                raise IntegrityError(
-                    f"value {fqn!r} of step {loaded.manifest.step}: {loaded.url}/{key} is missing; the step is damaged"
+                copied = {"converted_from", "resharded_from"} & set(loaded.manifest.metadata)
+                why = (
+                    "resilient-ckpt convert/reshard copy tensors and JSON values, not the values DCP stored as bytes: "
+                    "load those from the source step"
+                    if copied
+                    else "the step is damaged"
                 )
+                where = f"{loaded.url}/{key}"
+                raise IntegrityError(f"value {fqn!r} of step {loaded.manifest.step}: {where} is missing; {why}")
             objects[key] = data
         payload = objects[key][blob["offset"] : blob["offset"] + blob["nbytes"]]
         if len(payload) != blob["nbytes"] or crc32c.crc32c(payload) != blob["crc32c"]:

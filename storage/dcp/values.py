@@ -117,17 +117,11 @@ def group_values(state: Mapping, mappings: dict[str, tuple], tensor_fqns: set[st
         if fqn in tensor_fqns:
             continue
         top = next(path[:i] for i in range(1, len(path) + 1) if path[:i] not in tensor_prefixes)
-        if top != path and _json_able(_at(state, top)):
+        if top != path and _json_able(value_at(state, top)):
             out[fqn_of(top)] = top
         else:
             out[fqn] = path
     return out
-
-
-def _at(state: Any, path: tuple) -> Any:
-    for key in path:
-        state = state[key]
-    return state
 
 
 def _json_able(value: Any) -> bool:
@@ -140,4 +134,6 @@ def _json_able(value: Any) -> bool:
 
 def value_at(state: Any, path: tuple) -> Any:
     """The object at ``path`` of a nested state (dict keys and list indices)."""
-    return _at(state, path)
+    for key in path:
+        state = state[key]
+    return state

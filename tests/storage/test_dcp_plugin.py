@@ -88,6 +88,19 @@ def test_checkpointer_and_tools_read_a_plugin_written_step(tmp_path, capsys) -> 
     assert got["extra"]["nested"] == {"a": [1, 2]} and got["optim"]["param_groups"][0]["eps"] == 1e-8
 
 
+def test_a_converted_copy_names_the_byte_values_it_did_not_carry(tmp_path, capsys) -> None:
+    url, saved = str(tmp_path / "ck"), _state(seed=0)
+    dcp.save(saved, storage_writer=StorageWriter(url, step=2), planner=SavePlanner())
+    assert ckpt_main(["convert", url, str(tmp_path / "copy"), "--to", "resilient"]) == 0
+    got = _blank()
+    with pytest.raises(CheckpointException, match="convert/reshard copy tensors and JSON values, not the values DCP"):
+        dcp.load(got, storage_reader=StorageReader(str(tmp_path / "copy")), planner=LoadPlanner())
+    del got["dataloader"], got["sampler"]
+    dcp.load(got, storage_reader=StorageReader(str(tmp_path / "copy")), planner=LoadPlanner())
+    _tensors_equal(saved["model"], got["model"])
+    assert got["extra"] == saved["extra"]
+
+
 def test_checkpointer_written_step_loads_through_dcp(tmp_path) -> None:
     url, saved = str(tmp_path / "ck"), _state(seed=0)
     del saved["dataloader"], saved["sampler"]
