@@ -23,6 +23,10 @@ class StorageError(ResilientError):
     """Storage is unreachable, missing, or refused an operation (names the URL)."""
 
 
+class StagingTimeout(StorageError, TimeoutError):
+    """No staging buffer came free in time: every one is held by a save still persisting."""
+
+
 class CommitError(ResilientError):
     """A save attempt could not be committed; the previous committed step is untouched."""
 

@@ -134,7 +134,7 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
             raise CommitError(
                 f"step {step} not committed: no receipt from rank(s) {missing} within {job.commit_timeout_s:.0f} s "
                 f"(under {store.location.url}/{attempt_key}); they may have died mid-save. The "
-                "previous step is intact; raise checkpoint commit_timeout_s if saves are slow"
+                "previous step is intact; raise checkpoint.commit_timeout_s if saves are slow"
             )
         time.sleep(delay)
         delay = min(delay * 2, cap)
@@ -251,7 +251,7 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
     if time.time() > job.deadline:
         raise CommitError(
             f"step {job.step} not committed: every receipt was in only after the agreed "
-            f"{job.commit_timeout_s:.0f} s (commit_timeout_s), when the other ranks may have given up"
+            f"{job.commit_timeout_s:.0f} s (checkpoint.commit_timeout_s), when the other ranks may have given up"
         )
     crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
     arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}

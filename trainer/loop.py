@@ -178,13 +178,13 @@ class Trainer:
         batch, data_wait = self._next_batch()
         self.phases.add("data_wait_s", data_wait)
         # Read after _next_batch: a replica group that heals in its quorum gets its peer's cursor there.
-        cursor = self.parts.pipeline.cursor
+        cursor = self.parts.data.cursor
         result = self.train_step(batch)
         self._record_attempt(result)
         if not result.committed:
             self.phases.discard()
             return
-        self.parts.pipeline.commit_step()
+        self.parts.data.commit_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         stall_start = time.perf_counter()
@@ -200,7 +200,7 @@ class Trainer:
             self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.
-            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))
+            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.data.sample_ids_for_step(cursor))))
         for hook in self.step_hooks:
             hook(self.step, self)
 
@@ -208,7 +208,7 @@ class Trainer:
         """This rank's share of the global batch at the data cursor (prefetched), and the seconds
         spent waiting for it."""
         start = time.perf_counter()
-        batch = self.parts.pipeline.next_batch()
+        batch = self.parts.data.next_batch()
         return batch, time.perf_counter() - start
 
     def _record_attempt(self, result: StepResult) -> None:
@@ -406,7 +406,7 @@ class Trainer:
         background save error that nothing has raised yet."""
         try:
             self.observer.close()
-            self.parts.pipeline.close()
+            self.parts.data.close()
             self.outputs.close()
         finally:
             try:
