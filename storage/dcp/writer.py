@@ -73,7 +73,7 @@ class StorageWriter(_DcpStorageWriter):
     ) -> None:
         super().__init__()
         if keep_last is not None:
-            check_int("keep_last", keep_last, 1)
+            check_int("keep_last", keep_last, 0)  # 0 keeps every step, as in CheckpointerConfig
         check_int("io_threads", io_threads, 1)
         check_number("commit_timeout_s", commit_timeout_s, 0, open_low=True, unit="s")
         if step is not None:
@@ -179,7 +179,7 @@ class StorageWriter(_DcpStorageWriter):
             values=[values],
             metadata={DCP_KEY: {"blobs": blobs}} if blobs else {},
             commit_timeout_s=self.commit_timeout_s,
-            keep_last=self.keep_last,
+            keep_last=self.keep_last or None,
         )
         commit_step(job, self._runtime(task.url).store)
 
