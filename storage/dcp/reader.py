@@ -9,6 +9,7 @@ a pickled one (saved by DCP's default planner) is handed over only with ``trust_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -129,9 +130,17 @@ class StorageReader(_DcpStorageReader):
                 f"({shown}); loading them runs pickle: pass StorageReader(..., trust_pickle=True) if you trust "
                 "this checkpoint, or load a state without those keys"
             )
-        return plan
+        return dataclasses.replace(plan, storage_data=(loaded.manifest.step, loaded.manifest.attempt))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The coordinator: every rank read the same step. Each rank picks "the newest" itself (DCP
+        reads the metadata on every rank); a save that commits meanwhile would split them."""
+        chosen = {p.storage_data for p in plans}
+        if len(chosen) > 1:
+            raise RestoreError(
+                f"the ranks read different steps of {self._root_url()} ({sorted(chosen)}): a save committed "
+                "while they chose the newest; retry, or pass StorageReader(..., step=N)"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

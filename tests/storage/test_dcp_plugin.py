@@ -199,6 +199,20 @@ def test_missing_step_and_foreign_root_are_one_line(tmp_path) -> None:
         StorageReader(str(tmp_path / "nowhere"))
 
 
+def test_ranks_that_read_different_steps_are_refused(tmp_path) -> None:
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    url = str(tmp_path / "ck")
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(url, step=1))
+    reader = StorageReader(url)
+    reader.read_metadata()
+    plans = [LoadPlan([], storage_data=(1, "attempt-a")), LoadPlan([], storage_data=(2, "attempt-b"))]
+    with pytest.raises(RestoreError, match=r"the ranks read different steps of .*retry, or pass"):
+        reader.prepare_global_plan(plans)
+    assert reader.prepare_global_plan(plans[:1]) == plans[:1]
+    assert reader.prepare_local_plan(LoadPlan([])).storage_data[0] == 1
+
+
 def test_writer_and_reader_pickle_without_open_stores(tmp_path) -> None:
     url = str(tmp_path / "ck")
     writer = StorageWriter(url, step=1, keep_last=2)
