@@ -113,11 +113,14 @@ def group_values(state: Mapping, mappings: dict[str, tuple], tensor_fqns: set[st
     when that whole subtree is JSON-able; otherwise each leaf is stored on its own."""
     tensor_prefixes = {mappings[f][:i] for f in tensor_fqns for i in range(1, len(mappings[f]) + 1)}
     out: dict[str, tuple] = {}
+    whole: dict[tuple, bool] = {}  # subtree -> JSON-able, checked once (not once per leaf under it)
     for fqn, path in mappings.items():
         if fqn in tensor_fqns:
             continue
         top = next(path[:i] for i in range(1, len(path) + 1) if path[:i] not in tensor_prefixes)
-        if top != path and _json_able(value_at(state, top)):
+        if top != path and top not in whole:
+            whole[top] = _json_able(value_at(state, top))
+        if top != path and whole[top]:
             out[fqn_of(top)] = top
         else:
             out[fqn] = path
