@@ -59,6 +59,13 @@ def job_identity() -> str:
     return f"{socket.gethostname()}-{os.getppid()}"
 
 
+def launch_job_id(launch: str) -> str:
+    """The identity ``resilient-train`` hands every group it starts (``JOB_ID_ENV``): the
+    scheduler's where there is one, else ``launch`` (the lighthouse every node's groups share, or
+    this launch's own id)."""
+    return os.environ.get(JOB_ID_ENV) or os.environ.get("SLURM_JOB_ID") or f"launch-{launch}"
+
+
 # --- the node's RAM store -------------------------------------------------------------------------
 
 

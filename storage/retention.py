@@ -165,12 +165,17 @@ def plan_retention(
         for name in store.list_children(step_dir(step)):
             if name.startswith("attempt-") and name not in keep and not _in_flight(name, young_s):
                 doomed.append(f"{step_dir(step)}/{name}")
+    kept = [step for step in listing.committed if step_dir(step) not in doomed]
     for step in listing.uncommitted:
-        if step >= newest:  # a newer uncommitted step may be a save still in flight
-            continue
-        names = store.list_children(step_dir(step)) if young_s > 0 else []
+        if step >= newest:
+            continue  # a newer uncommitted step may be a save still in flight
+        aside = _set_aside_attempt(store, step)
+        if aside is not None and step > kept[0]:
+            continue  # set aside by a restore that fell back past it: kept for inspection, as a step is
+        names = [n for n in store.list_children(step_dir(step)) if n != aside] if young_s > 0 else []
         if any(_in_flight(name, young_s) for name in names):
             stale = [n for n in names if n.startswith("attempt-") and not _in_flight(n, young_s)]
+            stale += [aside] if aside is not None else []
             doomed += [f"{step_dir(step)}/{n}" for n in stale]
         else:
             doomed.append(step_dir(step))

@@ -7,6 +7,7 @@ must need every healthy group first is told at ``ReplicaJob._supervise_lighthous
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import os
 import shutil
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO
 
 from resilient.errors import ConfigError
@@ -56,11 +58,14 @@ def start_lighthouse(
     heartbeat_timeout_ms: int,
     bind: str = "127.0.0.1",
     min_replicas: int = 1,
+    endpoint: str = "",
 ) -> subprocess.Popen:
     """A lighthouse on bind:port, listening when this returns. ``min_replicas`` 1: a group trains
     alone while the others are down (that is the point); the lighthouse's majority rule
     (participants > half of the heartbeating groups) keeps two disjoint quorums from forming, as
-    long as it has heard every live group. A restarted lighthouse has not (``ReplicaJob``)."""
+    long as it has heard every live group. A restarted lighthouse has not (``ReplicaJob``).
+    ``endpoint`` (``HOST:PORT`` of a job across nodes): bind where HOST resolves instead."""
+    bind = interface_of(endpoint) if endpoint else bind
     command = [
         lighthouse_binary(),
         "--bind",
@@ -72,7 +77,13 @@ def start_lighthouse(
         "--heartbeat_timeout_ms",
         str(heartbeat_timeout_ms),
     ]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent(signal.SIGKILL),
+    )
     reach = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind.strip("[]")
     try:
         wait_for_port(reach, port, LIGHTHOUSE_START_TIMEOUT_S, proc)
@@ -96,6 +107,34 @@ def interface_of(endpoint: str) -> str:
         return socket.gethostbyname(host)
     except OSError as e:
         raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot resolve {host!r} to bind the lighthouse to ({e})") from e
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a child that must not outlive the process starting it: Linux sends the
+    child ``sig`` when its parent dies, also by SIGKILL or the OOM killer, which run no cleanup.
+    The children run in sessions of their own (a terminal's Ctrl-C reaches them once, through the
+    launcher), so nothing else would stop them: a torchrun left behind restarts its workers into
+    a rendezvous nobody joins, holding their memory. None off Linux (no such call)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody will send it
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """This process gets ``sig`` when its parent dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import held
 from resilient.recovery.ram.node_id import sanitize
 from resilient.recovery.ram.timeline import Timeline, incarnation_of
@@ -474,21 +474,21 @@ def run_dir_key(run_dir: str) -> str:
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
 
 
-def store_root(config: RecoveryConfig, run_dir: str) -> str:
+def store_root(config: RamTierConfig, run_dir: str) -> str:
     """``<store_dir>/<run-dir-key>``, ``store_dir`` the configured one or ``/dev/shm/resilient``:
     keyed by run under any ``store_dir``, so two runs configured with one never share a store."""
     parent = os.path.abspath(config.store_dir) if config.store_dir else DEFAULT_STORE_ROOT
     return os.path.join(parent, run_dir_key(run_dir))
 
 
-def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int | str) -> str:
+def node_store_dir(config: RamTierConfig, run_dir: str, group: int, node: int | str) -> str:
     """The directory of node ``node`` of replica group ``group`` (wipe it to simulate losing the
     node): a simulated node's index, or a real node's identity (sanitized)."""
     name = f"node{node}" if isinstance(node, int) else f"node-{sanitize(node)}"
     return os.path.join(store_root(config, run_dir), f"group{group}", name)
 
 
-def ranks_per_node(config: RecoveryConfig, world_size: int) -> int:
+def ranks_per_node(config: RamTierConfig, world_size: int) -> int:
     """Ranks per (simulated) node: the config, else torchrun's LOCAL_WORLD_SIZE, else the world."""
     per_node = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from resilient.errors import ConfigError, StorageError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import claim_run_dir, held, hold_store, job_identity
 from resilient.recovery.ram.store import node_store_dir
 from tests.recovery.ram.workers import tier
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_two_runs_configured_with_one_store_dir_get_stores_of_their_own(tmp_path):
-    config = RecoveryConfig(store_dir=str(tmp_path / "shm"))
+    config = RamTierConfig(store_dir=str(tmp_path / "shm"))
     a, b = (node_store_dir(config, str(tmp_path / name), 0, 0) for name in ("run-a", "run-b"))
     assert a != b and os.path.commonpath([a, b]) == str(tmp_path / "shm")
 

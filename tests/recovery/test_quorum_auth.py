@@ -17,7 +17,7 @@ import torch
 from torch.distributed import TCPStore
 
 from resilient.dist import free_port
-from resilient.recovery.config import QuorumConfig
+from resilient.recovery.config import ReplicaConfig
 from resilient.recovery.quorum import ReplicaGroupSync
 from resilient.recovery.quorum_auth import MemberCheck, member_id, proof_address
 from resilient.recovery.transport import HealTransport
@@ -82,7 +82,7 @@ def test_a_stranger_that_joins_the_quorum_gets_nothing_and_nothing_commits(tmp_p
     )
     sync = None
     try:
-        config = QuorumConfig(enabled=True, groups=2, lighthouse=url, quorum_timeout_s=60, timeout_s=10)
+        config = ReplicaConfig(enabled=True, groups=2, lighthouse=url, quorum_timeout_s=60, timeout_s=10)
         sync = ReplicaGroupSync(
             config,
             group=0,
