@@ -16,7 +16,8 @@ writes checkpoints). It has no authentication hook, so the check is built around
   proof is remembered per member id: a restarted group has a new uuid, so a new id; a member that
   failed is asked again at the next step) and the group agrees on the outcome. While any member
   cannot prove itself, the group sends nothing across groups and votes not to commit: the step is
-  discarded by every real group, and an event names the member. (A stranger that stays only stalls the job: denial of service is out of scope.)
+  discarded by every real group, and an event names the member. (A stranger that stays only
+  stalls the job: denial of service is out of scope.)
 """
 
 from __future__ import annotations
