@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from resilient.runfiles import append_jsonl, next_incarnation, read_events, read_jsonl, stamp_records
-from resilient.trainer.timing import PHASES, StartupClock, StepPhases, StragglerWatch
+from resilient.trainer.straggler import StragglerWatch
+from resilient.trainer.timing import PHASES, StartupClock, StepPhases
 from tests.procs import communicate_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,12 +28,17 @@ def _ranks(*compute: float) -> list[dict[str, float]]:
 @pytest.mark.timeout(10)
 def test_a_straggler_is_reported_once_per_episode_after_its_windows() -> None:
     watch = StragglerWatch(factor=1.5, windows=2)
-    assert watch.check(_ranks(0.10, 0.10, 0.20)) == []  # one slow window: not yet
-    assert watch.check(_ranks(0.10, 0.10, 0.20)) == [{"rank": 2, "ratio": 2.0, "phase": "compute_s"}]
-    assert watch.check(_ranks(0.10, 0.10, 0.20)) == []  # the same episode
-    assert watch.check(_ranks(0.10, 0.10, 0.11)) == []  # over
-    watch.check(_ranks(0.10, 0.10, 0.20))
-    assert [s["rank"] for s in watch.check(_ranks(0.10, 0.10, 0.20))] == [2]  # a new episode
+
+    def said(compute: tuple[float, ...]) -> list[tuple[str, int, str]]:
+        return [(e["event"], e["rank"], e["phase"]) for e in watch.check(_ranks(*compute))]
+
+    assert said((0.10, 0.10, 0.20)) == []  # one slow window: not yet
+    assert said((0.10, 0.10, 0.20)) == [("straggler", 2, "compute_s")]
+    assert said((0.10, 0.10, 0.20)) == []  # the same episode
+    assert said((0.10, 0.10, 0.11)) == []  # one window clean: not over yet
+    assert said((0.10, 0.10, 0.11)) == [("straggler_cleared", 2, "compute_s")]
+    said((0.10, 0.10, 0.20))
+    assert said((0.10, 0.10, 0.20)) == [("straggler", 2, "compute_s")]  # a new episode
     assert StragglerWatch(1.5, 1).check(_ranks(0.0001, 0.0001, 0.0009)) == []  # sub-millisecond noise
 
 

@@ -1,0 +1,196 @@
+"""Which rank is slow, found without knowing where the collectives are.
+
+Comparing each rank's wall time per phase cannot name a rank that is slow from outside (stopped,
+throttled, starved by a noisy neighbour) once collectives sit inside the phases: under FSDP the
+all-gathers and reduce-scatters run inside forward and backward, under TP inside every block, under
+PP a stage waits on its neighbour, so the rank that waits shows the same long phase as the rank it
+waits for. Two measures do not depend on the collectives:
+
+- ``StallClock``: the time this process did not run although it wanted to. A daemon thread sleeps
+  a short tick and counts how late it wakes beyond a margin: a SIGSTOPped process, a cgroup CPU
+  quota, a starved host hold every thread of the process alike, wherever its main thread is (inside
+  a collective or not). A rank waiting for a peer is blocked, not held: its ticker wakes on time.
+- arrival lateness at the window's sync point (``gather_window``'s all-gather, which this module
+  does not place): each rank's arrival time there against the earliest rank's (evidence).
+
+``StragglerWatch`` runs on rank 0 of a group over every window: a rank whose stalled time exceeds
+its peers' median by ``STALL_SHARE`` of the step, or whose own work phase (compute, data wait,
+checkpoint stall) does by ``factor`` and ``MIN_STEP_SHARE`` of the step (in its mean and, for data
+wait and compute, in its per-step median over the window), for ``windows``
+consecutive windows starts an episode (reported once, with its evidence); the episode clears after
+``windows`` consecutive windows in which that rank is slow in nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TICK_S = 0.01
+"""How often the stall ticker wakes: 100 wake-ups a second, a few microseconds each."""
+LATE_MARGIN_S = 0.008
+"""A wake-up later than this beyond its tick counts as stalled time. Above the interpreter's GIL
+switch interval (5 ms, the longest a ready thread waits for Python code of the main thread) and the
+scheduler's usual latency, so only real holds count; a stop or a throttled period lasts far longer."""
+
+WATCHED = ("compute_s", "data_wait_s", "ckpt_stall_s")
+"""Phases a rank spends on its own work. Not step_s (the collectives make it the same on every
+rank) nor grad_sync_s (long there means waiting FOR a straggler, the victim's side)."""
+STALLED = "stalled_s"
+"""The reason of an episode found by the stall clock."""
+MIN_PHASE_S = 1e-3
+"""Below a millisecond a phase is noise: ratios of such times flag nobody."""
+MIN_STEP_SHARE = 0.1
+"""A phase straggler's excess over its peers' median is at least this share of the step time (a
+noisy host moves one rank's data wait or compute by a few percent for a window or two)."""
+STALL_SHARE = 0.15
+"""A rank stalled longer than its peers' median by this share of the step is held from outside. A
+rank stopped 30% of the time shows about 0.3; a clean run on a host with four times more runnable
+threads than cores showed up to 0.1 for a window."""
+
+
+class StallClock:
+    """Seconds this process was held (not running while it wanted to), summed since the start."""
+
+    def __init__(self, tick_s: float = TICK_S, margin_s: float = LATE_MARGIN_S) -> None:
+        self.tick_s = tick_s
+        self.margin_s = margin_s
+        self._held = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resilient-stall-clock", daemon=True)
+
+    def start(self) -> StallClock:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        tick, margin = self.tick_s, self.margin_s
+        before = time.monotonic()
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            late = now - before - tick
+            if late > margin:
+                self._held += late  # one writer (this thread); readers take a float, atomic in CPython
+            before = now
+
+    def held_s(self) -> float:
+        return self._held
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
+@dataclass
+class _Episode:
+    phase: str
+    first_step: int
+    started_step: int
+    started_t: float
+    clean: int = 0
+
+
+@dataclass
+class StragglerWatch:
+    """On rank 0 of a group: ``check`` gets each window's ranks and returns what just started or ended."""
+
+    factor: float
+    windows: int
+    _streak: dict[int, int] = field(default_factory=dict)
+    _first: dict[int, int] = field(default_factory=dict)
+    _open: dict[int, _Episode] = field(default_factory=dict)
+
+    def check(self, ranks: list[dict[str, float]], step: int = 0) -> list[dict[str, Any]]:
+        """[{"event": "straggler", rank, phase, ratio, evidence...}] for episodes that start at this
+        window, [{"event": "straggler_cleared", rank, phase, ...}] for those that end."""
+        out = []
+        step_s = statistics.median(r["step_s"] for r in ranks)
+        for entry in ranks:
+            rank = int(entry["rank"])
+            slow = self._slowest(entry, ranks, step_s)
+            if slow is not None:
+                self._streak[rank] = self._streak.get(rank, 0) + 1
+                self._first.setdefault(rank, step)
+            else:
+                self._streak[rank] = 0
+                self._first.pop(rank, None)
+            episode = self._open.get(rank)
+            if episode is None:
+                if slow is not None and self._streak[rank] == self.windows:
+                    self._open[rank] = _Episode(slow["phase"], self._first[rank], step, time.time())
+                    out.append({"event": "straggler", "rank": rank, **slow, **_lateness(entry, ranks)})
+                continue
+            episode.clean = 0 if slow is not None else episode.clean + 1
+            if episode.clean == self.windows:
+                del self._open[rank]
+                out.append(
+                    {
+                        "event": "straggler_cleared",
+                        "rank": rank,
+                        "phase": episode.phase,
+                        "started_step": episode.started_step,
+                        "first_slow_step": episode.first_step,
+                        "duration_steps": step - episode.first_step,
+                        "duration_s": round(time.time() - episode.started_t, 3),
+                    }
+                )
+        return out
+
+    def open_episodes(self) -> dict[int, str]:
+        """rank -> phase of the episodes not cleared yet."""
+        return {rank: e.phase for rank, e in self._open.items()}
+
+    def _slowest(self, entry: dict[str, float], ranks: list[dict[str, float]], step_s: float) -> dict[str, Any] | None:
+        """The rank's largest slowness this window (by excess over its peers' median), or None."""
+        best = None
+        for phase in (STALLED, *WATCHED):
+            if phase not in entry:
+                continue
+            peers = [float(r.get(phase, 0.0)) for r in ranks if r["rank"] != entry["rank"]]
+            median = statistics.median(peers) if peers else float(entry[phase])
+            value = float(entry[phase])
+            excess = value - median
+            if phase == STALLED:
+                slow = excess >= STALL_SHARE * step_s and value >= MIN_PHASE_S
+            else:
+                slow = self._slow(value, median, step_s)
+                typical = f"{phase}_p50"
+                if slow and typical in entry:  # in most steps of the window, not in one that a busy host delayed
+                    peers_typical = statistics.median(float(r.get(typical, 0.0)) for r in ranks if r is not entry)
+                    slow = self._slow(float(entry[typical]), peers_typical, step_s)
+            if slow and (best is None or excess > best["excess_s"]):
+                best = {
+                    "phase": phase,
+                    "ratio": round(_ratio(value, median), 3),
+                    "value_s": round(value, 6),
+                    "median_s": round(median, 6),
+                    "excess_s": round(excess, 6),
+                    "share": round(excess / step_s, 4) if step_s > 0 else 0.0,
+                    "step_s": round(step_s, 6),
+                }
+        return best
+
+    def _slow(self, value: float, median: float, step_s: float) -> bool:
+        # Slow by the factor AND by a share of the step that matters (2 ms against 1 ms of data
+        # wait is a ratio of 2, and nothing anyone should act on).
+        return _ratio(value, median) >= self.factor and value - median >= MIN_STEP_SHARE * step_s
+
+
+def _lateness(entry: dict[str, float], ranks: list[dict[str, float]]) -> dict[str, float]:
+    """Evidence beside the reason: the rank's stalled time and arrival lateness against its peers'."""
+    out = {}
+    for key in (STALLED, "late_s"):
+        if key in entry:
+            peers = [float(r.get(key, 0.0)) for r in ranks if r["rank"] != entry["rank"]]
+            out[key] = round(float(entry[key]), 6)
+            out[f"median_{key}"] = round(statistics.median(peers), 6) if peers else out[key]
+    return out
+
+
+def _ratio(value: float, median: float) -> float:
+    if value < MIN_PHASE_S:
+        return 1.0
+    return value / max(median, MIN_PHASE_S)
