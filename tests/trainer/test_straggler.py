@@ -117,7 +117,7 @@ def _one_named(run, rank: int) -> dict:
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_fsdp_rank_held_from_outside_is_named_and_cleared(tmp_path) -> None:
-    run = throttled_run(tmp_path / "fsdp", 36, "parallel.tp=1", "parallel.dp_shard=2", rank=1, span=18)
+    run = throttled_run(tmp_path / "fsdp", 42, "parallel.tp=1", "parallel.dp_shard=2", rank=1, span=16)
     _one_named(run, 1)
     # Under FSDP the waiter's compute grows as much as the held rank's: the old rule's blind spot.
     (cleared,) = run.cleared
