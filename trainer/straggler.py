@@ -48,8 +48,8 @@ MIN_STEP_SHARE = 0.1
 noisy host moves one rank's data wait or compute by a few percent for a window or two)."""
 STALL_SHARE = 0.15
 """A rank stalled longer than its peers' median by this share of the step is held from outside. A
-rank stopped 30% of the time shows about 0.3; a clean run on a host with four times more runnable
-threads than cores showed up to 0.1 for a window."""
+rank stopped 30% of the time shows about 0.3; an overloaded host's scheduling delays, spread over
+every rank, stay well below (docs/observability.md)."""
 
 
 class StallClock:
