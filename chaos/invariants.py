@@ -200,10 +200,14 @@ def storage_faults_absorbed(run: RunData, fault_kinds: list[str]) -> dict[str, A
 
 def slowed_rank_named(run: RunData, slowed: list[tuple[int, int]]) -> dict[str, Any]:
     """Every (group, rank) a ``slow_rank`` fault slowed is named by a ``straggler`` event, and no
-    other rank is (a waiter named beside the one it waits for is the failure this catches)."""
+    other rank is (a waiter named beside the one it waits for is the failure this catches); a whole
+    group named (rank None) counts as (group, -1)."""
     if not slowed:
         return result(True, "not checked: no slow_rank fault")
-    named = sorted({(int(e.get("group", 0)), int(e["rank"])) for e in run.events if e.get("event") == "straggler"})
+    named = sorted(
+        {(int(e.get("group", 0)), int(e.get("rank", -1) if e.get("rank") is not None else -1))
+         for e in run.events if e.get("event") == "straggler"}
+    )  # fmt: skip
     missed = sorted(set(slowed) - set(named))
     wrong = sorted(set(named) - set(slowed))
     if missed or wrong:

@@ -116,7 +116,8 @@ def rank_lateness_plot(run: RunData, summary: dict[str, Any]) -> bytes | None:
         )
         for ax in (held, late):
             ax.axvspan(s["step"], end, color="tab:orange", alpha=0.15)
-        held.annotate(f"g{s['group']} r{s['rank']} {s['phase']}", (s["step"], 1.0), xycoords=("data", "axes fraction"),
+        who = f"g{s['group']}" + ("" if s["rank"] is None else f" r{s['rank']}")
+        held.annotate(f"{who} {s['phase']}", (s["step"], 1.0), xycoords=("data", "axes fraction"),
                       va="top", fontsize=7)  # fmt: skip
     held.set_ylabel("stalled, % of step")
     late.set_ylabel("late at sync, ms")
@@ -164,7 +165,8 @@ def timeline(run: RunData, summary: dict[str, Any]) -> bytes:
     for e in run.events:
         if e.get("event") == "straggler" and "t" in e:
             ax.plot(e["t"] - t0, 3, "v", color="tab:orange", ms=7)
-            ax.annotate(f"r{e.get('rank')}", (e["t"] - t0, 3.2), fontsize=7, ha="center")
+            who = f"g{e.get('group')}" if e.get("rank") is None else f"r{e.get('rank')}"
+            ax.annotate(who, (e["t"] - t0, 3.2), fontsize=7, ha="center")
         elif e.get("event") == "hang" and "t" in e:
             ax.plot(e["t"] - t0, 4, "X", color="tab:red", ms=8)
             ax.annotate(f"r{e.get('rank')}", (e["t"] - t0, 4.2), fontsize=7, ha="center")

@@ -132,7 +132,8 @@ def stragglers(run: RunData) -> list[dict[str, Any]]:
         kind = e.get("event")
         if kind not in ("straggler", "straggler_cleared"):
             continue
-        key = (int(e.get("group", 0)), int(e["rank"]))
+        rank = e.get("rank")  # None: the whole group, against the other groups
+        key = (int(e.get("group", 0)), None if rank is None else int(rank))
         if kind == "straggler":
             entry = {"group": key[0], "rank": key[1], "phase": str(e.get("phase", "step_s"))}
             entry.update(ratio=float(e.get("ratio", 0)), step=e.get("step"), t=e.get("t"), source="event")
@@ -248,7 +249,8 @@ def diagnoses(summary: dict[str, Any]) -> list[str]:
     several = len(summary["groups"]) > 1
     for s in summary["stragglers"]:
         of = f" of group {s['group']}" if several else ""
-        out.append(f"rank {s['rank']}{of} is a straggler {_straggler_why(s)}")
+        who = f"group {s['group']} as a whole" if s["rank"] is None else f"rank {s['rank']}{of}"
+        out.append(f"{who} is a straggler {_straggler_why(s)}")
     for h in summary["hangs"]:
         out.append(
             f"rank {h['rank']} of group {h['group']} hung at step {h['step']} "

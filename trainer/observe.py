@@ -13,9 +13,9 @@ import os
 from typing import Any
 
 from resilient import dist as rdist
-from resilient.runfiles import RANKS_FILE, append_jsonl, group_id, stamp_records, write_event
+from resilient.runfiles import RANKS_FILE, append_jsonl, group_file, group_id, stamp_records, write_event
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.straggler import StallClock, StragglerWatch
+from resilient.trainer.straggler import GroupWatch, StallClock, StragglerWatch
 from resilient.trainer.timing import StartupClock, StepPhases, gather_window
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,11 @@ class RunObserver:
         m = config.metrics
         self._stragglers = StragglerWatch(m.straggler_factor, m.straggler_windows)
         self._stall = StallClock().start() if m.rank_every else None
+        self._groups = None
+        r = config.replica
+        if m.rank_every and r.enabled and r.groups > 1 and self.rank == 0:
+            paths = {g: group_file(config.run.dir, RANKS_FILE, g) for g in range(r.groups)}
+            self._groups = GroupWatch(self.group, paths, m.straggler_windows, m.rank_every)
         self._held_at_window = 0.0
         self._started = False
         self.watchdog = None
@@ -108,27 +113,31 @@ class RunObserver:
             append_jsonl(os.path.join(self.directory, RANKS_FILE), {"step": step, "steps": steps, "ranks": ranks})
         except OSError as e:  # rank 0 alone: raising would leave its peers in the next collective
             log.warning("cannot write %s in %s (%s); training goes on", RANKS_FILE, self.directory, e)
-        for change in self._stragglers.check(ranks, step):
+        changes = self._stragglers.check(ranks, step)
+        if self._groups is not None:
+            changes += self._groups.check(ranks, step)
+        for change in changes:
             write_event(self.config.run.dir, group=self.group, step=step, **change)
             self._say(change)
 
     def _say(self, change: dict[str, Any]) -> None:
         """One line when an episode starts, one when it ends: not one per window."""
+        who = "the whole group" if change["rank"] is None else f"rank {change['rank']}"
         if change["event"] == "straggler_cleared":
             log.warning(
-                "[group %d] rank %d is no longer a straggler (%s, for %d steps)",
+                "[group %d] %s is no longer a straggler (%s, for %d steps)",
                 self.group,
-                change["rank"],
+                who,
                 change["phase"],
                 change["duration_steps"],
             )
             return
         late = f", {change['late_s'] * 1e3:.0f} ms late at the sync" if "late_s" in change else ""
         log.warning(
-            "[group %d] rank %d is a straggler: %s is %.3f s a step against its peers' %.3f s "
+            "[group %d] %s is a straggler: %s is %.3f s a step against its peers' %.3f s "
             "(%.0f%% of the step) for %d windows of %d steps%s",
             self.group,
-            change["rank"],
+            who,
             change["phase"],
             change["value_s"],
             change["median_s"],

@@ -94,14 +94,56 @@ class _Episode:
 
 
 @dataclass
+class _Episodes:
+    """Per key (a rank, a group): ``windows`` slow windows in a row open an episode, as many windows
+    slow in nothing close it."""
+
+    windows: int
+    _streak: dict[int, int] = field(default_factory=dict)
+    _first: dict[int, int] = field(default_factory=dict)
+    _open: dict[int, _Episode] = field(default_factory=dict)
+
+    def update(self, key: int, slow: dict[str, Any] | None, step: int) -> dict[str, Any] | None:
+        """The episode's start ({"event": "straggler", **slow}) or end, or None."""
+        if slow is not None:
+            self._streak[key] = self._streak.get(key, 0) + 1
+            self._first.setdefault(key, step)
+        else:
+            self._streak[key] = 0
+            self._first.pop(key, None)
+        episode = self._open.get(key)
+        if episode is None:
+            if slow is not None and self._streak[key] == self.windows:
+                self._open[key] = _Episode(slow["phase"], self._first[key], step, time.time())
+                return {"event": "straggler", **slow}
+            return None
+        episode.clean = 0 if slow is not None else episode.clean + 1
+        if episode.clean < self.windows:
+            return None
+        del self._open[key]
+        return {
+            "event": "straggler_cleared",
+            "phase": episode.phase,
+            "started_step": episode.started_step,
+            "first_slow_step": episode.first_step,
+            "duration_steps": step - episode.first_step,
+            "duration_s": round(time.time() - episode.started_t, 3),
+        }
+
+    def open_keys(self) -> dict[int, str]:
+        return {key: e.phase for key, e in self._open.items()}
+
+
+@dataclass
 class StragglerWatch:
     """On rank 0 of a group: ``check`` gets each window's ranks and returns what just started or ended."""
 
     factor: float
     windows: int
-    _streak: dict[int, int] = field(default_factory=dict)
-    _first: dict[int, int] = field(default_factory=dict)
-    _open: dict[int, _Episode] = field(default_factory=dict)
+    _episodes: _Episodes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._episodes = _Episodes(self.windows)
 
     def check(self, ranks: list[dict[str, float]], step: int = 0) -> list[dict[str, Any]]:
         """[{"event": "straggler", rank, phase, ratio, evidence...}] for episodes that start at this
@@ -111,37 +153,15 @@ class StragglerWatch:
         for entry in ranks:
             rank = int(entry["rank"])
             slow = self._slowest(entry, ranks, step_s)
-            if slow is not None:
-                self._streak[rank] = self._streak.get(rank, 0) + 1
-                self._first.setdefault(rank, step)
-            else:
-                self._streak[rank] = 0
-                self._first.pop(rank, None)
-            episode = self._open.get(rank)
-            if episode is None:
-                if slow is not None and self._streak[rank] == self.windows:
-                    self._open[rank] = _Episode(slow["phase"], self._first[rank], step, time.time())
-                    out.append({"event": "straggler", "rank": rank, **slow, **_lateness(entry, ranks)})
-                continue
-            episode.clean = 0 if slow is not None else episode.clean + 1
-            if episode.clean == self.windows:
-                del self._open[rank]
-                out.append(
-                    {
-                        "event": "straggler_cleared",
-                        "rank": rank,
-                        "phase": episode.phase,
-                        "started_step": episode.started_step,
-                        "first_slow_step": episode.first_step,
-                        "duration_steps": step - episode.first_step,
-                        "duration_s": round(time.time() - episode.started_t, 3),
-                    }
-                )
+            change = self._episodes.update(rank, slow, step)
+            if change is not None:
+                evidence = _lateness(entry, ranks) if change["event"] == "straggler" else {}
+                out.append({"event": change.pop("event"), "rank": rank, **change, **evidence})
         return out
 
     def open_episodes(self) -> dict[int, str]:
         """rank -> phase of the episodes not cleared yet."""
-        return {rank: e.phase for rank, e in self._open.items()}
+        return self._episodes.open_keys()
 
     def _slowest(self, entry: dict[str, float], ranks: list[dict[str, float]], step_s: float) -> dict[str, Any] | None:
         """The rank's largest slowness this window (by excess over its peers' median), or None."""
@@ -177,6 +197,67 @@ class StragglerWatch:
         # Slow by the factor AND by a share of the step that matters (2 ms against 1 ms of data
         # wait is a ratio of 2, and nothing anyone should act on).
         return _ratio(value, median) >= self.factor and value - median >= MIN_STEP_SHARE * step_s
+
+
+class GroupWatch:
+    """On rank 0 of each replica group: whether this group AS A WHOLE is held, against the others.
+
+    A group whose every rank is held alike (its host throttled) names nobody inside it; the other
+    groups wait for it in the cross-group all-reduce. Its held time is its least-stalled rank's
+    (held as a whole means every rank), compared with the other groups' at their newest window,
+    read from their ``ranks.jsonl`` (the groups share run.dir, as they share events.jsonl). Each
+    group judges only itself, so one event names a slow group, written by that group."""
+
+    def __init__(self, group: int, paths: dict[int, str], windows: int, window_steps: int) -> None:
+        from resilient.runfiles import JsonlTail
+
+        self.group = group
+        self.window_steps = window_steps
+        self._tails = {g: JsonlTail(path) for g, path in paths.items() if g != group}
+        self._newest: dict[int, dict[str, Any]] = {}
+        self._episodes = _Episodes(windows)
+
+    def check(self, ranks: list[dict[str, float]], step: int) -> list[dict[str, Any]]:
+        mine = _held_as_a_whole(ranks)
+        if mine is None:
+            return []
+        for g, tail in self._tails.items():
+            for record in tail.poll():
+                if "step" in record:
+                    self._newest[g] = record
+        # Groups in the quorum commit the same steps: a peer's newest window within a window of this
+        # step compares (it may not be written yet, or be one ahead); a peer out of the quorum does not.
+        peers = [
+            held
+            for record in self._newest.values()
+            if abs(int(record["step"]) - step) < 2 * self.window_steps
+            and (held := _held_as_a_whole(record.get("ranks", []))) is not None
+        ]
+        if not peers:
+            return []
+        median = statistics.median(peers)
+        step_s = statistics.median(r["step_s"] for r in ranks)
+        slow = None
+        if mine - median >= STALL_SHARE * step_s and mine >= MIN_PHASE_S:
+            slow = {
+                "phase": STALLED,
+                "ratio": round(_ratio(mine, median), 3),
+                "value_s": round(mine, 6),
+                "median_s": round(median, 6),
+                "excess_s": round(mine - median, 6),
+                "share": round((mine - median) / step_s, 4) if step_s > 0 else 0.0,
+                "step_s": round(step_s, 6),
+                "groups_compared": len(peers) + 1,
+            }
+        change = self._episodes.update(self.group, slow, step)
+        if change is None:
+            return []
+        return [{"event": change.pop("event"), "rank": None, "scope": "group", **change}]
+
+
+def _held_as_a_whole(ranks: list[dict[str, Any]]) -> float | None:
+    held = [float(r["stalled_s"]) for r in ranks if "stalled_s" in r]
+    return min(held) if held else None
 
 
 def _lateness(entry: dict[str, float], ranks: list[dict[str, float]]) -> dict[str, float]:

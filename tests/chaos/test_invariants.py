@@ -255,3 +255,5 @@ def test_slowed_rank_named_fails_on_a_missed_or_a_wrong_rank(tmp_path: Path) -> 
     assert not missed["ok"] and "slowed but not named (group, rank): [(1, 1)]" in missed["reason"]
     waiter = inv.slowed_rank_named(named((1, 1), (1, 0)), [(1, 1)])
     assert not waiter["ok"] and waiter["reason"] == "named but not slowed: [(1, 0)]"
+    whole = _run(tmp_path, events=[{"event": "straggler", "group": 1, "rank": None, "step": 10}])
+    assert inv.slowed_rank_named(whole, [(1, 1)])["reason"].endswith("named but not slowed: [(1, -1)]")

@@ -263,11 +263,13 @@ def test_straggler_episodes_are_paired_listed_with_evidence_and_plotted(tmp_path
         _event(33.1, "straggler_cleared", rank=1, phase="stalled_s", step=6, duration_steps=4, duration_s=20.0),
         _event(33.2, "straggler", rank=2, ratio=2.0, phase="data_wait_s", step=6, value_s=0.2, median_s=0.1,
                share=0.1, step_s=1.0),
+        _event(33.3, "straggler", rank=None, scope="group", ratio=300.0, phase="stalled_s", step=6, value_s=0.3,
+               median_s=0.0, share=0.3, step_s=1.0),
     ]  # fmt: skip
     _jsonl(run / "events.jsonl", events)
     out = tmp_path / "out"
     summary = _report(run, out)
-    held, loader = summary["stragglers"]
+    held, loader, group = summary["stragglers"]
     assert (held["rank"], held["phase"], held["step"], held["cleared_step"], held["duration_steps"]) == (
         1,
         "stalled_s",
@@ -283,6 +285,8 @@ def test_straggler_episodes_are_paired_listed_with_evidence_and_plotted(tmp_path
         d.startswith("rank 2 is a straggler in data_wait_s (2.0x the median: 200 ms") and d.endswith("to the end")
         for d in summary["diagnoses"]
     )
+    assert group["rank"] is None and group["cleared_step"] is None
+    assert any(d.startswith("group 0 as a whole is a straggler held from outside 30%") for d in summary["diagnoses"])
     page = (out / "report.html").read_text()
     assert len(re.findall(r'src="data:image/png;base64,', page)) == 5, "the lateness plot joins the four"
     assert 'alt="per-rank stalled time and lateness"' in page and "<td>stalled_s</td>" in page

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from resilient.chaos.throttle import DutyCycle
-from resilient.trainer.straggler import StallClock, StragglerWatch
+from resilient.trainer.straggler import GroupWatch, StallClock, StragglerWatch
 from resilient.trainer.timing import PHASES
 from tests.trainer.straggler_runs import throttled_run
 
@@ -71,6 +71,38 @@ def test_own_work_phases_still_name_a_rank_and_noise_names_nobody() -> None:
     assert [
         e["rank"] for e in fsdp.check(_window((0.0, 0.0), data_wait_s=(0.064, 0.004), data_wait_s_p50=(0.06, 0.004)))
     ] == [0]
+
+
+@pytest.mark.timeout(10)
+def test_a_group_held_as_a_whole_is_named_as_a_group_by_itself(tmp_path) -> None:
+    from resilient.runfiles import append_jsonl
+
+    paths = {g: str(tmp_path / f"group{g}" / "ranks.jsonl") for g in range(3)}
+
+    def peers_write(step: int, held: float = 0.0) -> None:
+        for g in (0, 2):
+            append_jsonl(paths[g], {"step": step, "steps": 5, "ranks": _window((held, 0.002))})
+
+    slow = GroupWatch(1, paths, windows=2, window_steps=5)
+    fine = GroupWatch(0, paths, windows=2, window_steps=5)
+    assert slow.check(_window((0.04, 0.05)), step=5) == []  # no peer window yet: nothing to compare
+    peers_write(5)
+    peers_write(10)
+    assert fine.check(_window((0.0, 0.002)), step=10) == []
+    assert slow.check(_window((0.04, 0.05)), step=10) == []  # one window
+    peers_write(15)
+    (event,) = slow.check(_window((0.04, 0.05)), step=15)
+    assert (event["event"], event["rank"], event["scope"], event["phase"]) == ("straggler", None, "group", "stalled_s")
+    assert event["value_s"] == 0.04 and event["median_s"] == 0.0 and event["groups_compared"] == 3
+    # One rank of a group held: a rank straggler inside it, not a slow group.
+    assert GroupWatch(1, paths, 1, 5).check(_window((0.0, 0.05)), step=15) == []
+    peers_write(20)
+    peers_write(25)
+    assert slow.check(_window((0.0, 0.0)), step=20) == []
+    (cleared,) = slow.check(_window((0.001, 0.0)), step=25)
+    assert (cleared["event"], cleared["rank"], cleared["started_step"]) == ("straggler_cleared", None, 15)
+    # Peers out of the quorum (their newest window is old) are not compared.
+    assert GroupWatch(1, paths, 1, 5).check(_window((0.04, 0.05)), step=60) == []
 
 
 _CLOCK = (
