@@ -12,9 +12,9 @@ Two measurements, printed as JSON lines:
    and the median |OFF_i / OFF_i+1 - 1| of consecutive OFF runs. On a shared machine the floor is
    larger than 1%: then the direct measure below is what resolves the cost.
 2. The added work, timed directly: the window all-gather with the stall and arrival columns on 2
-   gloo ranks (median of many), and the stall clock's ticker, as the slow-down of a CPU-bound loop
-   with the ticker running against without (alternating rounds, medians); both in microseconds per
-   step at the measured step time.
+   gloo ranks (median of many), and the CPU the stall clock's ticker takes (process CPU time with
+   it against without, alternating rounds, medians); both in microseconds per step at the OFF
+   runs' median step time, and as a share of it.
 """
 
 from __future__ import annotations
@@ -102,40 +102,41 @@ def gather_seconds(calls: int) -> float:
             return float(json.load(f))
 
 
-def _busy(n: int) -> float:
-    start = time.perf_counter()
-    total = 0
-    for i in range(n):
-        total += i * i
-    return time.perf_counter() - start
-
-
-def ticker_share(rounds: int = 9, n: int = 3_000_000) -> float:
-    """The share of a CPU-bound Python loop's time the ticker takes (medians of alternating rounds)."""
-    _busy(n // 10)
-    with_ticker, without = [], []
+def ticker_cpu_share(rounds: int = 5, seconds: float = 2.0) -> float:
+    """The CPU the stall clock's ticker takes, as a share of one core: the process's CPU time while
+    its main thread sleeps, with the ticker running against without (medians of alternating
+    rounds). CPU time, not wall time: a shared host's scheduling noise does not move it."""
+    shares = []
     for _ in range(rounds):
-        without.append(_busy(n))
         clock = StallClock().start()
-        with_ticker.append(_busy(n))
+        start = time.process_time()
+        time.sleep(seconds)
+        with_ticker = time.process_time() - start
         clock.stop()
-    return statistics.median(with_ticker) / statistics.median(without) - 1
+        start = time.process_time()
+        time.sleep(seconds)
+        without = time.process_time() - start
+        shares.append((with_ticker - without) / seconds)
+    return statistics.median(shares)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="runs on each side (alternating)")
     parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--step-s", type=float, default=0.0, help="skip the whole runs; relate to this step time")
     args = parser.parse_args(argv)
-    runs = whole_runs(args.rounds, args.steps)
-    print(json.dumps(runs), flush=True)
-    step_s = runs["off_median_step_s"]
+    step_s = args.step_s
+    if not step_s:
+        runs = whole_runs(args.rounds, args.steps)
+        print(json.dumps(runs), flush=True)
+        step_s = runs["off_median_step_s"]
     gather = gather_seconds(300)
-    ticker = ticker_share()
+    ticker = ticker_cpu_share()
     per_step = gather + max(ticker, 0.0) * step_s
     lines = [
         {"bench": "straggler", "name": "window_gather_2_ranks", "value": round(gather * 1e6, 1), "unit": "us"},
-        {"bench": "straggler", "name": "ticker_share_of_cpu_loop", "value": round(ticker, 5), "unit": "fraction"},
+        {"bench": "straggler", "name": "ticker_cpu_share_of_a_core", "value": round(ticker, 5), "unit": "fraction"},
         {"bench": "straggler", "name": "per_step_at_rank_every_1", "value": round(per_step * 1e6, 1), "unit": "us"},
         {"bench": "ratio", "name": "direct_share_of_step", "value": round(per_step / step_s, 5), "unit": "fraction"},
     ]

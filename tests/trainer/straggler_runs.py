@@ -57,13 +57,14 @@ def throttled_run(
     after: int = 4,
     span: int = 20,
     duty: float = 0.4,
-    nproc: int = 2,
+    group: int = 0,
+    launch: tuple[str, ...] = ("--nproc", "2"),
     faults: str = "",
     timeout_s: float = 240,
 ) -> Throttled:
-    """Train ``steps`` steps; rank ``rank`` (None: nobody) is held stopped ``duty`` of the time
-    from the step after ``after`` for ``span`` steps."""
-    command = [sys.executable, "-m", "resilient.tools.train", "--nproc", str(nproc), "--config", TINY]
+    """Train ``steps`` steps; rank ``rank`` of ``group`` (None: nobody) is held stopped ``duty`` of
+    the time from the step after ``after`` for ``span`` steps (steps as group 0 commits them)."""
+    command = [sys.executable, "-m", "resilient.tools.train", *launch, "--config", TINY]
     for item in (f'run.dir="{run_dir}"', f"run.steps={steps}", "checkpoint.persist_every=1000", *sets):
         command += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RESILIENT_FAULTS": faults}
@@ -73,7 +74,7 @@ def throttled_run(
     try:
         if rank is not None:
             done = _wait_steps(proc, run_dir, after, timeout_s / 2)
-            pid = read_pid(str(run_dir), 0, rank)
+            pid = read_pid(str(run_dir), group, rank)
             assert pid is not None and proc.poll() is None, f"the job ended or has no rank {rank} pid at step {done}"
             throttle = DutyCycle(pid, duty, seed=rank).start()
             out.first_step = done + 1

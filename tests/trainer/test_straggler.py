@@ -188,3 +188,16 @@ def test_a_clean_run_names_nobody_and_a_slow_loader_is_named_by_its_wait(tmp_pat
     assert [(e["rank"], e["phase"], e["step"]) for e in slow.stragglers] == [(1, "data_wait_s", 10)], slow.stragglers
     event = slow.stragglers[0]  # waiting for its loader is not being held
     assert event["stalled_s"] - event["median_stalled_s"] < 0.1 * event["step_s"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_replica_group_held_as_a_whole_is_named_as_a_group(tmp_path) -> None:
+    groups = ("--replica-groups", "2", "--nproc-per-group", "1")
+    sets = ("parallel.tp=1", "parallel.dp_shard=1")
+    run = throttled_run(tmp_path / "groups", 30, *sets, rank=0, group=1, launch=groups, span=18)
+    assert run.share >= 0.3 and run.last_step - run.first_step >= 15, (run.share, run.first_step, run.last_step)
+    assert [(e["group"], e["rank"], e.get("scope")) for e in run.stragglers] == [(1, None, "group")], run.stragglers
+    (event,) = run.stragglers
+    assert event["step"] - run.first_step <= NAMED_WITHIN and event["groups_compared"] == 2
+    assert event["value_s"] - event["median_s"] >= 0.2 * event["step_s"]
