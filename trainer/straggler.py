@@ -224,7 +224,9 @@ class GroupWatch:
             return []
         for g, tail in self._tails.items():
             for record in tail.poll():
-                if "step" in record:
+                # A partial window is a group's first after it joined or restarted: its start-up
+                # (imports, heal) reads as stalled time, nothing to compare with.
+                if "step" in record and record.get("steps", 0) >= self.window_steps:
                     self._newest[g] = record
         # Groups in the quorum commit the same steps: a peer's newest window within a window of this
         # step compares (it may not be written yet, or be one ahead); a peer out of the quorum does not.

@@ -195,7 +195,7 @@ def test_a_clean_run_names_nobody_and_a_slow_loader_is_named_by_its_wait(tmp_pat
 def test_a_replica_group_held_as_a_whole_is_named_as_a_group(tmp_path) -> None:
     groups = ("--replica-groups", "2", "--nproc-per-group", "1")
     sets = ("parallel.tp=1", "parallel.dp_shard=1")
-    run = throttled_run(tmp_path / "groups", 30, *sets, rank=0, group=1, launch=groups, span=18)
+    run = throttled_run(tmp_path / "groups", 56, *sets, rank=0, group=1, groups=2, launch=groups, after=6, span=18)
     assert run.share >= 0.3 and run.last_step - run.first_step >= 15, (run.share, run.first_step, run.last_step)
     assert [(e["group"], e["rank"], e.get("scope")) for e in run.stragglers] == [(1, None, "group")], run.stragglers
     (event,) = run.stragglers
