@@ -68,28 +68,8 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
     ]
     breakdown = figures.rank_breakdown(run)
     parts.append(_img(breakdown, "per-rank step breakdown") if breakdown else "<p>no ranks.jsonl in this run</p>")
-    lateness = figures.rank_lateness_plot(run, summary)
     parts += [
-        "<h2>Stragglers</h2>",
-        _img(lateness, "per-rank stalled time and lateness") if lateness else "",
-        _table(
-            [
-                "group",
-                "rank",
-                "reason",
-                "ratio",
-                "from step",
-                "to step",
-                "steps",
-                "ms a step",
-                "peers ms",
-                "stalled ms",
-                "peers stalled ms",
-                "late ms",
-                "peers late ms",
-            ],
-            [_straggler_row(s) for s in summary["stragglers"]],
-        ),  # fmt: skip
+        *_stragglers(run, summary),
         "<h2>Timeline: saves, restores, stragglers, hangs</h2>",
         _img(figures.timeline(run, summary), "timeline"),
         *_run_tables(summary),
@@ -99,6 +79,18 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
         f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>resilient-report '
         f"{html.escape(str(summary['run_id']))}</title><style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n"
     )
+
+
+def _stragglers(run: RunData, summary: dict[str, Any]) -> list[str]:
+    """The per-rank stalled time and lateness plot, and one row per straggler episode."""
+    lateness = figures.rank_lateness_plot(run, summary)
+    headers = ["group", "rank", "reason", "ratio", "from step", "to step", "steps", "ms a step", "peers ms"]
+    headers += ["stalled ms", "peers stalled ms", "late ms", "peers late ms"]
+    return [
+        "<h2>Stragglers</h2>",
+        _img(lateness, "per-rank stalled time and lateness") if lateness else "",
+        _table(headers, [_straggler_row(s) for s in summary["stragglers"]]),
+    ]
 
 
 def _straggler_row(s: dict[str, Any]) -> list[Any]:
