@@ -43,9 +43,10 @@ STALLED = "stalled_s"
 """The reason of an episode found by the stall clock."""
 MIN_PHASE_S = 1e-3
 """Below a millisecond a phase is noise: ratios of such times flag nobody."""
-MIN_STEP_SHARE = 0.1
-"""A phase straggler's excess over its peers' median is at least this share of the step time (a
-noisy host moves one rank's data wait or compute by a few percent for a window or two)."""
+MIN_STEP_SHARE = 0.25
+"""A phase straggler's excess over its peers' median is at least this share of the step time. A
+quarter: on an overloaded host a rank's loader worker (a process of its own, first to be starved)
+can lag its peers' by a fifth of the step for several windows, in a run where nothing is wrong."""
 STALL_SHARE = 0.15
 """A rank stalled longer than its peers' median by this share of the step is held from outside. A
 rank stopped 30% of the time shows about 0.3; an overloaded host's scheduling delays, spread over

@@ -97,7 +97,7 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
     err = _train(
         slow,
         8,
-        "trainer.compute=pause:0.08@rank1",
+        "trainer.compute=pause:0.15@rank1",
         "metrics.rank_every=2",
         "metrics.straggler_windows=2",
         "checkpoint.persist_every=8",
@@ -107,8 +107,8 @@ def test_a_slow_rank_is_named_and_a_stuck_one_leaves_its_stacks(tmp_path: Path) 
     assert [r["step"] for r in ranks] == [2, 4, 6, 8] and all(r["steps"] == 2 for r in ranks)
     for window in ranks[1:]:
         by_rank = {r["rank"]: r for r in window["ranks"]}
-        assert by_rank[1]["compute_s"] > by_rank[0]["compute_s"] + 0.06
-        assert by_rank[0]["grad_sync_s"] > 0.04  # rank 0 waits for rank 1 in the next collective
+        assert by_rank[1]["compute_s"] > by_rank[0]["compute_s"] + 0.12
+        assert by_rank[0]["grad_sync_s"] > 0.08  # rank 0 waits for rank 1 in the next collective
     events = read_events(str(slow))
     stragglers = [e for e in events if e["event"] == "straggler"]
     assert [(e["rank"], e["phase"], e["step"]) for e in stragglers] == [(1, "compute_s", 4)], stragglers

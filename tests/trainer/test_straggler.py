@@ -61,9 +61,9 @@ def test_own_work_phases_still_name_a_rank_and_noise_names_nobody() -> None:
     # A waiter's long compute under FSDP is everyone's: equal phases name nobody.
     fsdp = StragglerWatch(1.5, 1)
     assert fsdp.check(_window((0.0, 0.0), compute_s=(0.09, 0.093))) == []
-    # Sub-millisecond ratios, or an excess under a tenth of the step, are noise.
+    # Sub-millisecond ratios, or an excess under a quarter of the step, are noise.
     assert fsdp.check(_window((0.0, 0.0, 0.0), data_wait_s=(0.0001, 0.0001, 0.0009))) == []
-    assert fsdp.check(_window((0.0, 0.0, 0.0), data_wait_s=(0.004, 0.004, 0.012))) == []
+    assert fsdp.check(_window((0.0, 0.0, 0.0), data_wait_s=(0.004, 0.004, 0.024))) == []
     assert fsdp.check(_window((0.0, 0.008, 0.0))) == []
     # One step of five waited 0.3 s on a busy host: the mean is slow, the typical step is not.
     hiccup = _window((0.0, 0.0), data_wait_s=(0.064, 0.004), data_wait_s_p50=(0.004, 0.004))
@@ -177,15 +177,11 @@ def test_pp_held_stage_is_named(tmp_path) -> None:
 def test_a_clean_run_names_nobody_and_a_slow_loader_is_named_by_its_wait(tmp_path) -> None:
     clean = throttled_run(tmp_path / "clean", 40, "parallel.tp=1", "parallel.dp_shard=2", rank=None)
     assert clean.stragglers == [] and clean.cleared == [] and len(clean.ranks) == 8
-    slow = throttled_run(
-        tmp_path / "loader",
-        12,
-        "parallel.tp=1",
-        "parallel.dp_shard=2",
-        rank=None,
-        faults="data.next_batch=pause:0.06@rank1",
-    )
-    assert [(e["rank"], e["phase"], e["step"]) for e in slow.stragglers] == [(1, "data_wait_s", 10)], slow.stragglers
+    slow_loader = "data.next_batch=pause:0.12@rank1"
+    sets = ("parallel.tp=1", "parallel.dp_shard=2")
+    slow = throttled_run(tmp_path / "loader", 15, *sets, rank=None, faults=slow_loader)
+    assert [(e["rank"], e["phase"]) for e in slow.stragglers] == [(1, "data_wait_s")], slow.stragglers
+    assert slow.stragglers[0]["step"] in (10, 15)
     event = slow.stragglers[0]  # waiting for its loader is not being held
     assert event["stalled_s"] - event["median_stalled_s"] < 0.1 * event["step_s"]
 
