@@ -17,9 +17,9 @@ import torch
 
 from resilient.dtypes import itemsize, zarr_name
 from resilient.errors import StateError
+from resilient.manifest import DEFAULT_INNER_CHUNK_BYTES as DEFAULT_INNER_CHUNK_BYTES
+from resilient.manifest import DEFAULT_MAX_SHARD_BYTES as DEFAULT_MAX_SHARD_BYTES
 
-DEFAULT_INNER_CHUNK_BYTES = 4 << 20
-DEFAULT_MAX_SHARD_BYTES = 1 << 30  # S3 PUTs one object whole: stay far below its 5 GiB limit
 # A replicated box smaller than this is written whole by one replica: splitting it buys nothing.
 MIN_SPLIT_BYTES = 8 << 20
 

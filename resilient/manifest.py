@@ -24,6 +24,9 @@ no ``c/`` directory and no directory per leading grid index. Measured on this ma
 create, and a 2,000-tensor save made 5,000 directories under version 1 against 3,000 now. Nothing
 else differs."""
 READABLE_VERSIONS = (1, 2)
+# The layout's default chunk sizes, here (torch-free) so that a config can name them without torch.
+DEFAULT_INNER_CHUNK_BYTES = 4 << 20
+DEFAULT_MAX_SHARD_BYTES = 1 << 30  # S3 PUTs one object whole: stay far below its 5 GiB limit
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
