@@ -140,7 +140,7 @@ class RunObserver:
             log.warning("cannot write %s in %s (%s); training goes on", RANKS_FILE, self.directory, e)
         changes = self._stragglers.check(ranks, step)
         if self._groups is not None:
-            changes += self._groups.check(ranks, step)
+            changes += self._groups.check(ranks, step, steps)
         for change in changes:
             write_event(self.config.run.dir, group=self.group, step=step, **change)
             self._say(change)

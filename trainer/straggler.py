@@ -219,9 +219,11 @@ class GroupWatch:
         self._newest: dict[int, dict[str, Any]] = {}
         self._episodes = _Episodes(windows)
 
-    def check(self, ranks: list[dict[str, float]], step: int) -> list[dict[str, Any]]:
+    def check(self, ranks: list[dict[str, float]], step: int, steps: int) -> list[dict[str, Any]]:
+        """``steps``: how many steps this window holds (a partial one, this group's first after it
+        joined, is left out as the peers' are)."""
         mine = _held_as_a_whole(ranks)
-        if mine is None:
+        if mine is None or steps < self.window_steps:
             return []
         for g, tail in self._tails.items():
             for record in tail.poll():

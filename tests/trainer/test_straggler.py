@@ -85,24 +85,27 @@ def test_a_group_held_as_a_whole_is_named_as_a_group_by_itself(tmp_path) -> None
 
     slow = GroupWatch(1, paths, windows=2, window_steps=5)
     fine = GroupWatch(0, paths, windows=2, window_steps=5)
-    assert slow.check(_window((0.04, 0.05)), step=5) == []  # no peer window yet: nothing to compare
+    assert slow.check(_window((0.04, 0.05)), step=5, steps=5) == []  # no peer window yet: nothing to compare
     peers_write(5)
     peers_write(10)
-    assert fine.check(_window((0.0, 0.002)), step=10) == []
-    assert slow.check(_window((0.04, 0.05)), step=10) == []  # one window
+    assert fine.check(_window((0.0, 0.002)), step=10, steps=5) == []
+    assert slow.check(_window((0.04, 0.05)), step=10, steps=5) == []  # one window
     peers_write(15)
-    (event,) = slow.check(_window((0.04, 0.05)), step=15)
+    (event,) = slow.check(_window((0.04, 0.05)), step=15, steps=5)
     assert (event["event"], event["rank"], event["scope"], event["phase"]) == ("straggler", None, "group", "stalled_s")
     assert event["value_s"] == 0.04 and event["median_s"] == 0.0 and event["groups_compared"] == 3
+    # A partial window (the group just joined: its start-up reads as stalled) is left out.
+    assert GroupWatch(1, paths, 1, 5).check(_window((0.04, 0.05)), step=15, steps=3) == []
+    assert len(GroupWatch(1, paths, 1, 5).check(_window((0.04, 0.05)), step=15, steps=5)) == 1
     # One rank of a group held: a rank straggler inside it, not a slow group.
-    assert GroupWatch(1, paths, 1, 5).check(_window((0.0, 0.05)), step=15) == []
+    assert GroupWatch(1, paths, 1, 5).check(_window((0.0, 0.05)), step=15, steps=5) == []
     peers_write(20)
     peers_write(25)
-    assert slow.check(_window((0.0, 0.0)), step=20) == []
-    (cleared,) = slow.check(_window((0.001, 0.0)), step=25)
+    assert slow.check(_window((0.0, 0.0)), step=20, steps=5) == []
+    (cleared,) = slow.check(_window((0.001, 0.0)), step=25, steps=5)
     assert (cleared["event"], cleared["rank"], cleared["started_step"]) == ("straggler_cleared", None, 15)
     # Peers out of the quorum (their newest window is old) are not compared.
-    assert GroupWatch(1, paths, 1, 5).check(_window((0.04, 0.05)), step=60) == []
+    assert GroupWatch(1, paths, 1, 5).check(_window((0.04, 0.05)), step=60, steps=5) == []
 
 
 _CLOCK = (
