@@ -11,10 +11,10 @@ Two measurements, printed as JSON lines:
    the on/off ratio, and the noise floor: how far apart the OFF runs' own medians are (max/min - 1)
    and the median |OFF_i / OFF_i+1 - 1| of consecutive OFF runs. On a shared machine the floor is
    larger than 1%: then the direct measure below is what resolves the cost.
-2. The added work, timed directly: the window all-gather with the stall and arrival columns on 2
-   gloo ranks (median of many), and the CPU the stall clock's ticker takes (process CPU time with
-   it against without, alternating rounds, medians); both in microseconds per step at the OFF
-   runs' median step time, and as a share of it.
+2. The added work, timed directly: a window on 2 gloo ranks (the all-gather with the stall and
+   arrival columns, rank 0's line in ranks.jsonl and its check; the median of many), and the CPU
+   the stall clock's ticker takes (process CPU time with it against without, alternating rounds,
+   medians); both in microseconds per step at the OFF runs' median step time, and as a share of it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from resilient.dist import free_port  # noqa: E402
-from resilient.runfiles import read_jsonl  # noqa: E402
-from resilient.trainer.straggler import StallClock  # noqa: E402
+from resilient.runfiles import append_jsonl, read_jsonl  # noqa: E402
+from resilient.trainer.straggler import StallClock, StragglerWatch  # noqa: E402
 from resilient.trainer.timing import StepPhases, gather_window  # noqa: E402
 
 SKIP_STEPS = 5
@@ -81,12 +81,17 @@ def _gather_worker(rank: int, port: int, calls: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     phases = StepPhases()
+    watch = StragglerWatch(1.5, 2)
+    path = os.path.join(os.path.dirname(out), "ranks.jsonl")
     times = []
-    for _ in range(calls):
+    for step in range(calls):
         phases.commit(0.1)
         dist.barrier()
         start = time.perf_counter()
-        gather_window(phases, 0.0)
+        ranks = gather_window(phases, 0.0)
+        if ranks is not None:  # rank 0's share of a window: its line in ranks.jsonl, the check
+            append_jsonl(path, {"step": step, "steps": 1, "ranks": ranks})
+            watch.check(ranks, step)
         times.append(time.perf_counter() - start)
     if rank == 0:
         with open(out, "w") as f:
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ticker = ticker_cpu_share()
     per_step = gather + max(ticker, 0.0) * step_s
     lines = [
-        {"bench": "straggler", "name": "window_gather_2_ranks", "value": round(gather * 1e6, 1), "unit": "us"},
+        {"bench": "straggler", "name": "window_2_ranks", "value": round(gather * 1e6, 1), "unit": "us"},
         {"bench": "straggler", "name": "ticker_cpu_share_of_a_core", "value": round(ticker, 5), "unit": "fraction"},
         {"bench": "straggler", "name": "per_step_at_rank_every_1", "value": round(per_step * 1e6, 1), "unit": "us"},
         {"bench": "ratio", "name": "direct_share_of_step", "value": round(per_step / step_s, 5), "unit": "fraction"},
