@@ -16,9 +16,10 @@ waits for. Two measures do not depend on the collectives:
 ``StragglerWatch`` runs on rank 0 of a group over every window: a rank whose stalled time exceeds
 its peers' median by ``STALL_SHARE`` of the step, or whose own work phase (compute, data wait,
 checkpoint stall) does by ``factor`` and ``MIN_STEP_SHARE`` of the step (in its mean and, for data
-wait and compute, in its per-step median over the window), for ``windows``
-consecutive windows starts an episode (reported once, with its evidence); the episode clears after
-``windows`` consecutive windows in which that rank is slow in nothing.
+wait and compute, in its per-step median over the window), for ``windows`` consecutive windows
+starts an episode (reported once, with its evidence); the episode clears after ``windows``
+consecutive windows in which that rank is slow in nothing. ``GroupWatch`` does the same for a
+replica group held as a whole, against the other groups.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TICK_S = 0.01
-"""How often the stall ticker wakes: 100 wake-ups a second, a few microseconds each."""
+"""How often the stall ticker wakes: 100 wake-ups a second, tens of microseconds of CPU each."""
 LATE_MARGIN_S = 0.008
 """A wake-up later than this beyond its tick counts as stalled time. Above the interpreter's GIL
 switch interval (5 ms, the longest a ready thread waits for Python code of the main thread) and the
