@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 import weakref
 from typing import Any
 
@@ -37,7 +36,7 @@ from resilient.storage.objects import open_store
 from resilient.storage.outcomes import SaveLedger, SaveOutcomes
 from resilient.storage.persist import PersistJob
 from resilient.storage.reader import ReadTarget, read_into
-from resilient.storage.retention import list_steps
+from resilient.storage.retention import list_steps, new_attempt
 from resilient.storage.snapshot import Snapshot, SnapshotLayout, StagingPool, snapshot_layout, take_snapshot
 from resilient.storage.url import parse_url
 from resilient.storage.workers import PersistProcess, PersistThread, start_background
@@ -401,7 +400,7 @@ class Checkpointer:
         self._sent_tensors, self._sent_unchanged = described, not changed
         if self.rank == 0 and latched is None:
             self._precheck(step)
-            payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
+            payload["attempt"] = new_attempt()
         return payload
 
     def _precheck(self, step: int) -> None:

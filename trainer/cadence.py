@@ -14,6 +14,7 @@ step. Fixed cadence: the configured intervals, nothing measured or agreed.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -34,6 +35,8 @@ from resilient.trainer.cadence_model import (
     waste,
 )
 from resilient.trainer.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 TIERS = ("memory", "persist")
 _DETAIL = ("cost_s", "restore_s", "mtbf_s", "waste", "waste_fixed", "step_s")
@@ -236,7 +239,16 @@ class Cadence:
         return Bounds(memory=self.bounds.memory, persist=(here, here), max_loss_s=self.bounds.max_loss_s)
 
     def propose(self, now: float | None = None) -> dict[str, Any]:
-        """Rank 0: the intervals the model chooses now, and what they were chosen from (JSON)."""
+        """Rank 0: the intervals the model chooses now, and what they were chosen from (JSON). A
+        proposal that fails (a damaged history line, a numeric corner) keeps the intervals: the
+        cadence is advice, and ``dist.agree`` would otherwise end training on every rank."""
+        try:
+            return self._propose(now)
+        except Exception as e:  # noqa: BLE001 - logged; the current intervals stay
+            log.warning("adaptive cadence kept its intervals: the proposal failed: %r", e)
+            return {"every": dict(self.every), "detail": {}}
+
+    def _propose(self, now: float | None) -> dict[str, Any]:
         inputs = self.inputs(now)
         if inputs is None:
             return {"every": dict(self.every), "detail": {}}

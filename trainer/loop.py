@@ -292,7 +292,8 @@ class Trainer:
                 self.parts.scheduler.step()
             self.parts.optimizer.zero_grad(set_to_none=True)
         loss, text_sum, text_tokens, data_skipped, votes, voters = sums.tolist()
-        self._cadence_events(self.cadence.voted(votes, voters))
+        if committed:  # an uncommitted step's sums may hold only this group's vote
+            self._cadence_events(self.cadence.voted(votes, voters))
         return StepResult(
             loss=loss,
             text_loss=text_sum / max(text_tokens, 1.0),

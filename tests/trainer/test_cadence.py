@@ -169,3 +169,15 @@ def test_the_ram_interval_is_decided_before_the_first_save_is_measured(tmp_path:
     every = cadence.propose(now)["every"]
     assert every["memory"] != cadence.memory_every  # decided (18 steps: Young's √(2 C M) here)
     assert every["persist"] == 50  # no save measured: pinned, except that max_loss_s still caps it
+
+
+def test_a_failing_proposal_keeps_the_intervals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The proposal goes to every rank through dist.agree: an exception in it would end training on
+    every rank, for advice. It keeps the current intervals instead."""
+    cadence = _measured(Cadence(_config(tmp_path), group=0, nodes=2, buddies=True))
+
+    def broken(now):
+        raise ValueError("math domain error")
+
+    monkeypatch.setattr(cadence, "inputs", broken)
+    assert cadence.propose(1e9) == {"every": {"memory": 10, "persist": 100}, "detail": {}}

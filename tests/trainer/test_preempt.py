@@ -95,6 +95,9 @@ def test_a_preempted_run_commits_its_step_exits_143_and_resumes_there(tmp_path: 
     restores = [e for e in read_events(str(run_dir)) if e["event"] == "restore" and e["t"] > event["t"]]
     assert restores and all(e["step"] == stop for e in restores), restores
     assert Checkpointer(str(run_dir / "ckpt")).steps() == [stop, stop + 2]
+    # The preemption is why the second start happened (its startup event's cause).
+    starts = [e["cause"] for e in read_events(str(run_dir)) if e["event"] == "startup"]
+    assert starts == ["first", "preempted"], starts
 
 
 def _job_processes(run_dir: Path) -> list[int]:
