@@ -1,4 +1,4 @@
-"""The manifest: the JSON document whose existence *is* a committed step (format version 2; 1 is read).
+"""The manifest: the JSON document whose existence *is* a committed step (format version 3; 1 and 2 are read).
 
 It names every array (FQN, path, shape, dtype, chunking, regions with their writers and data
 checksums), the save-time layout, and the non-tensor state as plain JSON. No pickle: loading an
@@ -16,14 +16,14 @@ from typing import Any
 from resilient.errors import ConfigError, IntegrityError
 
 FORMAT_NAME = "resilient"
-FORMAT_VERSION = 2
-"""What this resilient writes. Version 2 names shard objects with zarr v3's "v2" chunk key encoding
-and a "." separator (``<array>/1.0``) instead of version 1's "default" one (``<array>/c/1/0``):
-no ``c/`` directory and no directory per leading grid index. Measured on this machine's ext4, a
-``mkdir`` cost 25-400 us of kernel CPU depending on the directory tree, against ~40 us for a file
-create, and a 2,000-tensor save made 5,000 directories under version 1 against 3,000 now. Nothing
-else differs."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""What this resilient writes. Version 3 packs a rank's shard objects into a few pack objects (stored
+ZIP archives, ``storage/pack.py``; docs/format.md has the decision and its numbers) and records
+where each shard lies in its array entry (``shards``): a step's object count no longer grows with
+its tensor count. Version 2 wrote each shard as its own object, named with zarr v3's "v2" chunk key
+encoding and a "." separator (``<array>/1.0``); version 1 with the "default" one (``<array>/c/1/0``).
+The shard bytes and their keys are the same in versions 2 and 3."""
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
@@ -57,9 +57,14 @@ class ArrayEntry:
     mesh_dim_names: list[str]
     regions: list[dict]  # {"offsets", "sizes", "writer", "crc32c"}
     format_version: int = FORMAT_VERSION  # the manifest's, not stored per array: it names the shard keys
+    shards: dict[str, list] = field(default_factory=dict)
+    """Version 3: chunk key -> [pack object (under the attempt), offset, nbytes] of every shard."""
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("fqn", "format_version")}
+        out = {k: getattr(self, k) for k in self.__slots__ if k not in ("fqn", "format_version", "shards")}
+        if self.format_version >= 3:
+            out["shards"] = self.shards
+        return out
 
     @staticmethod
     def from_json(fqn: str, d: dict, format_version: int) -> ArrayEntry:
@@ -77,6 +82,9 @@ class Manifest:
     versions: dict = field(default_factory=dict)
     created_unix: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    tensorstore: dict[str, dict] = field(default_factory=dict)
+    """Version 3: per tensor, the TensorStore spec that opens its array with no code of ours
+    (written for readers; this resilient builds its own from ``shards`` and the current root)."""
 
     @property
     def total_bytes(self) -> int:
@@ -96,6 +104,7 @@ class Manifest:
             "arrays": {fqn: a.to_json() for fqn, a in sorted(self.arrays.items())},
             "values": self.values,
             "metadata": self.metadata,
+            **({"tensorstore": self.tensorstore} if self.tensorstore else {}),
         }
 
     def dumps(self) -> bytes:

@@ -166,10 +166,15 @@ class Checkpointer:
         start = time.perf_counter()
         chosen, manifest = self._agree_on_manifest(step)
         got = dist.agree(lambda: self._load_local(state, chosen, manifest, strict), group=self.group)
-        nbytes, reads = got[self.rank]
+        nbytes, reads, fetched = got[self.rank]
         self.storage_reads += reads
         stats = RestoreStats(
-            step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start, storage_reads=reads
+            step=chosen,
+            rank=self.rank,
+            bytes_read=nbytes,
+            seconds=time.perf_counter() - start,
+            storage_reads=reads,
+            bytes_fetched=fetched,
         )
         self.restore_stats.append(stats)
         log.info(
@@ -183,7 +188,7 @@ class Checkpointer:
         return chosen
 
     def _load_local(self, state: dict, chosen: int, manifest: Manifest, strict: bool) -> list[int]:
-        """This rank's part of ``load``: its boxes read into ``state``; [bytes, objects read]."""
+        """This rank's part of ``load``: its boxes read into ``state``; [bytes, objects read, bytes fetched]."""
         leaves = flatten_state(state)
         match = match_state(manifest, leaves, url=self.url, strict=strict)
         targets = []
@@ -192,7 +197,7 @@ class Checkpointer:
             if local.box is not None:
                 targets.append(ReadTarget(manifest.arrays[fqn], local.box, local.data))
         attempt_key = f"{step_dir(chosen)}/{manifest.attempt}"
-        nbytes = read_into(
+        totals = read_into(
             self.location,
             attempt_key,
             targets,
@@ -201,7 +206,7 @@ class Checkpointer:
             budget_bytes=self.config.load_budget_bytes,
         )
         match.apply_values(manifest, self.rank)
-        return [nbytes, 1 + len(targets)]
+        return [totals.needed, 1 + len(targets), totals.fetched]
 
     def wait(self) -> None:
         """Block until every save in flight is decided; raise the first error not yet raised.

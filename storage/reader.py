@@ -21,8 +21,8 @@ import torch
 from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
-from resilient.storage.arrays import entry_metadata, open_array, read_error
-from resilient.storage.localread import can_read_locally, read_local
+from resilient.storage.arrays import open_entry, read_error
+from resilient.storage.localread import ReadTotals, can_read_locally, read_local
 from resilient.storage.url import Location
 
 
@@ -44,16 +44,19 @@ def _direct_view(dest: torch.Tensor):
 
 def read_into(
     location: Location, attempt_key: str, targets: list[ReadTarget], context, *, step: int, budget_bytes: int
-) -> int:
-    """Fill every target; returns the bytes read. Raises IntegrityError on a bad/missing chunk."""
+) -> ReadTotals:
+    """Fill every target; returns the bytes needed and fetched (TensorStore's reads count as
+    needed: it does not say what it fetched). Raises IntegrityError on a bad/missing chunk."""
     local = [t for t in targets if can_read_locally(location, t.dest, t.entry.dtype)]
     others = [t for t in targets if not can_read_locally(location, t.dest, t.entry.dtype)]
-    total = 0
+    needed = fetched = 0
     if local:
-        total += read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes)
+        got = read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes)
+        needed, fetched = got.needed, got.fetched
     if others:
-        total += read_tensorstore(location, attempt_key, others, context, step=step, budget_bytes=budget_bytes)
-    return total
+        nbytes = read_tensorstore(location, attempt_key, others, context, step=step, budget_bytes=budget_bytes)
+        needed, fetched = needed + nbytes, fetched + nbytes
+    return ReadTotals(needed, fetched)
 
 
 def read_tensorstore(
@@ -64,8 +67,7 @@ def read_tensorstore(
     for t in targets:
         e = t.entry
         if e.fqn not in opened:
-            meta = entry_metadata(e)
-            opened[e.fqn] = open_array(location, f"{attempt_key}/{e.path}", meta, context)
+            opened[e.fqn] = open_entry(location, attempt_key, e, context)
     inflight: deque = deque()
     inflight_bytes = 0
     total = 0

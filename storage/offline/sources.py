@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from resilient.layout import Box
-from resilient.storage.arrays import entry_metadata, make_context, open_array, read_error
+from resilient.storage.arrays import make_context, open_entry, read_error
 from resilient.storage.offline.catalog import CheckpointRef
 from resilient.storage.offline.streaming import Pending
 
@@ -116,10 +116,7 @@ class ResilientSource:
         for fqn in fqns:
             if fqn not in self._opened:
                 a = self.ref.manifest.arrays[fqn]
-                meta = entry_metadata(a)
-                self._opened[fqn] = open_array(
-                    self.ref.location, f"{self.ref.attempt_key}/{a.path}", meta, self._context
-                )
+                self._opened[fqn] = open_entry(self.ref.location, self.ref.attempt_key, a, self._context)
 
     def read(self, fqn: str, box: Box) -> Pending:
         self.open([fqn])
