@@ -125,7 +125,7 @@ def _contiguous_range(lo: tuple[int, ...], sizes: tuple[int, ...], full: tuple[i
     return start, start + math.prod(sizes)
 
 
-def _grid_range(box: Box, origin: tuple[int, ...], step: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+def grid_range(box: Box, origin: tuple[int, ...], step: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Indices of the cells of side ``step`` (grid starting at ``origin``) that ``box`` overlaps."""
     ranges = [
         range((o - z) // s, -(-(o + n - z) // s))
@@ -134,10 +134,10 @@ def _grid_range(box: Box, origin: tuple[int, ...], step: tuple[int, ...]) -> Ite
     return itertools.product(*ranges)  # a 0-d array has one cell, the empty index ()
 
 
-def _shards_of(entry: ArrayEntry, box: Box) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
+def shards_of(entry: ArrayEntry, box: Box) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
     """(shard grid index, the shard's first element, the part of ``box`` inside the shard)."""
     shape, shard_shape = tuple(entry.shape), tuple(entry.shard_shape)
-    for index in _grid_range(box, (0,) * len(shape), shard_shape):
+    for index in grid_range(box, (0,) * len(shape), shard_shape):
         start = tuple(i * s for i, s in zip(index, shard_shape, strict=True))
         region = Box(start, tuple(min(s, n - o) for s, n, o in zip(shard_shape, shape, start, strict=True)))
         part = region.intersect(box)
@@ -161,7 +161,7 @@ def _plan_chunks(
     chunk_bytes = math.prod(inner) * item
     dest_bytes = dest.reshape(-1).view(np.uint8)
     reads = []
-    for grid_index in _grid_range(part, origin, inner):
+    for grid_index in grid_range(part, origin, inner):
         n = int(np.ravel_multi_index(grid_index, grid)) if grid else 0
         offset, nbytes = (int(x) for x in index[n])
         if offset == MISSING or nbytes == MISSING:
@@ -372,7 +372,7 @@ def _target_runs(
     shard_shape, inner = tuple(entry.shard_shape), tuple(entry.inner_shape)
     grid = chunks_per_shard(shard_shape, inner)
     dest_np = to_numpy(dest.detach())
-    for shard_index, origin, part in _shards_of(entry, box):
+    for shard_index, origin, part in shards_of(entry, box):
         key = chunk_key(shard_index, format_version=entry.format_version)
         shard = _shard(root, entry, key, step, dest_np.dtype, held)
         index, data_end = _read_index(shard, shard_shape, tally)

@@ -160,3 +160,51 @@ def test_a_full_local_load_fetches_each_shard_once_and_says_so(tmp_path):
     shard_bytes = sum(ref[2] for a in manifest["arrays"].values() for ref in a["shards"].values())
     assert stats.bytes_read == (256 * 64 + 64) * 4
     assert stats.bytes_fetched == shard_bytes  # every chunk, its crc and the index: nothing twice
+
+
+def _save_sharded(rank: int, world: int, url: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _sharded_reference()
+    state = {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "emb": distribute_tensor(full["emb"], mesh, [Shard(1)]),  # uneven: 5 columns over 2 ranks
+        "big": distribute_tensor(full["big"], mesh, [Replicate()]),  # replicas share its write
+    }
+    with Checkpointer(url) as ckpt:
+        ckpt.save(2, state).wait()
+    dist.barrier()
+    return rank
+
+
+def _sharded_reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "w": torch.randn(8, 6, generator=g),
+        "emb": torch.randn(4, 5, generator=g).to(torch.bfloat16),
+        "big": torch.randn(4096, 1024, generator=g),  # 16 MiB replicated: split between the replicas
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_tensorstore_alone_opens_arrays_whose_shards_lie_in_several_ranks_packs(tmp_path):
+    import tensorstore as ts
+
+    from tests.dist import run_world
+
+    run_world(_save_sharded, 2, str(tmp_path))
+    manifest = json.loads((tmp_path / "step-000000002" / "manifest.json").read_text())
+    packs = {ref[0] for a in manifest["arrays"].values() for ref in a["shards"].values()}
+    assert packs == {"pack-r00000-0.zip", "pack-r00001-0.zip"}
+    for fqn, tensor in _sharded_reference().items():
+        assert len({ref[0] for ref in manifest["arrays"][fqn]["shards"].values()}) == 2, fqn  # both ranks wrote
+        got = ts.open(manifest["tensorstore"][fqn]).result().read().result()
+        assert np.array_equal(got, _as_numpy(tensor)), fqn
+    files = [p.name for p in _files(tmp_path)]
+    assert sorted(files) == sorted(
+        ["latest", "manifest.json", "pack-r00000-0.zip", "pack-r00001-0.zip", "rank-00000.json", "rank-00001.json"]
+    )
