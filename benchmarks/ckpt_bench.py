@@ -263,8 +263,16 @@ def load_world(rank: int, world: int, cfg: BenchConfig, saved: list[list[float]]
     model, opt, _ = build_state(cfg, seed=2)
     with Checkpointer(cfg.resilient_root) as ckpt:
         times = _load_rounds(cfg, world, ckpt, model, opt, saved)
+        # Read amplification of our loads: bytes fetched (whole inner chunks, crcs, shard indexes)
+        # over bytes needed, summed over ranks.
+        import torch
+        import torch.distributed as dist
+
+        last = ckpt.restore_stats[-1]
+        totals = torch.tensor([last.bytes_fetched, last.bytes_read], dtype=torch.float64)
+        dist.all_reduce(totals)
     log.info("load world of %d: peak RSS per rank %.2f GiB", world, peak_rss_gib())
-    return {"seconds": times}
+    return {"seconds": times, "read_amplification": round(float(totals[0] / totals[1]), 4)}
 
 
 def _load_rounds(
@@ -334,9 +342,12 @@ def run_fsdp(cfg: BenchConfig) -> None:
     for line in lines.values():
         emit(line)
     for world in LOAD_WORLDS:
-        loaded = run_world(load_world, world, cfg, saved[0]["fingerprint"])[0]["seconds"]
+        result = run_world(load_world, world, cfg, saved[0]["fingerprint"])[0]
+        loaded = result["seconds"]
         for impl in ("resilient", "dcp"):
             lines[f"load_4to{world}_{impl}"] = _line("load", impl, nbytes, loaded[impl], to_world=world)
+            if impl == "resilient":
+                lines[f"load_4to{world}_{impl}"]["read_amplification"] = result["read_amplification"]
             emit(lines[f"load_4to{world}_{impl}"])
     emit_ratios(lines)
 

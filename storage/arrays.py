@@ -141,7 +141,7 @@ def open_array(location: Location, key: str, metadata: dict, context):
 def packed_kvstore_spec(location: Location, attempt_key: str, entry: ArrayEntry) -> dict:
     """The kvstore of a version 3 array: a ``kvstack`` that sends each of its keys to the ZIP pack
     holding it (TensorStore's ``zip`` kvstore over the pack object). An array whose shards all lie
-    in one pack takes one prefix layer; its ``zarr.json`` is in rank 0's first pack."""
+    in one rank's first pack takes one prefix layer (its ``zarr.json`` is there too)."""
 
     def zipped(pack: str) -> dict:
         return {"driver": "zip", "base": kvstore_spec(location, f"{attempt_key}/{pack}", directory=False)}
@@ -149,7 +149,10 @@ def packed_kvstore_spec(location: Location, attempt_key: str, entry: ArrayEntry)
     by_pack: dict[str, list[str]] = {}
     for key, (pack, _offset, _nbytes) in sorted(entry.shards.items()):
         by_pack.setdefault(pack, []).append(f"{entry.path}/{key}")
+    # Rank 0's first pack holds every zarr.json, a rank's first pack those of the arrays it writes.
     docs = pack_name(0, 0)
+    if len(by_pack) == 1 and next(iter(by_pack)).endswith("-0.zip"):
+        docs = next(iter(by_pack))
     if len(by_pack) <= 1:
         only = next(iter(by_pack), docs)
         layers = [{"prefix": f"{entry.path}/", "base": zipped(only), "strip_prefix": 0}]

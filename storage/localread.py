@@ -45,6 +45,18 @@ IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 _ITEM_IOVECS = 3
 
 
+def can_copy_into(dest: torch.Tensor, dtype: str) -> bool:
+    """True when the stored bytes of ``dtype`` can be copied into ``dest`` as they are: a CPU tensor
+    of that dtype on a little-endian host (strides do not matter to a numpy copy)."""
+    return (
+        sys.byteorder == "little"
+        and dest.device.type == "cpu"
+        and dest.dtype == torch_dtype(dtype)
+        and not dest.is_conj()
+        and not dest.is_neg()
+    )
+
+
 def can_read_locally(location: Location, dest: torch.Tensor, dtype: str) -> bool:
     """True when this path can fill ``dest``: a local file, a dense little-endian CPU tensor of the
     stored dtype (the bytes on disk are then exactly the tensor's bytes). Anything else (S3,

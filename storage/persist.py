@@ -42,6 +42,9 @@ from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
 from resilient.storage.snapshot import StagedRegion
 from resilient.storage.url import Location
 
+ENCODE_TASK_BYTES = 16 << 20
+"""Regions encoded by one task of ``io_threads`` (big ones alone, small ones together)."""
+
 
 @dataclass(slots=True)
 class PersistJob:
@@ -140,18 +143,39 @@ def write_rank(job: PersistJob, items: list[RegionData], location: Location, sto
     """Encode every region's shards (on ``io_threads`` threads), lay them out into this rank's
     packs, write those; returns the receipt entries: each region's box, bytes and crc32c, and
     where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``)."""
-    encoded: list[list | None] = [None] * len(items)
-    run_parallel([lambda i=i: encoded.__setitem__(i, _encode(items[i])) for i in range(len(items))], job.io_threads)
+    encoded: list = [None] * len(items)
+
+    def encode(indices: range) -> None:
+        for i in indices:
+            encoded[i] = _encode(items[i])
+
+    run_parallel([lambda r=r: encode(r) for r in _spans(items, ENCODE_TASK_BYTES)], job.io_threads)
     builder = PackBuilder(lambda index: pack_name(job.rank, index))
-    if job.rank == 0:  # the documents first: a reader finds them at the start of rank 0's first pack
-        for key, doc in zarr_documents(job.plans, job.step).items():
-            builder.add(key, [json.dumps(doc).encode()])
+    # The documents first, so they are in the rank's first pack: rank 0's holds every one; each
+    # other rank's holds those of the arrays it writes, so that pack opens as a zarr store alone.
+    written = None if job.rank == 0 else {item.plan.fqn: item.plan for item in items}
+    for key, doc in zarr_documents(job.plans if written is None else written, job.step, groups=written is None).items():
+        builder.add(key, [json.dumps(doc).encode()])
     receipt = []
     for item, (shards, crcs) in zip(items, encoded, strict=True):
         refs = {key: builder.add(f"{array_path(item.plan.fqn)}/{key}", buffers).to_json() for key, buffers in shards}
         receipt.append({**_receipt_entry(item, _region_crc(item, crcs)), "shards": refs})
     write_packs(builder.finish(job.io_threads), job, location, store)
     return receipt
+
+
+def _spans(items: list[RegionData], cap: int) -> list[range]:
+    """Consecutive items in runs of about ``cap`` bytes: a task per tiny tensor costs more in
+    thread hand-offs than encoding it (encoding is crc32c and views, ~10 GiB/s)."""
+    spans, start, total = [], 0, 0
+    for i, item in enumerate(items):
+        total += item.data.nbytes
+        if total >= cap:
+            spans.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(items):
+        spans.append(range(start, len(items)))
+    return spans
 
 
 def _encode(item: RegionData) -> tuple[list[tuple[str, list]], list | None]:
@@ -205,13 +229,13 @@ def _receipt_entry(item: RegionData, crc: int | None = None) -> dict:
     }
 
 
-def zarr_documents(plans: dict[str, ArrayPlan], step: int) -> dict[str, dict]:
-    """``zarr.json`` of the attempt group, every intermediate group and every array, by key under
-    the attempt (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python)."""
-    docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})}
+def zarr_documents(plans: dict[str, ArrayPlan], step: int, *, groups: bool = True) -> dict[str, dict]:
+    """``zarr.json`` of every array of ``plans`` and (``groups``) of the attempt group and every
+    intermediate group, by key under the attempt (so plain zarr-python opens the group)."""
+    docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})} if groups else {}
     for fqn, plan in plans.items():
         parts = array_path(fqn).split("/")
-        for depth in range(1, len(parts)):
+        for depth in range(1, len(parts) if groups else 1):
             docs.setdefault("/".join(parts[:depth]) + "/zarr.json", zarr_group_document())
         docs["/".join(parts) + "/zarr.json"] = zarr_array_document(plan_metadata(plan), {"fqn": fqn})
     return docs

@@ -2,8 +2,9 @@
 
 Local checkpoints read into dense CPU tensors take the direct path of ``localread`` (preadv into
 the destination's memory; the parts of a chunk a box does not need land in scratch, read only for
-their checksum); everything else (S3, memory://, CUDA or strided destinations, a dtype
-conversion) goes through TensorStore.
+their checksum); format version 3 on object storage into CPU tensors of the stored dtype takes
+``rangeread`` (ranged reads into the packs); everything else (versions 1 and 2 on S3 or
+memory://, CUDA destinations, a dtype conversion) goes through TensorStore.
 
 TensorStore fetches only the inner chunks that overlap a box and verifies their crc32c, then
 decodes straight into the destination's memory when it can (dense CPU tensors), so a load makes
@@ -22,7 +23,8 @@ from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
 from resilient.storage.arrays import open_entry, read_error
-from resilient.storage.localread import ReadTotals, can_read_locally, read_local
+from resilient.storage.localread import ReadTotals, can_copy_into, can_read_locally, read_local
+from resilient.storage.rangeread import read_ranged
 from resilient.storage.url import Location
 
 
@@ -48,11 +50,16 @@ def read_into(
     """Fill every target; returns the bytes needed and fetched (TensorStore's reads count as
     needed: it does not say what it fetched). Raises IntegrityError on a bad/missing chunk."""
     local = [t for t in targets if can_read_locally(location, t.dest, t.entry.dtype)]
-    others = [t for t in targets if not can_read_locally(location, t.dest, t.entry.dtype)]
+    rest = [t for t in targets if not can_read_locally(location, t.dest, t.entry.dtype)]
+    ranged = [t for t in rest if t.entry.format_version >= 3 and can_copy_into(t.dest, t.entry.dtype)]
+    others = [t for t in rest if not (t.entry.format_version >= 3 and can_copy_into(t.dest, t.entry.dtype))]
     needed = fetched = 0
-    if local:
-        got = read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes)
-        needed, fetched = got.needed, got.fetched
+    for got in (
+        read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes) if local else None,
+        read_ranged(location, attempt_key, ranged, context, step=step, budget_bytes=budget_bytes) if ranged else None,
+    ):
+        if got is not None:
+            needed, fetched = needed + got.needed, fetched + got.fetched
     if others:
         nbytes = read_tensorstore(location, attempt_key, others, context, step=step, budget_bytes=budget_bytes)
         needed, fetched = needed + nbytes, fetched + nbytes

@@ -208,3 +208,55 @@ def test_tensorstore_alone_opens_arrays_whose_shards_lie_in_several_ranks_packs(
     assert sorted(files) == sorted(
         ["latest", "manifest.json", "pack-r00000-0.zip", "pack-r00001-0.zip", "rank-00000.json", "rank-00001.json"]
     )
+
+
+def test_object_storage_loads_read_only_the_chunks_a_box_needs(tmp_path):
+    from resilient.layout import Box
+    from resilient.manifest import Manifest
+    from resilient.storage.arrays import make_context
+    from resilient.storage.config import CheckpointerConfig
+    from resilient.storage.rangeread import WHOLE_SHARD_BYTES, read_ranged
+    from resilient.storage.reader import ReadTarget
+    from resilient.storage.url import parse_url
+
+    url = "memory://packed-ranges/run"
+    state = {"w": torch.randn(2048, 1024), "b": torch.randn(7)}  # w: 8 MiB, one shard of 64 KiB chunks
+    with Checkpointer(url, config=CheckpointerConfig(inner_chunk_bytes=64 << 10)) as ckpt:
+        ckpt.save(1, state).wait()
+        manifest = Manifest.loads(ckpt.store.read("step-000000001/manifest.json"), where="test")
+        location = parse_url(url)
+        assert manifest.arrays["w"].shards["0.0"][2] > WHOLE_SHARD_BYTES  # the index-then-chunks path
+        box = Box((100, 0), (600, 1024))
+        dest = torch.zeros(600, 1024)
+        small = torch.zeros(3)
+        targets = [
+            ReadTarget(manifest.arrays["w"], box, dest),
+            ReadTarget(manifest.arrays["b"], Box((2,), (3,)), small),
+        ]
+        attempt = f"step-000000001/{manifest.attempt}"
+        got = read_ranged(location, attempt, targets, make_context(location), step=1, budget_bytes=1 << 20)
+    assert torch.equal(dest, state["w"][100:700]) and torch.equal(small, state["b"][2:5])
+    assert got.needed == (600 * 1024 + 3) * 4
+    assert got.needed < got.fetched < 1.1 * got.needed  # rows 96..704 in chunks of 16, the index, b's shard
+
+
+def test_a_cut_pack_on_s3_is_an_integrity_error_and_the_older_step_loads(s3_bucket, s3_endpoint):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    with Checkpointer(f"s3://{s3_bucket}/run") as ckpt:
+        ckpt.save(1, {"w": torch.ones(64, 64), "b": torch.ones(3)}).wait()
+        ckpt.save(2, {"w": torch.full((64, 64), 2.0), "b": torch.full((3,), 2.0)}).wait()
+        manifest = json.loads(
+            client.get_object(Bucket=s3_bucket, Key="run/step-000000002/manifest.json")["Body"].read()
+        )
+        key = f"run/step-000000002/{manifest['attempt']}/pack-r00000-0.zip"
+        data = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=s3_bucket, Key=key, Body=data[: len(data) // 3])
+        target = {"w": torch.zeros(64, 64), "b": torch.zeros(3)}
+        with pytest.raises(IntegrityError, match=r"step 2 is damaged: pack 'pack-r00000-0.zip' .*cut short.*'b', 'w'"):
+            ckpt.load(target)
+        client.delete_object(Bucket=s3_bucket, Key=key)
+        with pytest.raises(IntegrityError, match=r"step 2 is missing data: pack .* does not exist.*'b', 'w'"):
+            ckpt.load(target)
+        assert ckpt.load(target, step=1) == 1 and torch.equal(target["w"], torch.ones(64, 64))
