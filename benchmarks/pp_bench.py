@@ -216,7 +216,7 @@ def _bubble_one(schedule_name: str, microbatches: int, steps: int, warmup: int) 
     _, parts = build_parts(config, torch.device("cpu"))
     assert parts.stages is not None
     try:
-        batch = parts.pipeline.next_batch()  # one batch, reused: the data path is not measured
+        batch = parts.data.next_batch()  # one batch, reused: the data path is not measured
         inputs = {key: batch[key] for key in BATCH_KEYS}
         tokens = count_loss_tokens(inputs)
         rows = inputs["text_tokens"].shape[0] // parts.stages.microbatches
@@ -232,7 +232,7 @@ def _bubble_one(schedule_name: str, microbatches: int, steps: int, warmup: int) 
             walls.append(time.perf_counter() - start)
             parts.optimizer.zero_grad(set_to_none=True)
     finally:
-        parts.pipeline.close()
+        parts.data.close()
     return {"wall_s": sum(walls[warmup:]), "wall_step_s": walls[warmup:], "stages": busy}
 
 

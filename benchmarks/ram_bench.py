@@ -59,10 +59,10 @@ def _state(mib: float, value: float) -> dict:
 
 
 def _tier(rank: int, store: str, run_dir: str, replication: bool = True, background_nice: int = 10):
-    from resilient.recovery.config import RecoveryConfig
+    from resilient.recovery.config import RamTierConfig
     from resilient.recovery.ram.tier import RamTier
 
-    config = RecoveryConfig(
+    config = RamTierConfig(
         store_dir=store,
         ranks_per_node=1,
         replication_timeout_s=600,
@@ -100,7 +100,7 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats:
     """Every restore ``repeats`` times (``<key>`` the median, ``<key>_each`` all of them); the RAM
     variants of one kind alternate, so they meet the same conditions."""
     from resilient import Checkpointer
-    from resilient.recovery.config import RecoveryConfig
+    from resilient.recovery.config import RamTierConfig
     from resilient.recovery.ram.store import node_store_dir
 
     # Plain tensors are replicated in a checkpoint: every rank holds the same values and loads them all.
@@ -139,7 +139,7 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats:
     dist.barrier()
     if rank == 1:
         shutil.rmtree(
-            node_store_dir(RecoveryConfig(store_dir=os.path.join(root, "store"), ranks_per_node=1), root, 0, 1)
+            node_store_dir(RamTierConfig(store_dir=os.path.join(root, "store"), ranks_per_node=1), root, 0, 1)
         )
     dist.barrier()
     buddy = _tier(rank, os.path.join(root, "store"), root)

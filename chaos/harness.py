@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from resilient.chaos import compare
 from resilient.chaos import invariants as inv
 from resilient.chaos.analysis import fault_costs, goodput
 from resilient.chaos.hooks import HOLD_FILE, write_atomic
@@ -180,6 +181,8 @@ def run_scenario(
     path = os.path.join(report_dir, "report.json")
     try:
         report = _run(scenario, report_dir, cache_dir, log)
+        if scenario.check.compare_set or scenario.check.expect_shorter_ram:
+            _compared(scenario, report, report_dir, cache_dir, log)
     except Exception as e:  # noqa: BLE001 (any crash of the harness still leaves a report)
         report = {
             "passed": False,
@@ -193,6 +196,26 @@ def run_scenario(
         return report
     write_report(path, report)
     return report
+
+
+def _compared(
+    scenario: Scenario, report: dict[str, Any], report_dir: str, cache_dir: str | None, log: Callable[[str], None]
+) -> None:
+    """``[check] expect_shorter_ram`` and ``compare_set``: their verdicts join the invariants."""
+    checks = {}
+    run_dir = report["run"]["dir"]
+    if scenario.check.expect_shorter_ram:
+        config = load_job_config(scenario.job, harness_overrides(scenario.job, run_dir, ""))
+        checks["ram_interval_shortened"] = compare.shorter_ram(read_events(run_dir), config.checkpoint.memory_every)
+    if scenario.check.compare_set:
+        log(f"chaos: the same faults again with {scenario.check.compare_set}")
+        other_dir = compare.compare_dir(report_dir)
+        other = run_scenario(compare.compare_scenario(scenario), other_dir, cache_dir=cache_dir, log=log)
+        checks["no_worse_than_compare"] = compare.no_worse(report, other, run_dir, os.path.join(other_dir, "run"))
+    for name, verdict in checks.items():
+        log(f"  {'ok  ' if verdict['ok'] else 'FAIL'} {name}: {verdict['reason']}")
+    report["invariants"].update(checks)
+    report["passed"] = all(v["ok"] for v in report["invariants"].values())
 
 
 def _run(scenario: Scenario, report_dir: str, cache_dir: str | None, log: Callable[[str], None]) -> dict[str, Any]:

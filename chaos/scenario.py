@@ -218,8 +218,18 @@ class CheckSpec:
     them); with the same groups in every step the run must be bit-identical."""
     verify: bool = True
     """Verify every committed step (every chunk read and checksummed)."""
+    compare_set: list[str] = field(default_factory=list)
+    """Run the same job and fault schedule again with these ``--set`` overrides on top (e.g. the
+    fixed cadence a run with ``checkpoint.cadence = 'adaptive'`` started from): this run's lost work
+    (steps recomputed + checkpoint stalls, seconds) must be no worse (``no_worse_than_compare``)."""
+    expect_shorter_ram: bool = False
+    """A ``cadence`` event must set the RAM interval below the configured ``memory_every``."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compare_set, list) or not all(isinstance(s, str) and "=" in s for s in self.compare_set):
+            raise ConfigError(f"check.compare_set={self.compare_set!r} must be a list of 'key=value' strings")
+        if not isinstance(self.expect_shorter_ram, bool):
+            raise ConfigError(f"check.expect_shorter_ram={self.expect_shorter_ram!r} must be true or false")
         if not isinstance(self.twin, bool) or not isinstance(self.verify, bool):
             raise ConfigError(f"check.twin={self.twin!r} and check.verify={self.verify!r} must be true or false")
         _int("check.max_steps_lost_per_fault", self.max_steps_lost_per_fault, 0)

@@ -1,7 +1,7 @@
 """``[replica]`` and ``[recovery]``: the recovery package's two config sections.
 
-- ``[replica]`` (``QuorumConfig``): replica groups across which torchft keeps training through group loss;
-- ``[recovery]`` (``RecoveryConfig``): where the RAM tier keeps node-local snapshots, and how nodes
+- ``[replica]`` (``ReplicaConfig``): replica groups across which torchft keeps training through group loss;
+- ``[recovery]`` (``RamTierConfig``): where the RAM tier keeps node-local snapshots, and how nodes
   pair up. The snapshot cadence itself is ``checkpoint.memory_every`` / ``checkpoint.memory_keep``
   (the trainer's checkpoint section); this section says where and with whom. The store layout it
   configures is described in ``resilient.recovery.ram.store``.
@@ -28,7 +28,7 @@ def _check_seconds(key: str, value: object, low: float, high: float) -> float:
 
 
 @dataclass(kw_only=True, slots=True)
-class QuorumConfig:
+class ReplicaConfig:
     """One job = ``groups`` replica groups; a step commits on the groups in its torchft quorum."""
 
     enabled: bool = False
@@ -97,7 +97,7 @@ def _lcm_upto(n: int) -> int:
 
 
 @dataclass(kw_only=True, slots=True)
-class RecoveryConfig:
+class RamTierConfig:
     """The RAM tier's store and buddy replication (active when ``checkpoint.memory_every > 0``)."""
 
     store_dir: str = ""

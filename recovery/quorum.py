@@ -33,11 +33,11 @@ from torchft.manager import Manager, WorldSizeMode
 from torchft.process_group import ProcessGroupGloo, ReduceOp
 
 from resilient.errors import QuorumError, QuorumTimeout, ResilientError
-from resilient.recovery.config import QuorumConfig, check_rows_divisible
+from resilient.recovery.config import ReplicaConfig, check_rows_divisible
 from resilient.recovery.heal_codec import adopt_shards, has_shards
 from resilient.recovery.transport import HealTransport
 
-__all__ = ["QuorumConfig", "QuorumInfo", "ReplicaGroupSync", "check_rows_divisible", "replica_name"]
+__all__ = ["ReplicaConfig", "QuorumInfo", "ReplicaGroupSync", "check_rows_divisible", "replica_name"]
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class ReplicaGroupSync:
 
     def __init__(
         self,
-        config: QuorumConfig,
+        config: ReplicaConfig,
         *,
         group: int,
         rank: int,

@@ -15,6 +15,7 @@ from resilient.errors import (
     QuorumTimeout,
     ResilientError,
     RestoreError,
+    StagingTimeout,
     StateError,
     StorageError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "ResilientError",
     "RestoreError",
     "SaveHandle",
+    "StagingTimeout",
     "StateError",
     "StorageError",
 ]

@@ -23,6 +23,10 @@ class StorageError(ResilientError):
     """Storage is unreachable, missing, or refused an operation (names the URL)."""
 
 
+class StagingTimeout(StorageError, TimeoutError):
+    """No staging buffer came free in time: every one is held by a save still persisting."""
+
+
 class CommitError(ResilientError):
     """A save attempt could not be committed; the previous committed step is untouched."""
 
@@ -46,6 +50,27 @@ class QuorumError(ResilientError):
 class RemoteError(ResilientError):
     """Stands as the ``__cause__`` of an error re-raised from another rank or process: its message
     is the remote traceback, so the place that failed is not lost in the hop."""
+
+
+# --- classification -------------------------------------------------------------------------------
+
+_DISK_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (Linux)
+_DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a full disk or an exhausted quota. Also
+    after an error crossed ranks as a payload (``from_payload``): the errno is lost there, but its
+    text ("[Errno 28] No space left on device") is kept in the message."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(word in str(err) for word in _DISK_FULL_WORDS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 # --- errors across ranks and processes ------------------------------------------------------------

@@ -3,11 +3,13 @@
 Off unless ``RESILIENT_FAULTS`` is set, e.g. ``persist.first_region_issued=pause:30@rank1``:
 at that point, rank 1 writes ``<RESILIENT_FAULTS_DIR>/<point>.rank1`` (so a test knows it got
 there) and sleeps 30 s, long enough to be SIGKILLed mid-write. Actions: ``pause:SECONDS``,
-``raise`` (an OSError, as a failing disk would), ``exit`` (os._exit(43), a crash).
+``raise`` (an OSError, as a failing disk would), ``enospc`` (the OSError of a full disk), ``exit``
+(os._exit(43), a crash).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -40,5 +42,7 @@ def fault_point(point: str) -> None:
         time.sleep(float(arg or 3600))
     elif kind == "raise":
         raise OSError(f"injected fault at {point} on rank {_rank()}")
+    elif kind == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {point} on rank {_rank()})")
     elif kind == "exit":
         os._exit(43)

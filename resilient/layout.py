@@ -17,12 +17,9 @@ import torch
 
 from resilient.dtypes import itemsize, zarr_name
 from resilient.errors import StateError
+from resilient.manifest import DEFAULT_INNER_CHUNK_BYTES as DEFAULT_INNER_CHUNK_BYTES
+from resilient.manifest import DEFAULT_MAX_SHARD_BYTES as DEFAULT_MAX_SHARD_BYTES
 
-DEFAULT_INNER_CHUNK_BYTES = 1 << 20
-"""A resharded load reads whole inner chunks: with 4 MiB ones, ckpt_bench's 4->3 load of FSDP row
-shards (4 MiB each) fetched ~1.5x the bytes it needed, with 1 MiB ones ~1.1x (benchmarks/README.md,
-"packed layout"); a chunk costs 20 bytes of index and crc, and the save writes the same bytes."""
-DEFAULT_MAX_SHARD_BYTES = 1 << 30  # S3 PUTs one object whole: stay far below its 5 GiB limit
 # A replicated box smaller than this is written whole by one replica: splitting it buys nothing.
 MIN_SPLIT_BYTES = 8 << 20
 

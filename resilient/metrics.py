@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
+
+from resilient.runfiles import append_jsonl
 
 
 @dataclass(slots=True)
@@ -51,8 +52,10 @@ class RestoreStats:
 
 @dataclass(slots=True)
 class JsonlSink:
-    """Appends one JSON line per record to ``path`` (thread-safe). ``records`` holds the newest
-    ``KEEP`` in memory (for callers and tests): a long run must not grow without bound."""
+    """Appends one JSON line per record to ``path`` (thread-safe) through ``runfiles.append_jsonl``,
+    so a record carries ``t``, ``run_id`` and ``incarnation`` like every other run file once the
+    trainer has stamped them. ``records`` holds the newest ``KEEP`` in memory (for callers and
+    tests): a long run must not grow without bound."""
 
     KEEP = 1024
     path: str | None = None
@@ -63,6 +66,4 @@ class JsonlSink:
         with self._lock:
             self.records.append(record)
             if self.path:
-                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_jsonl(os.path.abspath(self.path), record)

@@ -151,7 +151,7 @@ class Checkpointer:
             commit_timeout_s=self.config.commit_timeout_s,
             deadline=deadline,
             poll_cap_s=self.config.poll_cap_s,
-            keep_last=self.config.keep_last,
+            keep_last=self.config.keep_last or None,  # 0 keeps every step
             io_threads=self.config.io_threads,
         )
 
@@ -248,8 +248,8 @@ class Checkpointer:
             if not self._wait_decided(handle, floor):
                 return CommitError(
                     f"save of step {handle.step} not decided within {self.config.close_timeout_s:.0f} s "
-                    "(close_timeout_s) nor by its decision time; storage may hang: check it, or raise "
-                    "checkpoint timeout_s"
+                    "(checkpoint.close_timeout_s) nor by its decision time; storage may hang: check it, or raise "
+                    "checkpoint.close_timeout_s"
                 )
         self._inflight = []
         return None

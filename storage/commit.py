@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from resilient.errors import CommitError
+from resilient.errors import CommitError, disk_full
 from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box
 from resilient.manifest import (
@@ -42,6 +42,7 @@ from resilient.manifest import (
     library_versions,
     step_dir,
 )
+from resilient.storage import notice
 from resilient.storage.arrays import reader_spec
 from resilient.storage.objects import ObjectStore
 from resilient.storage.retention import KeepLast, apply_retention, remember_committed
@@ -69,10 +70,14 @@ def write_receipt(store: ObjectStore, attempt_key: str, rank: int, receipt: dict
 
 
 def write_failure(store: ObjectStore, attempt_key: str, rank: int, error: BaseException) -> None:
-    """Best effort: tells the coordinator to stop waiting for this rank's receipt."""
+    """Best effort: tells the coordinator to stop waiting for this rank's receipt (the coordinator's
+    own: tells the others its decision), in storage and through the job's store (``notice``: a
+    full disk refuses the marker too)."""
+    record = {"rank": rank, "error": repr(error)}
+    notice.post(attempt_key, "decision" if rank == COMMIT_RANK else "rank", record)
     # The failure we report matters more than this one; the commit timeout still applies.
     with contextlib.suppress(Exception):
-        store.write(failure_key(attempt_key, rank), json.dumps({"rank": rank, "error": repr(error)}).encode())
+        store.write(failure_key(attempt_key, rank), json.dumps(record).encode())
 
 
 def poll_cap_s(scheme: str, world_size: int, configured: float | None = None) -> float:
@@ -124,8 +129,9 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
         if len(receipts) >= world_size:
             return [receipts[r] for r in range(world_size)]
         failures = store.list_children(f"{attempt_key}/{FAILURES}")
-        if failures:
-            errors = [_read_json(store, f"{attempt_key}/{FAILURES}/{f}") or {} for f in failures]
+        noticed = notice.read(attempt_key, "rank") if not failures else None
+        if failures or noticed:
+            errors = [_read_json(store, f"{attempt_key}/{FAILURES}/{f}") or {} for f in failures] or [noticed]
             raise CommitError(
                 f"step {step} not committed: rank(s) {[e.get('rank') for e in errors]} failed to "
                 f"write their shards: {[e.get('error') for e in errors]}; the previous step is intact"
@@ -135,7 +141,7 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
             raise CommitError(
                 f"step {step} not committed: no receipt from rank(s) {missing} within {job.commit_timeout_s:.0f} s "
                 f"(under {store.location.url}/{attempt_key}); they may have died mid-save. The "
-                "previous step is intact; raise checkpoint commit_timeout_s if saves are slow"
+                "previous step is intact; raise checkpoint.commit_timeout_s if saves are slow"
             )
         time.sleep(delay)
         delay = min(delay * 2, cap)
@@ -241,8 +247,25 @@ def names_attempt(store: ObjectStore, job: PersistJob) -> bool:
 
 
 def decide_failed(store: ObjectStore, job: PersistJob, error: BaseException) -> None:
-    """The coordinator's decision "not committed", for every rank to read."""
+    """The coordinator's decision "not committed", for every rank to read. On a full disk the
+    attempt's data goes first: it is never committed now, the marker needs room to land, and the
+    next save needs the space (a peer's write still running may fail on the removed directory: it
+    then raises its own error, and the agreed one is the coordinator's, which names the disk)."""
+    if disk_full(error):
+        remove_attempt(store, job)
     write_failure(store, job.attempt_key, COMMIT_RANK, error)
+
+
+def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
+    """Best effort: delete what this attempt wrote (a full disk keeps no partial attempt; a peer
+    still writing may leave a few objects, removed with the orphans after the next commit). Never
+    an attempt a manifest names, or may name (a manifest that cannot be read)."""
+    try:
+        if store.read(f"{step_dir(job.step)}/{MANIFEST}") is not None:
+            return  # this step has a manifest (this attempt's or another's): leave it to retention
+        store.delete_prefix(job.attempt_key)
+    except Exception as e:  # noqa: BLE001 - the failure being reported matters more than the cleanup
+        log.warning("[rank %d] removing the failed attempt %s: %s", job.rank, job.attempt_key, e)
 
 
 def _commit(job: PersistJob, store: ObjectStore) -> None:
@@ -252,7 +275,7 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
     if time.time() > job.deadline:
         raise CommitError(
             f"step {job.step} not committed: every receipt was in only after the agreed "
-            f"{job.commit_timeout_s:.0f} s (commit_timeout_s), when the other ranks may have given up"
+            f"{job.commit_timeout_s:.0f} s (checkpoint.commit_timeout_s), when the other ranks may have given up"
         )
     crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
     shards: dict[str, dict] = {fqn: {} for fqn in job.plans}
@@ -320,7 +343,7 @@ def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
         try:
             manifest, decision = _read_json(store, key), None
             if manifest is None:
-                decision = _read_json(store, marker)
+                decision = _read_json(store, marker) or notice.read(job.attempt_key, "decision")
         except Exception as e:  # noqa: BLE001 - a failed read is no decision (the coordinator's may be "committed"): poll again
             manifest = decision = None
             unreadable = e

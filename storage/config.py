@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from resilient.errors import ConfigError
-from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, DEFAULT_MAX_SHARD_BYTES
+from resilient.manifest import DEFAULT_INNER_CHUNK_BYTES, DEFAULT_MAX_SHARD_BYTES
 from resilient.validate import check_choice, check_int, check_number
 
 
@@ -21,8 +21,13 @@ def _default_staging_bytes() -> int:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointerConfig:
-    keep_last: int | None = None
-    """Committed steps to keep (None: all). Older steps and orphan attempts go after a commit."""
+    """A Checkpointer's settings. Every field is also a key of a recipe's ``[checkpoint]`` section
+    (``checkpoint.io_threads``, ...), with the same meaning, except ``metrics_path``: the trainer
+    sets that one itself (``group<G>/saves.jsonl``)."""
+
+    keep_last: int = 0
+    """Committed steps to keep; 0 keeps every step (None, accepted for older callers, means the
+    same). Older steps and orphan attempts go after a commit."""
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES
     """Target size of an inner (checksummed, independently readable) chunk, 64 KiB .. 256 MiB."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
@@ -62,8 +67,9 @@ class CheckpointerConfig:
     and world size: 10 ms for a local root and a small world, 0.5 s on S3, more at large worlds."""
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None:
-            check_int("keep_last", self.keep_last, 1)
+        if self.keep_last is None:
+            self.keep_last = 0
+        check_int("keep_last", self.keep_last, 0)
         check_int("inner_chunk_bytes", self.inner_chunk_bytes, 64 << 10, 256 << 20)
         check_int("max_shard_bytes", self.max_shard_bytes, 1 << 20, 4 << 30)
         if self.max_shard_bytes < self.inner_chunk_bytes:

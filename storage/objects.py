@@ -9,6 +9,7 @@ shared with TensorStore's ``memory`` kvstore for unit tests.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -76,6 +77,8 @@ class FileObjectStore:
 
     def _fail(self, op: str, key: str, err: OSError) -> StorageError:
         reason = err.strerror or err
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StorageError(f"{op} {self._path(key)!r} failed: {reason}; free space there (the disk is full)")
         return StorageError(f"{op} {self._path(key)!r} failed: {reason}; check the path and its permissions")
 
     def read(self, key: str) -> bytes | None:

@@ -135,9 +135,13 @@ def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | No
         for name in store.list_children(step_dir(step)):
             if name.startswith("attempt-") and name not in keep:
                 doomed.append(f"{step_dir(step)}/{name}")
+    kept = [step for step in listing.committed if step_dir(step) not in doomed]
     for step in listing.uncommitted:
-        if step < newest:  # a newer uncommitted step may be a save still in flight
-            doomed.append(step_dir(step))
+        if step >= newest:
+            continue  # a newer uncommitted step may be a save still in flight
+        if _set_aside_attempt(store, step) is not None and step > kept[0]:
+            continue  # set aside by a restore that fell back past it: kept for inspection, as a step is
+        doomed.append(step_dir(step))
     return sorted(doomed, key=_step_of_key)
 
 

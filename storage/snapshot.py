@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from resilient.dtypes import torch_dtype
-from resilient.errors import ConfigError, QuorumTimeout
+from resilient.errors import ConfigError, StagingTimeout
 from resilient.layout import ArrayPlan, Box, LocalTensor
 
 _ALIGN = 64  # each region starts on a cache line
@@ -72,9 +72,10 @@ class StagingPool:
             while (buf := self._try_take(nbytes)) is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise QuorumTimeout(
+                    raise StagingTimeout(
                         f"no staging buffer of {nbytes / 2**20:.1f} MiB became free within {timeout_s:.0f} s "
-                        "(every buffer is held by a persist in flight)"
+                        "(every buffer is held by a persist in flight): the storage is slower than the save "
+                        "cadence; raise checkpoint.staging_bytes or checkpoint.persist_every"
                     )
                 self._cond.wait(remaining)
             return buf

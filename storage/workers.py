@@ -116,7 +116,10 @@ class PersistThread:
     def _lower_priority(self) -> None:
         if self._nice and hasattr(os, "setpriority"):
             try:  # Linux: this thread only (TensorStore's own I/O threads keep their priority).
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+                # Relative, like os.nice in the writer process: a job already niced keeps its
+                # writer below itself (an absolute value would put it above training).
+                me = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, me, min(os.getpriority(os.PRIO_PROCESS, me) + self._nice, 19))
             except OSError as e:  # a container may forbid it: persist at training's priority
                 log.warning("cannot lower the checkpoint writer's priority: %s", e)
 

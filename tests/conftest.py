@@ -26,6 +26,19 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -
     raise TimeoutError(f"moto_server did not listen on 127.0.0.1:{port} within {timeout_s} s")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _peak_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Trainers cache the measured peak FLOP/s per machine; tests keep it out of the developer's home
+    (each pytest process its own file: xdist workers do not race on one), subprocesses included."""
+    saved = os.environ.get("RESILIENT_PEAK_CACHE")
+    os.environ["RESILIENT_PEAK_CACHE"] = str(tmp_path_factory.mktemp("peak") / "peak.json")
+    yield
+    if saved is None:
+        os.environ.pop("RESILIENT_PEAK_CACHE", None)
+    else:
+        os.environ["RESILIENT_PEAK_CACHE"] = saved
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real HTTP S3 endpoint on 127.0.0.1, in its own process (not a mocked client)."""

@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert(sub) -> None:
-    from resilient.storage.offline.convert import FORMATS
+    from resilient.storage.offline import FORMATS
 
     p = sub.add_parser(
         "convert",

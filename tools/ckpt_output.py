@@ -186,6 +186,8 @@ def render_reshard(result: dict) -> None:
     origin, target = result["resharded_from"], result["resharded_to"]
     to = _mesh(target["mesh"]) if "mesh" in target else "chunks " + ", ".join(target["chunks"])
     print(f"  from step {origin['step']} saved on {_mesh(origin['mesh'])} ({origin['world_size']} rank(s)) to {to}")
+    for dim in result.get("splits_no_tensor", []):
+        print(f"  note: {dim['dim']}={dim['size']} splits no tensor: {dim['reason']}")
     for group in result["not_applied"]:
         names = group["tensors"]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

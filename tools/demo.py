@@ -38,7 +38,9 @@ from resilient.runfiles import (
     FINAL_DIGEST,
     METRICS_FILE,
     SAMPLES_FILE,
+    events_path,
     group_file,
+    logs_dir,
     read_events,
     read_jsonl_by_step,
     read_pid,
@@ -105,7 +107,7 @@ def _summary() -> None:
     )
     print(
         f"[ckpt]  committed steps {Checkpointer(config.checkpoint.url).steps()} under {config.checkpoint.url} "
-        f"(keep_last={config.checkpoint.keep_last})"
+        f"(keep_last={config.checkpoint.storage.keep_last})"
     )
     print(f"[files] metrics: {group_file(RUN_DIR, METRICS_FILE, 0)}")
     print(f"        samples: {group_file(RUN_DIR, SAMPLES_FILE, 0)}")
@@ -225,7 +227,7 @@ def _replica_summary() -> None:
     config = load_config(RECIPE, [f"run.dir={REPLICA_DIR}"])
     print("[check] both groups ended with identical parameters and optimizer state")
     print(_check_samples(samples, config.data.pipeline.num_samples))
-    print(f"[files] {os.path.join(REPLICA_DIR, 'events.jsonl')}, logs under {os.path.join(REPLICA_DIR, 'logs')}")
+    print(f"[files] {events_path(REPLICA_DIR)}, logs under {logs_dir(REPLICA_DIR)}")
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 
 from resilient.runfiles import SAMPLES_FILE, SKIPPED_FILE, group_file, read_jsonl, read_jsonl_by_step
+from resilient.trainer.data.shards.format import SKIPPED as BUILD_SKIPPED_FILE
 from resilient.trainer.launch import run, torchrun_command
 
 FIRST_STEPS, MORE_STEPS = 4, 5
@@ -86,7 +87,7 @@ def run_media_phase(recipe: str, out_dir: str) -> None:
     _train(recipe, run_dir, shards, 1, FIRST_STEPS + MORE_STEPS)
     print("\n=== real media: build, train, resume on another world size ===")
     print(_check(run_dir, _items(shards, recipe, run_dir)))
-    for line in read_jsonl(os.path.join(shards, "skipped.jsonl")):
+    for line in read_jsonl(os.path.join(shards, BUILD_SKIPPED_FILE)):
         print(f"[skipped at build] {json.dumps(line)}")
     train_skips = read_jsonl(group_file(run_dir, SKIPPED_FILE, 0))
     print(f"[skipped in training] {len(train_skips)} window(s)" + "".join(f"\n  {json.dumps(s)}" for s in train_skips))

@@ -18,7 +18,16 @@ import sys
 import time
 
 from resilient.recovery.ram.store import node_store_dir
-from resilient.runfiles import METRICS_FILE, group_file, read_events, read_jsonl_by_step, read_pid
+from resilient.runfiles import (
+    EVENTS_FILE,
+    METRICS_FILE,
+    RAM_FILE,
+    events_path,
+    group_file,
+    read_events,
+    read_jsonl_by_step,
+    read_pid,
+)
 from resilient.trainer.config import load_config
 
 STEPS, KILL_STEP = 30, 10
@@ -115,7 +124,7 @@ def restores_after(run_dir: str, since: float) -> dict[int, dict]:
 
 def _summary(run_dir: str, lost_at: float) -> None:
     restores = restores_after(run_dir, lost_at)
-    print("\n[ram] restore after losing node 1 (each rank's own restore event, from events.jsonl):")
+    print(f"\n[ram] restore after losing node 1 (each rank's own restore event, from {EVENTS_FILE}):")
     for rank, e in restores.items():
         print(
             f"  rank {rank}: step {e['step']} from {e['source']} ({_WHERE.get(e['source'], e['source'])}), "
@@ -129,4 +138,4 @@ def _summary(run_dir: str, lost_at: float) -> None:
         f"[ram] resumed at step {restores[0]['step']} (the newest snapshot every rank had in RAM), trained to "
         f"step {max(metrics)}"
     )
-    print(f"[files] {os.path.join(run_dir, 'events.jsonl')}, {os.path.join(run_dir, 'group0', 'ram.jsonl')}")
+    print(f"[files] {events_path(run_dir)}, {group_file(run_dir, RAM_FILE, 0)}")

@@ -8,6 +8,7 @@ import html
 from typing import Any
 
 from resilient.tools import report_figures as figures
+from resilient.tools.report_cadence import cadence_html
 from resilient.tools.report_data import RunData
 
 _STYLE = """
@@ -75,6 +76,7 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
         ),
         "<h2>Timeline: saves, restores, stragglers, hangs</h2>",
         _img(figures.timeline(run, summary), "timeline"),
+        cadence_html(run, summary.get("cadence"), figures.t0_of(run)),
         *_run_tables(summary),
     ]
     body = "\n".join(parts)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from resilient.tools.report_cadence import cadence_summary
 from resilient.tools.report_data import GroupRun, RunData, group_goodput
 
 RANK_PHASES = ("data_wait_s", "compute_s", "grad_sync_s", "optimizer_s", "ckpt_stall_s", "snapshot_s")
@@ -57,6 +58,7 @@ def summarize(run: RunData) -> dict[str, Any]:
         "saves": saves(primary),
         "restores": restores(run),
         "startups": [e for e in run.events if e.get("event") == "startup"],
+        "cadence": cadence_summary(run),
     }
     if len(out["groups"]) > 1:
         out["goodput_by_group"] = {str(g): group_goodput(run, run.groups[g]) for g in out["groups"]}

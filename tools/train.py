@@ -1,4 +1,4 @@
-"""``resilient-train``: launch one replica group of the trainer on this machine.
+"""``resilient-train``: train a recipe here, on several nodes or as replica groups; or print cluster files.
 
     resilient-train --nproc 4 --config configs/tiny.toml --set run.steps=20
 
@@ -27,16 +27,16 @@ import signal
 import sys
 import time
 
-from resilient.errors import ConfigError
-from resilient.runfiles import group_id, logs_dir
+from resilient.errors import ConfigError, ResilientError, disk_full
+from resilient.runfiles import METRICS_FILE, group_file, group_id, logs_dir, read_jsonl_by_step
 from resilient.tools.cli import OneLineParser
-from resilient.trainer.config import load_config
+from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.emit import (
-    DEFAULT_IMAGE,
     DEFAULT_RDZV_PORT,
     DEFAULT_SHM,
     EMIT_KINDS,
     EmitSpec,
+    check_k8s_root,
     emit_flag_error,
     k8s_manifest,
     slurm_script,
@@ -44,7 +44,6 @@ from resilient.trainer.emit import (
 from resilient.trainer.launch import (
     ReplicaLaunch,
     check_nproc,
-    interrupted_line,
     run,
     run_replicated,
     torchrun_command,
@@ -53,16 +52,26 @@ from resilient.trainer.launch import (
 from resilient.trainer.multinode import (
     MULTINODE_RESTARTS,
     NODE_RANK_ENV,
+    RendezvousWait,
     flag_error,
     parse_nnodes,
     rendezvous_of,
     split_ranks,
 )
-from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, reported_since
+from resilient.trainer.preempt import (
+    PREEMPTED_EXIT,
+    forwarded_signals,
+    launcher_grace_s,
+    preempt_flags,
+    preempted_since,
+)
+from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
+
+PROG = "resilient-train"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(prog="resilient-train", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--nproc", type=int, help="ranks of the group (default: parallel.pp x dp_shard x tp of the recipe)"
     )
@@ -89,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace-s", type=float, default=30.0, help="wait after forwarding a signal before killing")
     parser.add_argument("--debug", action="store_true", help="show every rank's traceback on a failure")
     _add_cluster_flags(parser)
+    if not (sys.argv[1:] if argv is None else argv):
+        # Nothing given: training a built-in default into ./runs/default would surprise; say how.
+        parser.print_usage(sys.stderr)
+        parser.error("give a recipe, e.g. --config configs/tiny.toml")
     args = parser.parse_args(argv)
     error = emit_flag_error(args) if args.emit else flag_error(args)
     if error:
@@ -119,7 +132,12 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         help="print an sbatch script (slurm) or a JobSet manifest (k8s) for --nnodes (default 2) nodes",
     )
     emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
-    emit.add_argument("--image", default=DEFAULT_IMAGE, help="k8s: container image with resilient installed")
+    emit.add_argument("--image", help="k8s (required): container image with resilient installed")
+    emit.add_argument("--time", default="24:00:00", help="slurm: the job's time limit, [DAYS-]HH:MM:SS")
+    emit.add_argument("--cpus-per-node", type=int, default=0, help="CPUs per node (default: 8 per rank)")
+    emit.add_argument(
+        "--mem-per-node", default="", help="memory per node, e.g. 512Gi (default k8s: /dev/shm + 16Gi per rank)"
+    )
     emit.add_argument(
         "--gpus-per-node", type=int, help="GPUs to request per node (default: ranks per node; 0 when run.device is cpu)"
     )
@@ -139,6 +157,8 @@ def emit_files(args: argparse.Namespace) -> int:
         replica = ["replica.enabled=true", f"replica.groups={groups}"] if groups else []
         config = load_config(args.config, [*args.overrides, *replica])
         low, high = parse_nnodes(args.nnodes or "2")
+        if args.emit == "k8s":
+            check_k8s_root(config.checkpoint.url)
         if groups:
             _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
             per_node = groups // high * args.nproc_per_group
@@ -152,11 +172,16 @@ def emit_files(args: argparse.Namespace) -> int:
             max_nodes=high,
             nproc_per_node=per_node,
             gpus_per_node=_gpus_per_node(args, config.run.device, per_node),
-            image=args.image,
+            image=args.image or "",
+            time_limit=args.time,
+            cpus_per_node=args.cpus_per_node,
+            mem_per_node=args.mem_per_node,
             shm_size=args.shm_size,
             rdzv_port=args.rdzv_port,
             max_restarts=MULTINODE_RESTARTS if args.max_restarts is None else args.max_restarts,
             trainer_args=trainer_args(args),
+            preempt_grace_s=config.run.preempt_grace_s,
+            preempt_signal=config.run.preempt_signal or "SIGUSR1",
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -169,7 +194,8 @@ def _check_group_ranks(world_size: int, nproc_per_group: int) -> None:
     if nproc_per_group != world_size:
         raise ConfigError(
             f"--nproc-per-group {nproc_per_group} but parallel.pp x dp_shard x tp = {world_size} ranks per group: "
-            f"set parallel.pp / parallel.dp_shard / parallel.tp so that their product is {nproc_per_group}"
+            f"use --nproc-per-group {world_size}, or set parallel.pp / parallel.dp_shard / parallel.tp so that "
+            f"their product is {nproc_per_group}"
         )
 
 
@@ -179,10 +205,24 @@ def _gpus_per_node(args: argparse.Namespace, device: str, per_node: int) -> int:
     return 0 if device == "cpu" else per_node  # one GPU per rank
 
 
+def interrupted_line(config: TrainConfig) -> str:
+    """What the operator reads after Ctrl-C: where the run stood and what survives of it."""
+    steps = read_jsonl_by_step(group_file(config.run.dir, METRICS_FILE, 0))
+    from resilient.storage.checkpointer import Checkpointer  # deferred: the config check skips torch
+
+    try:
+        committed = Checkpointer(config.checkpoint.url).steps()
+    except ResilientError:
+        committed = []
+    last = committed[-1] if committed else "none"
+    return f"interrupted at step {max(steps, default=0)}; last committed step {last}; rerun the same command to resume"
+
+
 def run_replica_groups(args: argparse.Namespace) -> int:
     try:
         overrides = [*args.overrides, "replica.enabled=true", f"replica.groups={args.replica_groups}"]
         config = load_config(args.config, overrides)
+        _check_group_ranks(config.parallel.world_size, args.nproc_per_group)  # before anything starts
         launch = ReplicaLaunch(
             groups=args.replica_groups,
             nproc_per_group=args.nproc_per_group,
@@ -192,25 +232,30 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             max_restarts=3 if args.max_restarts is None else args.max_restarts,
             join_timeout_ms=args.join_timeout_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            grace_s=args.grace_s + 10.0,  # torchrun itself waits up to 30 s for its workers
+            grace_s=launcher_grace_s(config, args.grace_s),  # torchrun waits this long for its workers
             nnodes=int(args.nnodes or 1),  # flag_error: a fixed N with replica groups
             node_rank=args.node_rank or 0,
             lighthouse_at=args.rdzv_endpoint or "",
             env={NODE_RANK_ENV: str(args.node_rank)} if args.nnodes else {},
+            torchrun_flags=preempt_flags(config),
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
-    code = run_replicated(launch)
+    code = run_replicated(launch, forwarded_signals(config))
+    if preempted_since(config.run.dir, started):
+        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     elif code != 0:
         line = reported_since(config.run.dir, started)
         where = f"the groups' logs are in {logs_dir(config.run.dir)}"
         print(f"{line} ({where})" if line else f"error: a replica group exited with {code}; {where}", file=sys.stderr)
-        return ERROR_EXIT if line else code
+        if not line:
+            return code
+        return RUNTIME_EXIT if disk_full(ResilientError(line)) else ERROR_EXIT  # a full disk is no bad input
     return code
 
 
@@ -229,7 +274,20 @@ def run_one_group(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = run(torchrun_command(args, quiet=not args.debug), args.grace_s, env)
+    started = time.time() - 1.0  # as in run_replica_groups
+    command = torchrun_command(args, quiet=not args.debug, config=config)
+    waiting = RendezvousWait(rendezvous_of(args), config.run.dir) if args.nnodes else None
+
+    def watch(torchrun_pid: int) -> bool:
+        # A setting to change fails every restart the same way: stop torchrun at the first.
+        stop = final_claim_since(config.run.dir, started) is not None
+        return (waiting(torchrun_pid) if waiting else False) or stop
+
+    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), watch)
+    if final_claim_since(config.run.dir, started):
+        return ERROR_EXIT  # the rank printed the line
+    if preempted_since(config.run.dir, started):
+        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     return code
@@ -237,6 +295,12 @@ def run_one_group(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.config is None and not args.emit:
+        print(
+            f"{PROG}: error: --config RECIPE is required (e.g. --config configs/tiny.toml): it says what to train",
+            file=sys.stderr,
+        )
+        return 2
     if args.emit:
         return emit_files(args)
     if args.debug:

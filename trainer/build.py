@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -15,12 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from resilient.errors import ConfigError
 from resilient.storage.checkpointer import Checkpointer
-from resilient.storage.config import CheckpointerConfig
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.data import OmniPipeline
 from resilient.trainer.model import OmniModel
 from resilient.trainer.parallelize import build_mesh, parallelize_model, stage_mesh
-from resilient.trainer.pipeline import OmniStage, Stages, prune_to_stages, rank_stages, stage_layers
+from resilient.trainer.pipeline_parallel import OmniStage, Stages, prune_to_stages, rank_stages, stage_layers
 from resilient.trainer.schedule import build_optimizer, build_scheduler
 from resilient.trainer.state import TrainingParts
 
@@ -79,12 +79,12 @@ def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, 
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.decay_steps)
     # Data-parallel rank = dp_shard coordinate: tensor-parallel and pipeline peers share their batch.
-    pipeline = OmniPipeline(config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=p.dp_shard)
+    data = OmniPipeline(config.data.pipeline, share=mesh["dp_shard"].get_local_rank(), num_shares=p.dp_shard)
     parts = TrainingParts(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        pipeline=pipeline,
+        data=data,
         stages=stages,
         global_params=global_params,
     )
@@ -123,18 +123,8 @@ def build_stages(
 
 def build_checkpointer(config: TrainConfig, saves_log: str | None) -> Checkpointer:
     """The run's Checkpointer; ``saves_log``: where this rank appends its SaveStats (None: nowhere)."""
-    ckpt = config.checkpoint
-    return Checkpointer(
-        ckpt.url,
-        config=CheckpointerConfig(
-            keep_last=ckpt.keep_last or None,
-            writer=ckpt.writer,
-            if_busy=ckpt.if_busy,
-            commit_timeout_s=ckpt.timeout_s,
-            close_timeout_s=ckpt.timeout_s,
-            metrics_path=saves_log,
-        ),
-    )
+    storage = dataclasses.replace(config.checkpoint.storage, metrics_path=saves_log)
+    return Checkpointer(config.checkpoint.url, config=storage)
 
 
 def load_step_hooks(paths: list[str], trainer: Trainer) -> list[StepHook]:

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.errors import ConfigError
-from resilient.recovery.config import QuorumConfig, RecoveryConfig, check_rows_divisible
+from resilient.recovery.config import RamTierConfig, ReplicaConfig, check_rows_divisible
 from resilient.runfiles import default_ckpt_url
+from resilient.storage.config import CheckpointerConfig
 from resilient.storage.url import parse_url
+from resilient.trainer.checkpoint_config import STORAGE_SET_BY_TRAINER, CheckpointConfig
 from resilient.trainer.data.config import DataConfig
 from resilient.trainer.model.config import ModelConfig
 from resilient.trainer.parallel_config import ParallelConfig, check_model_compatible
@@ -46,8 +49,9 @@ class RunConfig:
     """Print a progress line every this many steps (metrics.jsonl gets every step); >= 1."""
     peak_flops: float = 0.0
     """Peak FLOP/s of ONE rank's device, the MFU denominator. 0: from the table of known GPUs
-    (``trainer/peak.py``), else measured at startup with a short matmul; both MFU and the peak used
-    are recorded in ``metrics.jsonl``."""
+    (``trainer/peak.py``), else the model's own matmul shapes measured once per machine (cached,
+    raised when a step does better: MFU stays <= 1); the peak and its source are in ``config.json``
+    and ``metrics.jsonl``."""
     hang_timeout_s: float = 600.0
     """No step completed for this long: every rank writes its threads' stacks to
     ``group<G>/hang/`` and a ``hang`` event (0: no watchdog). Restores and the final save are exempt."""
@@ -55,6 +59,14 @@ class RunConfig:
     """'cpu', 'cuda', or 'auto' (cuda when available); collectives use gloo on cpu, nccl on cuda."""
     collective_timeout_s: float = 300.0
     """Timeout of every collective of the process group (a hung peer fails the job after it)."""
+    preempt_signal: str = ""
+    """A signal that asks for a stop like SIGTERM does (saved, exit 143, resumed at the next start),
+    e.g. 'SIGUSR1', which SLURM sends ahead of the time limit (``sbatch --signal``). SIGTERM always
+    does. One of 'SIGUSR1', 'SIGUSR2', 'SIGHUP'; empty: SIGTERM only."""
+    preempt_grace_s: float = 120.0
+    """Seconds from a preemption signal to the last step being committed: the launcher gives torchrun
+    this much (plus a margin) before it kills the workers; emitted cluster files ask the scheduler
+    for more (SLURM's signal lead time, Kubernetes' terminationGracePeriodSeconds)."""
     step_hooks: list[str] = field(default_factory=list)
     """Import paths 'package.module:factory'; each factory(trainer) returns a callable(step, trainer)
     run after every committed step (fault injection, custom logging), or None."""
@@ -71,6 +83,8 @@ class RunConfig:
             raise ConfigError(f"run.hang_timeout_s={self.hang_timeout_s} is below 1 s: use 0 (off) or >= 1")
         check_choice("run.device", self.device, ("auto", "cpu", "cuda"))
         check_number("run.collective_timeout_s", self.collective_timeout_s, 1.0, 86400.0)
+        check_choice("run.preempt_signal", self.preempt_signal, ("", "SIGUSR1", "SIGUSR2", "SIGHUP"))
+        check_number("run.preempt_grace_s", self.preempt_grace_s, 1.0, 86400.0)
         if not isinstance(self.step_hooks, list) or not all(isinstance(h, str) and ":" in h for h in self.step_hooks):
             raise ConfigError(f"run.step_hooks={self.step_hooks!r} must be a list of 'package.module:factory'")
 
@@ -152,55 +166,6 @@ class OptimConfig:
         check_number("optim.grad_clip", self.grad_clip, 0.0, 1e9)
 
 
-@dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    """Persistent checkpoints through ``resilient.Checkpointer``."""
-
-    url: str = ""
-    """Checkpoint root: a path, file://, s3:// or memory:// URL. Empty: ``<run.dir>/ckpt``."""
-    persist_every: int = 50
-    """Save every this many steps, and always at the end; >= 1."""
-    keep_last: int = 3
-    """Committed steps to keep (older ones are deleted after a newer commit); 0 keeps all."""
-    resume: bool = True
-    """Start from the newest committed step under ``url`` when there is one."""
-    writer: str = "thread"
-    """Background persist in a 'thread' or a spawned 'process' (see CheckpointerConfig.writer)."""
-    if_busy: str = "wait"
-    """A save due while the previous one still persists: 'wait' for it, or 'skip' this one (the
-    final save always waits)."""
-    timeout_s: float = 1800.0
-    """Longest wait for one save to commit, and for the saves in flight at the end of the run."""
-    memory_every: int = 0
-    """RAM tier: snapshot into the node-local store every this many steps (0: off); see [recovery]."""
-    memory_keep: int = 2
-    """RAM snapshots each rank keeps in its node store (and its buddy keeps of it); >= 1."""
-    load_step: int | None = None
-    """Resume from this committed step instead of the newest (unset: the newest that loads). RAM
-    snapshots of later steps are not used and never come back (a new timeline). Must name a
-    committed step under ``url`` with none after it (those would be saved again); applies once: a
-    restart with the same value goes on from where the rewound run got to."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.url, str):
-            raise ConfigError(f"checkpoint.url={self.url!r} must be a string (a path or a URL)")
-        check_int("checkpoint.persist_every", self.persist_every, 1)
-        check_int("checkpoint.keep_last", self.keep_last, 0)
-        check_bool("checkpoint.resume", self.resume)
-        check_choice("checkpoint.writer", self.writer, ("thread", "process"))
-        check_choice("checkpoint.if_busy", self.if_busy, ("wait", "skip"))
-        check_number("checkpoint.timeout_s", self.timeout_s, 1.0, 7 * 86400.0)
-        check_int("checkpoint.memory_every", self.memory_every, 0)
-        check_int("checkpoint.memory_keep", self.memory_keep, 1, 1000)
-        if self.load_step is not None:
-            check_int("checkpoint.load_step", self.load_step, 0)
-            if not self.resume:
-                raise ConfigError(
-                    f"checkpoint.load_step={self.load_step} needs checkpoint.resume=true (resume off starts "
-                    f"at step 0): unset one of them"
-                )
-
-
 # Model fields that the data fixes: the model must accept every token the pipeline produces.
 _FROM_DATA = {
     "vocab_size": lambda d: d.vocab_size,
@@ -220,9 +185,9 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    replica: QuorumConfig = field(default_factory=QuorumConfig)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     """Replica groups under a torchft quorum (``resilient.recovery``); off by default."""
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    recovery: RamTierConfig = field(default_factory=RamTierConfig)
     """The RAM tier's node stores and buddy replication (``checkpoint.memory_every`` turns it on)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Per-rank step breakdown and straggler detection."""
@@ -318,7 +283,9 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain JSON values, in the recipe's key layout."""
         out = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
-        out["data"] = {**out["data"].pop("pipeline"), **out["data"]}
+        for section, (name, _, hidden) in _COMPONENTS.items():
+            inner = {k: v for k, v in out[section].pop(name).items() if k not in hidden}
+            out[section] = {**inner, **out[section]}
         return out
 
 
@@ -326,28 +293,48 @@ _SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "parallel": ParallelConfig,
     "model": ModelConfig,
-    "data": DataConfig,
+    "data": DataSection,
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
-    "replica": QuorumConfig,
-    "recovery": RecoveryConfig,
+    "replica": ReplicaConfig,
+    "recovery": RamTierConfig,
     "metrics": MetricsConfig,
 }
-_DATA_SECTION_KEYS = ("log_samples",)
+_COMPONENTS: dict[str, tuple[str, type, tuple[str, ...]]] = {
+    "data": ("pipeline", DataConfig, ()),
+    "checkpoint": ("storage", CheckpointerConfig, STORAGE_SET_BY_TRAINER),
+}
+"""Sections that hold a component's own config in a field: (that field, the component's config
+class, its fields that are no recipe keys). The component's fields are keys of the section itself
+(``data.seed``, ``checkpoint.io_threads``): one config per component, declared once."""
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _component_keys(section: str) -> list[str]:
+    if section not in _COMPONENTS:
+        return []
+    _, cls, hidden = _COMPONENTS[section]
+    return [name for name in _fields(cls) if name not in hidden]
 
 
 def allowed_keys(section: str) -> list[str]:
     """The keys a recipe may set in ``section``."""
-    names = [f.name for f in dataclasses.fields(_SECTIONS[section])]
-    return names + list(_DATA_SECTION_KEYS) if section == "data" else names
+    nested = _COMPONENTS[section][0] if section in _COMPONENTS else None
+    return _component_keys(section) + [name for name in _fields(_SECTIONS[section]) if name != nested]
 
 
-def _coerce(section: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
+def _coerce(section: str, values: dict[str, Any]) -> dict[str, Any]:
     """Check keys against the dataclass and normalize numbers, so '1' and '1.0' mean the same float
     (the data fingerprint hashes the values: 1 and 1.0 would be different streams)."""
     allowed = allowed_keys(section)
     out = {}
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields = _fields(_SECTIONS[section])
+    if section in _COMPONENTS:
+        fields.update(_fields(_COMPONENTS[section][1]))
+    defaults = {name: f.default for name, f in fields.items()}
     for key, value in values.items():
         if key not in allowed:
             raise ConfigError(f"unknown key {section}.{key}; allowed keys in [{section}]: {sorted(allowed)}")
@@ -362,21 +349,33 @@ def _coerce(section: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        message = str(e)
+        named = re.match(r"\w+", message)
+        if named and named.group() in _fields(cls) and cls is not _SECTIONS[section]:
+            message = f"{section}.{message}"  # a component's own check names its field alone
+        raise ConfigError(f"[{section}] {message}") from e
+    except TypeError as e:  # a wrong type that the section's own checks did not catch
+        raise ConfigError(f"[{section}] {e}; allowed keys: {sorted(allowed_keys(section))}") from e
+
+
 def _build_section(section: str, values: dict[str, Any], data: DataConfig | None = None) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
-    cls = _SECTIONS[section]
-    values = _coerce(section, cls, values)
+    values = _coerce(section, values)
     if section == "model" and data is not None:
         values = {**{k: derive(data) for k, derive in _FROM_DATA.items()}, **values}
-    extra = {k: values.pop(k) for k in _DATA_SECTION_KEYS if section == "data" and k in values}
-    try:
-        built = cls(**values)
-    except ConfigError as e:
-        raise ConfigError(f"[{section}] {e}") from e
-    except TypeError as e:  # a wrong type that the section's own checks did not catch
-        raise ConfigError(f"[{section}] {e}; allowed keys: {sorted(allowed_keys(section))}") from e
-    return DataSection(pipeline=built, **extra) if section == "data" else built
+    if section not in _COMPONENTS:
+        return _build(section, _SECTIONS[section], values)
+    name, cls, _ = _COMPONENTS[section]
+    inner = {k: values.pop(k) for k in _component_keys(section) if k in values}
+    outer = _build(section, _SECTIONS[section], values)
+    defaults = outer.storage_defaults() if section == "checkpoint" else {}
+    setattr(outer, name, _build(section, cls, {**defaults, **inner}))
+    return outer
 
 
 def config_from_dict(raw: dict[str, Any]) -> TrainConfig:

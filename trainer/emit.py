@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
 from resilient.trainer.multinode import parse_nnodes
+from resilient.trainer.preempt import SHUTDOWN_MARGIN_S
 
 EMIT_KINDS = ("slurm", "k8s")
-DEFAULT_IMAGE = "ghcr.io/your-org/resilient:latest"
 DEFAULT_SHM = "64Gi"
 DEFAULT_RDZV_PORT = 29400
 SHM_SIZE = re.compile(r"^([1-9][0-9]*)(Ki|Mi|Gi|Ti)$")
+TIME_LIMIT = re.compile(r"^([0-9]+-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}$")
+CPUS_PER_RANK = 8
+"""A rank's main thread, its loader workers and the checkpoint writer's threads."""
+MEM_PER_RANK_GI = 16
 JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 """A DNS label short enough for the pod hostnames JobSet derives from it (``<name>-node-0-<i>``)."""
 
@@ -44,13 +49,27 @@ class EmitSpec:
     nproc_per_node: int = 1
     gpus_per_node: int = 0
     """GPUs to request per node; 0 for a CPU recipe (no GPU request)."""
-    image: str = DEFAULT_IMAGE
+    image: str = ""
+    """k8s: the container image (``--image``, required there)."""
     shm_size: str = DEFAULT_SHM
     """Kubernetes quantity (``64Gi``): the RAM tier's ``/dev/shm`` per node."""
     rdzv_port: int = DEFAULT_RDZV_PORT
     max_restarts: int = 3
     trainer_args: list[str] = field(default_factory=list)
     """``--config`` / ``--set`` arguments every node passes on to its ranks."""
+    time_limit: str = "24:00:00"
+    """SLURM ``--time``: the preemption signal is asked for ahead of it."""
+    cpus_per_node: int = 0
+    """CPUs for one node's launcher and ranks (SLURM ``--cpus-per-task``, the pod's cpu request);
+    0: ``CPUS_PER_RANK`` per rank."""
+    mem_per_node: str = ""
+    """Memory of one node as a Kubernetes quantity (the pod's request and limit, SLURM ``--mem``);
+    empty: Kubernetes ``/dev/shm`` plus ``MEM_PER_RANK`` per rank, SLURM the whole node (``--mem=0``,
+    the job is ``--exclusive``)."""
+    preempt_grace_s: float = 120.0
+    """``run.preempt_grace_s`` of the recipe: the time a preempted job needs to save and exit."""
+    preempt_signal: str = "SIGUSR1"
+    """SLURM: the signal asked for ahead of the time limit (``run.preempt_signal``, set on every node)."""
     replica_groups: int = 0
     """0: one group across all nodes. G: G torchft replica groups, G / nodes on each node, meeting at
     the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.multinode``)."""
@@ -70,6 +89,14 @@ class EmitSpec:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node} must be >= 0 (0: a CPU recipe)")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0")
+        if not TIME_LIMIT.match(self.time_limit):
+            raise ConfigError(f"--time {self.time_limit!r} must be [DAYS-]HH:MM:SS, e.g. 24:00:00 or 2-00:00:00")
+        if self.cpus_per_node < 0:
+            raise ConfigError(f"--cpus-per-node {self.cpus_per_node} must be >= 1 (0: {CPUS_PER_RANK} per rank)")
+        if self.mem_per_node and not SHM_SIZE.match(self.mem_per_node):
+            raise ConfigError(
+                f"--mem-per-node {self.mem_per_node!r} must be a number with Ki, Mi, Gi or Ti, e.g. 256Gi"
+            )
         if self.replica_groups and (self.elastic or self.replica_groups % self.max_nodes):
             raise ConfigError(
                 f"--replica-groups {self.replica_groups} over --nnodes {self.nnodes}: the emitted nodes are alike, "
@@ -83,6 +110,18 @@ class EmitSpec:
     @property
     def elastic(self) -> bool:
         return self.min_nodes != self.max_nodes
+
+    @property
+    def cpus(self) -> int:
+        return self.cpus_per_node or CPUS_PER_RANK * self.nproc_per_node
+
+    @property
+    def memory(self) -> str:
+        """The pod's memory: ``/dev/shm`` (it counts against it) and room for every rank."""
+        return (
+            self.mem_per_node
+            or f"{-(-_kibibytes(self.shm_size) // (1 << 20)) + MEM_PER_RANK_GI * self.nproc_per_node}Gi"
+        )
 
 
 def emit_flag_error(args: argparse.Namespace) -> str | None:
@@ -107,6 +146,8 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
     for word in [args.config, *args.overrides]:
         if any(ord(c) < 32 or ord(c) == 127 for c in word):
             return f"--emit: {word!r} holds a control character (a newline would break the job file): drop it"
+    if args.emit == "k8s" and not args.image:
+        return "--emit k8s takes --image IMAGE (a container image with resilient installed): the pods run it"
     if args.replica_groups is not None and args.nproc_per_node is not None:
         return "--replica-groups takes --nproc-per-group N (ranks per group), not --nproc-per-node"
     if args.nnodes is not None:
@@ -117,8 +158,25 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str) -> str:
-    """The ``resilient-train`` line one node runs; the three strings are shell words (``"$VAR"``)."""
+def shutdown_s(spec: EmitSpec) -> int:
+    """Seconds from a stop signal until every launcher on a node has exited: the grace the trainer
+    saves in, torchrun's margin after it, and the launcher's own (``trainer.preempt``)."""
+    return math.ceil(spec.preempt_grace_s + SHUTDOWN_MARGIN_S + 10.0)
+
+
+def check_k8s_root(url: str) -> None:
+    """A JobSet's checkpoints must outlive its pods and be one place for all of them: a path is
+    each pod's own disk, gone with the pod (and no pod sees another's: the first save hangs)."""
+    if not url.startswith("s3://"):
+        raise ConfigError(
+            f"--emit k8s: checkpoint.url={url} is a path inside each pod, lost with it and seen by no other "
+            "pod: set checkpoint.url=s3://BUCKET/PREFIX"
+        )
+
+
+def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str, extra: tuple[str, ...] = ()) -> str:
+    """The ``resilient-train`` line one node runs; the three strings are shell words (``"$VAR"``);
+    ``extra``: more trainer arguments, after the recipe's."""
     if spec.replica_groups:  # each group rendezvous on its own node: no --rdzv-id
         words = ["resilient-train", "--replica-groups", str(spec.replica_groups)]
         words += ["--nproc-per-group", str(spec.nproc_per_group), "--nnodes", spec.nnodes]
@@ -127,7 +185,7 @@ def node_command(spec: EmitSpec, node_rank: str, endpoint: str, rdzv_id: str) ->
         words = ["resilient-train", "--nnodes", spec.nnodes, "--nproc-per-node", str(spec.nproc_per_node)]
         flags = ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
         flags += [] if spec.elastic else ["--node-rank", node_rank]
-    tail = ["--max-restarts", str(spec.max_restarts), *spec.trainer_args]
+    tail = ["--max-restarts", str(spec.max_restarts), *spec.trainer_args, *extra]
     return " ".join([*(shlex.quote(w) for w in words), *flags, *(shlex.quote(w) for w in tail)])
 
 
@@ -148,6 +206,10 @@ def _slurm_header(spec: EmitSpec) -> list[str]:
         f"#SBATCH --job-name={spec.job_name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",  # one launcher per node; it starts the node's ranks
+        # Without it srun binds the launcher, and every rank it starts, to one CPU.
+        f"#SBATCH --cpus-per-task={spec.cpus}",
+        f"#SBATCH --time={spec.time_limit}",
+        f"#SBATCH --mem={_kibibytes(spec.mem_per_node) // 1024}M" if spec.mem_per_node else "#SBATCH --mem=0",
     ]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
@@ -157,6 +219,10 @@ def _slurm_header(spec: EmitSpec) -> list[str]:
         # a lost node makes SLURM requeue the job (same job id, SLURM_RESTART_COUNT + 1), which
         # resumes from the newest step every rank has (RAM tier on surviving nodes, else storage).
         "#SBATCH --requeue",
+        # Preemption ahead of the time limit: the batch shell gets the signal this long before it,
+        # passes it to the job step, and every rank saves its step and exits 143; then the job is
+        # requeued and resumes there (see the end of the script).
+        f"#SBATCH --signal=B:{spec.preempt_signal.removeprefix('SIG')}@{shutdown_s(spec) + 30}",
         "#SBATCH --open-mode=append",
         "#SBATCH --output=%x-%j.out",
         "",
@@ -166,7 +232,8 @@ def _slurm_header(spec: EmitSpec) -> list[str]:
 
 def _slurm_node_script(spec: EmitSpec) -> str:
     need = _kibibytes(spec.shm_size)
-    command = node_command(spec, '"$SLURM_NODEID"', '"$RDZV_ENDPOINT"', '"$RDZV_ID"')
+    preempt = ("--set", f"run.preempt_signal={spec.preempt_signal}")
+    command = node_command(spec, '"$SLURM_NODEID"', '"$RDZV_ENDPOINT"', '"$RDZV_ID"', preempt)
     return "\n".join(
         [
             # The machine's name, not SLURM_NODEID: that is a position in the allocation, and a
@@ -199,10 +266,36 @@ def slurm_script(spec: EmitSpec) -> str:
         # rendezvous that can no longer complete.
         # Replica groups: 0, the other nodes' groups train on without the lost ones.
         f"srun --ntasks-per-node=1 --kill-on-bad-exit={0 if spec.replica_groups else 1} "
-        f"bash -c {shlex.quote(_slurm_node_script(spec))}",
+        f"bash -c {shlex.quote(_slurm_node_script(spec))} &",
+        *_slurm_preemption(spec),
         "",
     ]
     return "\n".join(lines)
+
+
+def _slurm_preemption(spec: EmitSpec) -> list[str]:
+    """The batch shell waits for the job step in the background, so that the signal SLURM sends it
+    ahead of the time limit runs the trap at once (a foreground srun would hold it until the step
+    ends): the trap passes it to srun, which passes it to every node's launcher. A step that then
+    exits 143 (preempted, its last step saved) requeues the job: it resumes from that step."""
+    name = spec.preempt_signal.removeprefix("SIG")
+    return [
+        "step_pid=$!",
+        "preempted=0",
+        f"trap 'preempted=1; woke=1; kill -{name} \"$step_pid\" 2>/dev/null || true' {name}",
+        "# wait returns early when the trap runs: wait again (127: the step's status was taken already).",
+        "code=0",
+        "woke=1",
+        'while [ "$woke" = 1 ]; do',
+        "  woke=0",
+        '  if wait "$step_pid"; then code=0; else status=$?; [ "$status" = 127 ] || code=$status; fi',
+        "done",
+        'if [ "$preempted" = 1 ] && [ "$code" = 143 ]; then',
+        '  echo "preempted: the last step is saved; requeueing job $SLURM_JOB_ID" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$code"',
+    ]
 
 
 def _meeting_point(spec: EmitSpec) -> str:
@@ -245,13 +338,16 @@ def _k8s_container(spec: EmitSpec, endpoint: str) -> list[str]:
         "              - name: dshm",
         "                mountPath: /dev/shm",
     ]
-    if spec.gpus_per_node:
-        lines += [
-            "              resources:",
-            "                limits:",
-            f"                  nvidia.com/gpu: {spec.gpus_per_node}",
-        ]
-    return lines
+    gpus = [f"                  nvidia.com/gpu: {spec.gpus_per_node}"] if spec.gpus_per_node else []
+    return lines + [
+        "              resources:",
+        "                requests:",
+        f'                  cpu: "{spec.cpus}"',
+        f"                  memory: {spec.memory}",
+        "                limits:",
+        f"                  memory: {spec.memory}",
+        *gpus,
+    ]
 
 
 def k8s_manifest(spec: EmitSpec) -> str:
@@ -287,6 +383,9 @@ def k8s_manifest(spec: EmitSpec) -> str:
         "            # A crashed launcher restarts in the same pod: its memory-backed /dev/shm, and with",
         "            # it the RAM tier's snapshots, survives a container restart (not a new pod).",
         "            restartPolicy: OnFailure",
+        # A pod being stopped (preempted, drained) gets SIGTERM: every rank saves the step it is
+        # at within run.preempt_grace_s and exits 143; Kubernetes kills it only after this.
+        f"            terminationGracePeriodSeconds: {shutdown_s(spec) + 30}",
         *_k8s_container(spec, endpoint),
         "            volumes:",
         "            - name: dshm",

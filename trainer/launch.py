@@ -3,8 +3,10 @@
     resilient-train --nproc 4 --config configs/tiny.toml --set run.steps=20
 
 runs ``torchrun --standalone --nproc-per-node 4 -m resilient.trainer --config ... --set ...``
-(``torchrun_command``, ``run``) and exits with its exit code. SIGINT / SIGTERM go to torchrun, which
-stops its workers; if it has not exited ``--grace-s`` seconds later, it is killed.
+(``torchrun_command``, ``run``) and exits with its exit code. SIGINT / SIGTERM (and
+``run.preempt_signal``) go to torchrun, which passes them to its workers: SIGTERM and the preempt
+signal make them save the step they are at and exit 143 (``resilient.trainer.preempt``); torchrun
+waits ``run.preempt_grace_s`` plus a margin before it kills them.
 
     resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml --set parallel.tp=1
 
@@ -38,28 +40,34 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
-from resilient.errors import ConfigError, ResilientError
+from resilient.errors import ConfigError
 from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.runfiles import (
     GROUP_ENV,
-    METRICS_FILE,
     EventLog,
-    group_file,
     lighthouse_pid_path,
     logs_dir,
     pids_dir,
     read_events,
-    read_jsonl_by_step,
     read_pid_file,
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, signal_group, start_lighthouse
+from resilient.trainer.lighthouse import (
+    RELAX_AFTER_S,
+    die_with_parent,
+    free_port,
+    kill_group,
+    signal_group,
+    start_lighthouse,
+)
 from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
+from resilient.trainer.preempt import preempt_flags
 from resilient.validate import check_int
 
 
@@ -88,6 +96,8 @@ class ReplicaLaunch:
     lighthouse_at: str = ""
     """HOST:PORT of the job's lighthouse when the groups span nodes: node 0 starts it there (bound to
     every interface) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
+    torchrun_flags: list[str] = field(default_factory=list)
+    """Extra torchrun flags of every group (``preempt_flags``: the shutdown timeout, the signals)."""
 
     def __post_init__(self) -> None:
         check_int("--replica-groups", self.groups, 1)
@@ -124,25 +134,12 @@ def check_nproc(config: TrainConfig, nproc: int | None) -> int:
     return nproc
 
 
-def interrupted_line(config: TrainConfig) -> str:
-    """What the operator reads after Ctrl-C: where the run stood and what survives of it."""
-    steps = read_jsonl_by_step(group_file(config.run.dir, METRICS_FILE, 0))
-    from resilient.storage.checkpointer import Checkpointer  # deferred: the config check skips torch
-
-    try:
-        committed = Checkpointer(config.checkpoint.url).steps()
-    except ResilientError:
-        committed = []
-    last = committed[-1] if committed else "none"
-    return f"interrupted at step {max(steps, default=0)}; last committed step {last}; rerun the same command to resume"
-
-
-def torchrun_command(args: argparse.Namespace, quiet: bool = False) -> list[str]:
+def torchrun_command(args: argparse.Namespace, quiet: bool = False, config: TrainConfig | None = None) -> list[str]:
     """The torchrun command line for one group: standalone (a local rendezvous on a free port), or
     this node's share of a multi-node group (``resilient.trainer.multinode``). ``args``: ``nproc``
     (ranks on this node), ``config``, ``overrides`` and optionally ``max_restarts`` and the
     multi-node flags, as parsed. ``quiet``: torchrun without its own traceback when a rank fails
-    (``resilient.trainer.quiet``)."""
+    (``resilient.trainer.quiet``). ``config``: the loaded recipe, for the preemption flags."""
     runner = "resilient.trainer.quiet" if quiet else "torch.distributed.run"
     rendezvous = rendezvous_of(args) if getattr(args, "nnodes", None) else None
     where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
@@ -152,12 +149,23 @@ def torchrun_command(args: argparse.Namespace, quiet: bool = False) -> list[str]
         max_restarts = MULTINODE_RESTARTS
     if max_restarts:
         command += ["--max-restarts", str(max_restarts)]
+    if config is not None:
+        command += preempt_flags(config)
     return command + ["-m", "resilient.trainer", *trainer_args(args)]
 
 
-def run(command: list[str], grace_s: float, env: dict[str, str] | None = None) -> int:
-    """Run ``command`` (with ``env`` added to ours), forwarding SIGINT/SIGTERM to it; returns its
-    exit code (128 + N if killed by signal N, as a shell reports it)."""
+def run(
+    command: list[str],
+    grace_s: float,
+    env: dict[str, str] | None = None,
+    forward_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+    watch: Callable[[int], bool] | None = None,
+) -> int:
+    """Run ``command`` (with ``env`` added to ours), forwarding ``forward_signals`` to it; returns
+    its exit code (128 + N if killed by signal N, as a shell reports it). ``watch(pid)`` is called
+    about every second meanwhile, with torchrun's pid (``multinode.RendezvousWait`` says whom the
+    node waits for); when it returns True, torchrun is stopped (SIGTERM): a rank reported an error
+    that its restarts would only meet again."""
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
@@ -166,16 +174,21 @@ def run(command: list[str], grace_s: float, env: dict[str, str] | None = None) -
         # What torchrun sets for more than one rank when unset, without the 5-line warning it
         # prints above the one line the operator should read.
         env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(command, start_new_session=True, env=env)
+    # SIGTERM when this launcher dies however it dies: torchrun then stops its workers (they save).
+    proc = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if proc.poll() is None:
             proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in forward_signals}
     try:
         # No timeout on a training run itself; the trainer bounds its own waits. Signals interrupt it.
-        code = proc.wait()
+        stopping = False
+        while (code := _wait_a_second(proc)) is None:
+            if watch is not None and watch(proc.pid) and not stopping:
+                stopping = True
+                proc.terminate()
         return _shell_code(code)
     except BaseException:
         _stop(proc, grace_s)
@@ -185,6 +198,13 @@ def run(command: list[str], grace_s: float, env: dict[str, str] | None = None) -
             signal.signal(sig, handler)
         if proc.poll() is None:
             _stop(proc, grace_s)
+
+
+def _wait_a_second(proc: subprocess.Popen) -> int | None:
+    try:
+        return proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _nproc_of(command: list[str]) -> int:
@@ -224,6 +244,7 @@ def group_command(launch: ReplicaLaunch, group: int) -> list[str]:
         str(launch.max_restarts),
         "--monitor-interval",
         "0.1",
+        *launch.torchrun_flags,
         "-m",
         "resilient.trainer",
         *launch.trainer_args,
@@ -289,7 +310,12 @@ class ReplicaJob:
             command = group_command(self.launch, group)
             log = self._log(f"group{group}.log")
             self.groups[group] = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # as in run(): nothing outlives the launcher
             )
             self.events.write("group_started", group=group, pid=self.groups[group].pid)
 
@@ -448,8 +474,9 @@ def _shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def run_replicated(launch: ReplicaLaunch) -> int:
-    """Start the job, wait for it, and stop everything on return, on error or on SIGINT/SIGTERM."""
+def run_replicated(launch: ReplicaLaunch, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
+    """Start the job, wait for it, and stop everything on return, on error or on one of ``signals``
+    (each group gets SIGTERM: a preemption, saved by the group that writes the step)."""
     job = ReplicaJob(launch)
     received: list[int] = []
 
@@ -457,7 +484,7 @@ def run_replicated(launch: ReplicaLaunch) -> int:
         received.append(signum)
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
     try:
         job.start()
         return job.wait()

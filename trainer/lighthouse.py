@@ -7,6 +7,7 @@ must need every healthy group first is told at ``ReplicaJob._supervise_lighthous
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO
 
 from resilient.errors import ConfigError
@@ -71,13 +73,47 @@ def start_lighthouse(
         "--heartbeat_timeout_ms",
         str(heartbeat_timeout_ms),
     ]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent(signal.SIGKILL),
+    )
     try:
         wait_for_port("127.0.0.1", port, LIGHTHOUSE_START_TIMEOUT_S, proc)
     except BaseException:
         kill_group(proc)
         raise
     return proc
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a child that must not outlive the process starting it: Linux sends the
+    child ``sig`` when its parent dies, also by SIGKILL or the OOM killer, which run no cleanup.
+    The children run in sessions of their own (a terminal's Ctrl-C reaches them once, through the
+    launcher), so nothing else would stop them: a torchrun left behind restarts its workers into
+    a rendezvous nobody joins, holding their memory. None off Linux (no such call)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody will send it
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """This process gets ``sig`` when its parent dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

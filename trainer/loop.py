@@ -29,13 +29,17 @@ from resilient.errors import CommitError, ResilientError
 from resilient.faults import fault_point
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
+from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
 from resilient.trainer.build import StepHook, load_step_hooks
+from resilient.trainer.cadence import Cadence
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, flops_per_token
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.peak import Peak
+from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted, PreemptWatch, preempt_signals, stop_preempted
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
 
@@ -102,8 +106,15 @@ class Trainer:
         self._flops_per_step = flops_per_token(config.model, data.row_len) * self.tokens_per_step
         self.observer = observer
         self.phases = observer.phases
+        self.cadence = Cadence.for_run(config, world=mesh.size())
+        """The checkpoint intervals (``checkpoint.cadence``): fixed, or re-chosen as the run goes."""
         self.peak_flops = config.run.peak_flops
         """FLOP/s of one rank's device, the MFU denominator (``trainer.peak``, set by build_trainer)."""
+        self.peak: Peak | None = None
+        """Where ``peak_flops`` came from; a measured one rises to what a step achieves (MFU <= 1)."""
+        self.preemption = PreemptWatch(preempt_signals(config.run.preempt_signal))
+        """Installed around ``run`` by the entry point: a SIGTERM (or ``run.preempt_signal``) makes
+        the ranks save the current step and stop (``trainer.preempt``)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -129,6 +140,10 @@ class Trainer:
             load_step=self.config.checkpoint.load_step,
         )
         self.restored_from = result.source
+        self.observer.restore_sources = result.group_sources or [result.source]
+        if self.cadence.adaptive:  # the intervals the run had reached go on after a restart
+            self._cadence_events(self.cadence.take(rdist.agree(self.cadence.resumed, src=0, what="checkpoint cadence")))
+            self.cadence.started(self.step)
         assert result.timeline is not None  # every restore reads the root's run id
         self.observer.restored(result.timeline.run_id)
         if result.loaded:
@@ -167,40 +182,61 @@ class Trainer:
             if self.step not in self._committed_steps():
                 raise
 
+    def _stop_preempted(self, signum: int) -> Preempted:
+        """Save the current step and wait for its commit (every rank alike), record the event."""
+
+        def save() -> None:
+            self.checkpointer.wait()  # a save still persisting first: if_busy="skip" must not skip this one
+            if self._saved_step != self.step and self._saves_this_step():
+                self.save()
+            self.checkpointer.wait()
+
+        def record(event: str, **fields: Any) -> None:
+            if self.outputs.enabled:
+                write_event(self.config.run.dir, event, group=group_id(), **fields)
+            self.outputs.message(f"preempted: step {self.step} is committed; exiting {PREEMPTED_EXIT} to be resumed")
+
+        with self.observer.paused():  # the save may take long: not a hang
+            return stop_preempted(self.step, signum, save=save, committed=self._committed_steps, record=record)
+
     # -- one step ----------------------------------------------------------------------------
 
     def _iteration(self) -> None:
         """One step attempt. A committed step moves the data cursor and the step count, saves and
         snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
-        nothing and is tried again (same global batch)."""
+        nothing and is tried again (same global batch). First the ranks agree whether the job was
+        asked to stop (a preemption signal on any rank): then the current step is saved instead."""
+        signum = self.preemption.agreed()
+        if signum:
+            raise self._stop_preempted(signum)
         self.observer.attempt(self.step)
         start = time.perf_counter()
         batch, data_wait = self._next_batch()
         self.phases.add("data_wait_s", data_wait)
         # Read after _next_batch: a replica group that heals in its quorum gets its peer's cursor there.
-        cursor = self.parts.pipeline.cursor
+        cursor = self.parts.data.cursor
         result = self.train_step(batch)
         self._record_attempt(result)
         if not result.committed:
             self.phases.discard()
             return
-        self.parts.pipeline.commit_step()
+        self.parts.data.commit_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         stall_start = time.perf_counter()
-        with self.phases.timed("ckpt_stall_s"):
-            self.maybe_save()
-        with self.phases.timed("snapshot_s"):
-            self.maybe_snapshot()
+        blocked = self._checkpoint_if_due()
         ckpt_stall = time.perf_counter() - stall_start
         step_time = time.perf_counter() - start
         self.outputs.step(self._stats(result, step_time, data_wait, ckpt_stall))
         self.observer.committed(self.step, step_time)
+        self.cadence.observe(step_time, blocked)
+        if self.cadence.decides_at(self.step):
+            self._retune()
         if self._logs_group_skips:  # the ranks of a TP group and of a pipeline share their rows: once
             self.outputs.skipped(self.step, batch.get("skipped", []), rank=rdist.get_rank())
         if self.config.data.log_samples:
             # The whole global batch's ids, from the cursor: the same on every rank and in every group.
-            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.pipeline.sample_ids_for_step(cursor))))
+            self.outputs.samples(self.step, sort_sample_ids(set(self.parts.data.sample_ids_for_step(cursor))))
         for hook in self.step_hooks:
             hook(self.step, self)
 
@@ -208,7 +244,7 @@ class Trainer:
         """This rank's share of the global batch at the data cursor (prefetched), and the seconds
         spent waiting for it."""
         start = time.perf_counter()
-        batch = self.parts.pipeline.next_batch()
+        batch = self.parts.data.next_batch()
         return batch, time.perf_counter() - start
 
     def _record_attempt(self, result: StepResult) -> None:
@@ -238,6 +274,8 @@ class Trainer:
             self.sync.allreduce_gradients(self.parts.model.parameters())
             grad_norm = self._clip_gradients()
         sums = self._loss_sums(outs, len(batch.get("skipped", ())), self.device)
+        # The durable interval's vote rides on the step's sums: [vote, 1] summed like the loss.
+        sums = torch.cat([sums, torch.tensor([self.cadence.vote, 1.0], dtype=sums.dtype, device=sums.device)])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
         if self.pp_group is not None:  # only the last stage's ranks hold the loss
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.pp_group)
@@ -253,7 +291,9 @@ class Trainer:
                 self.parts.optimizer.step()
                 self.parts.scheduler.step()
             self.parts.optimizer.zero_grad(set_to_none=True)
-        loss, text_sum, text_tokens, data_skipped = sums.tolist()
+        loss, text_sum, text_tokens, data_skipped, votes, voters = sums.tolist()
+        if committed:  # an uncommitted step's sums may hold only this group's vote
+            self._cadence_events(self.cadence.voted(votes, voters))
         return StepResult(
             loss=loss,
             text_loss=text_sum / max(text_tokens, 1.0),
@@ -320,11 +360,45 @@ class Trainer:
             ckpt_stall_s=ckpt_stall,
             data_skipped=result.data_skipped,
             tokens_per_s=self.tokens_per_step / step_time,
-            mfu=self._flops_per_step / step_time / (self.peak_flops * self.mesh.size()),
+            mfu=self._mfu(step_time),
             peak_flops=self.peak_flops,
         )
 
+    def _mfu(self, step_time: float) -> float:
+        achieved = self._flops_per_step / step_time / self.mesh.size()  # per rank, as the peak
+        if self.peak is not None:
+            self.peak_flops = self.peak.at_least(achieved, record=self.outputs.enabled)
+        return achieved / self.peak_flops
+
     # -- checkpoints -------------------------------------------------------------------------
+
+    def _checkpoint_if_due(self) -> dict[str, float]:
+        """Save and snapshot when due; the seconds each tier that ran blocked the step."""
+        blocked = {}
+        saved_before, start = self._saved_step, time.perf_counter()
+        with self.phases.timed("ckpt_stall_s"):
+            self.maybe_save()
+        if self._saved_step != saved_before:
+            blocked["persist"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with self.phases.timed("snapshot_s"):
+            snapped = self.maybe_snapshot()
+        if snapped:
+            blocked["memory"] = time.perf_counter() - start
+        return blocked
+
+    def _retune(self) -> None:
+        """Adaptive cadence: rank 0's proposal for every rank of the group (one broadcast); the
+        RAM interval changes now, the durable one with the next step's vote (``train_step``)."""
+        cadence = self.cadence
+        proposal = rdist.agree(cadence.propose, src=0, what="checkpoint cadence")
+        self._cadence_events(cadence.take(proposal))
+
+    def _cadence_events(self, changes: list[dict[str, Any]]) -> None:
+        for change in changes:
+            if self.outputs.enabled:  # the group's rank 0
+                write_event(self.config.run.dir, "cadence", group=group_id(), step=self.step, **change)
+            log.info("checkpoint cadence: %s every %d steps", change["tier"], change["every_steps"])
 
     def is_due(self, every: int, *, at_end: bool = False) -> bool:
         """Whether a cadence of ``every`` steps (0: never) falls on the current step; with
@@ -334,7 +408,7 @@ class Trainer:
     def maybe_save(self) -> None:
         """Save every ``persist_every`` steps and at the last step (once per step), if this trainer
         writes the step (``_saves_this_step``)."""
-        due = self.is_due(self.config.checkpoint.persist_every, at_end=True)
+        due = self.is_due(self.cadence.persist_every, at_end=True)
         if due and self._saved_step != self.step and self._saves_this_step():
             self.save()
 
@@ -342,11 +416,13 @@ class Trainer:
         """A lone group writes every due step (replica groups: one group per step)."""
         return True
 
-    def maybe_snapshot(self) -> None:
+    def maybe_snapshot(self) -> bool:
         """RAM tier: snapshot into the node store every ``memory_every`` steps (a memcpy; the
-        checksum, publish and buddy copy run in the background)."""
-        if self.ram is not None and self.is_due(self.config.checkpoint.memory_every):
+        checksum, publish and buddy copy run in the background). Whether it did."""
+        if self.ram is not None and self.is_due(self.cadence.memory_every):
             self.ram.snapshot(self.step, capture_state(self.parts, self.step, self.tokens_seen))
+            return True
+        return False
 
     def save(self) -> SaveHandle:
         """Checkpoint the current step. Returns once the state is staged; it persists and commits in
@@ -406,7 +482,7 @@ class Trainer:
         background save error that nothing has raised yet."""
         try:
             self.observer.close()
-            self.parts.pipeline.close()
+            self.parts.data.close()
             self.outputs.close()
         finally:
             try:

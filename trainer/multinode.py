@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
+from resilient.runfiles import pids_dir
 from resilient.trainer.quiet import LAUNCH_ENV
 
 NODE_RANK_ENV = "NODE_RANK"
@@ -192,3 +194,78 @@ def split_ranks(world_size: int, max_nodes: int, nproc_per_node: int | None, npr
             f"parallel.pp x dp_shard x tp = {world_size}: {fix} {nproc_per_node * max_nodes}, or drop --nproc-per-node"
         )
     return nproc_per_node
+
+
+WAIT_REPORT_S = 5.0
+"""How often a node that waits for the others at the rendezvous says so."""
+
+
+class RendezvousWait:
+    """Called while this node's torchrun runs (``launch.run``'s ``watch``): until torchrun starts
+    its ranks (the rendezvous is complete: it starts them only then), says every
+    ``WAIT_REPORT_S`` whom it waits for, where and since when. A node whose peers never come would
+    otherwise sit silent until torchrun's join timeout (10 minutes)."""
+
+    def __init__(self, rendezvous: Rendezvous, run_dir: str) -> None:
+        self.rendezvous = rendezvous
+        self.run_dir = run_dir
+        self.since = time.time()
+        self._next = self.since + WAIT_REPORT_S
+        self.started = False
+
+    def __call__(self, torchrun_pid: int = 0) -> bool:
+        """Say so if still waiting; never asks to stop torchrun (returns False)."""
+        if self.started:
+            return False
+        self.started = self._ranks_started(torchrun_pid)
+        now = time.time()
+        if self.started or now < self._next:
+            return False
+        self._next = now + WAIT_REPORT_S
+        r = self.rendezvous
+        others = f"{r.max_nodes - 1} other node(s)" if r.min_nodes == r.max_nodes else f"{r.min_nodes}+ nodes in all"
+        print(
+            f"waiting for {others} of --nnodes {r.nnodes} to join the rendezvous at {r.endpoint} (--rdzv-id "
+            f"{r.rdzv_id}) since {time.strftime('%H:%M:%S', time.localtime(self.since))} ({now - self.since:.0f} s): "
+            "start the same command on each of them",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+
+    def _ranks_started(self, torchrun_pid: int) -> bool:
+        """torchrun started its ranks (it does once the rendezvous is complete): it has children,
+        or (where /proc does not list them) a rank of this launch wrote its pid file."""
+        if torchrun_pid and _has_children(torchrun_pid):
+            return True
+        folder = pids_dir(self.run_dir)
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return False
+        return any(
+            name.startswith("group") and ".tmp" not in name and _mtime(os.path.join(folder, name)) >= self.since - 1.0
+            for name in names
+        )
+
+
+def _has_children(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                if f.read().strip():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0

@@ -13,7 +13,8 @@ import os
 from typing import Any
 
 from resilient import dist as rdist
-from resilient.runfiles import RANKS_FILE, append_jsonl, group_id, stamp_records, write_event
+from resilient.incarnations import startup_cause
+from resilient.runfiles import RANKS_FILE, append_jsonl, group_id, read_events, stamp_records, write_event
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.timing import StartupClock, StepPhases, StragglerWatch, gather_window
 
@@ -36,6 +37,10 @@ class RunObserver:
         m = config.metrics
         self._stragglers = StragglerWatch(m.straggler_factor, m.straggler_windows)
         self._started = False
+        self.restore_sources: list[str] = []
+        """Every rank's restore source of this start (set by the trainer): evidence of the cause."""
+        self.cause = ""
+        """Why this start happened (``resilient.incarnations``), known once the startup is written."""
         self.watchdog = None
         stamp_records(run_id=None, incarnation=incarnation)  # the run id comes with the restore
 
@@ -80,10 +85,12 @@ class RunObserver:
             self._started = True
             self.clock.mark("first_step")
             if self.rank == 0:
+                self.cause = self._cause()
                 write_event(
                     self.config.run.dir,
                     "startup",
                     group=self.group,
+                    cause=self.cause,
                     layout=self.layout,
                     total_s=self.clock.total(),
                     phases=self.clock.phases(),
@@ -91,6 +98,16 @@ class RunObserver:
         every = self.config.metrics.rank_every
         if every and step % every == 0:
             self._window(step)
+
+    def _cause(self) -> str:
+        """Why this incarnation started, from the previous incarnation's events (rank 0 reads them)."""
+        return startup_cause(
+            read_events(self.config.run.dir),
+            group=self.group,
+            incarnation=self.incarnation,
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            restore_sources=self.restore_sources,
+        )
 
     def _window(self, step: int) -> None:
         steps = self.phases.steps

@@ -112,7 +112,7 @@ def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> nn.Module:
     """Apply TP, activation checkpointing and FSDP2 to ``model`` in place; returns it.
 
-    ``model``: an ``OmniModel`` or one pipeline stage of it (``resilient.trainer.pipeline.OmniStage``,
+    ``model``: an ``OmniModel`` or one pipeline stage of it (``resilient.trainer.pipeline_parallel.OmniStage``,
     which holds the embeddings or heads only on the first or last stage). Call on the fully
     initialized, unsharded model, built identically (same seed) on every rank:
     shards are cut locally, nothing is broadcast. Afterwards call the model only through

@@ -6,19 +6,29 @@ H100's 989 TFLOP/s, or an H20 reported against H100 numbers). So the peak says w
 - ``config``: the recipe's ``run.peak_flops`` override, when > 0;
 - ``table:<name>``: a CUDA device whose name matches a row of ``PEAK_FLOPS`` (dense bf16/fp16
   tensor-core peak from the vendor's datasheet), when training in bf16/fp16;
-- ``measured``: anything else (CPU, an unknown GPU, fp32 training): the achieved FLOP/s of a
-  short square-matmul benchmark in the training dtype, so MFU then reads "fraction of what a big
-  matmul reaches here", a real ceiling rather than a marketing one.
+- ``measured`` / ``cached``: anything else (CPU, an unknown GPU, fp32 training): the achieved
+  FLOP/s of the model's own matmul shapes in the training dtype, so MFU then reads "fraction of
+  what this model's matmuls reach here", a real ceiling rather than a marketing one. Measured once
+  per machine and kept in a cache file (restarts compare against the same number), and raised
+  whenever a step does better (``Peak.at_least``): a measured MFU is never above 100%.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+import os
+import platform
 import re
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from resilient.runfiles import read_json, write_json
+
+if TYPE_CHECKING:
+    from resilient.trainer.config import TrainConfig
 
 PEAK_FLOPS: dict[str, float] = {
     # Dense (not 2:4 sparse) bf16/fp16 tensor-core FLOP/s with fp32 accumulate, per GPU. NVIDIA's
@@ -45,25 +55,86 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16)
 """The table holds tensor-core peaks for these; other dtypes are measured (fp32/TF32 peaks are a
 fraction of them, and whether TF32 is on is a runtime setting)."""
 
-BENCH_SIZES = (256, 512, 1024)
+BENCH_SIZES = ((1024, 1024, 1024),)
+"""The matmul shapes (m, k, n) measured when the caller names none (``model_matmul_shapes``)."""
 BENCH_SECONDS = 0.25
-"""Timed part of the benchmark; the warm-up adds about one matmul of each size."""
+"""Timed part of the benchmark; the warm-up adds about one matmul of each shape."""
+MAX_BENCH_ROWS = 8192
+"""Rows of a measured matmul at most: a longer one runs at the same rate and only takes longer."""
+CACHE_ENV = "RESILIENT_PEAK_CACHE"
+"""The per-machine peak cache file; default ``~/.cache/resilient/peak.json``."""
+
+Shapes = tuple[tuple[int, int, int], ...]
 
 
-def peak_flops(device: str, override: float = 0.0, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
-    """(peak FLOP/s of one rank, where it came from: 'config', 'table:<name>' or 'measured').
+@dataclass(slots=True)
+class Peak:
+    """The MFU denominator of one rank and where it came from (``source``: 'config',
+    'table:<name>', 'measured' at this start, or 'cached' from an earlier start on this machine).
 
-    ``device`` is a torch device string ('cpu', 'cuda', 'cuda:1'); ``dtype`` the dtype the model's
-    matmuls run in. The measurement is cached per (device, dtype, thread count): it runs once.
-    """
+    A measured peak is a floor of what the machine does, not a ceiling: a busy moment at start
+    makes it low. So a step whose model FLOP/s exceed it raises it (``at_least``), and the
+    per-machine cache keeps the highest seen: MFU is never above 100%, and restarts on one machine
+    compare against the same number."""
+
+    flops: float
+    source: str
+    key: str = ""
+    """The cache entry: device model, dtype, threads and matmul shapes."""
+    cache_path: str = ""
+
+    def at_least(self, achieved: float, *, record: bool) -> float:
+        """The peak, raised to ``achieved`` FLOP/s when a measured one is below it (``record``:
+        and in the cache, by one rank). A vendor's table or the recipe's value is left alone."""
+        if achieved > self.flops and self.source in ("measured", "cached"):
+            self.flops = achieved
+            if record and self.cache_path:
+                _remember(self.cache_path, self.key, achieved)
+        return self.flops
+
+
+def peak_flops(
+    device: str, override: float = 0.0, dtype: torch.dtype = torch.float32, shapes: Shapes = BENCH_SIZES
+) -> tuple[float, str]:
+    """(peak FLOP/s of one rank, where it came from); see ``find_peak``."""
+    peak = find_peak(device, override, dtype, shapes)
+    return peak.flops, peak.source
+
+
+def find_peak(
+    device: str, override: float = 0.0, dtype: torch.dtype = torch.float32, shapes: Shapes = BENCH_SIZES
+) -> Peak:
+    """The peak of one rank: the recipe's ``run.peak_flops`` when > 0, the table for a known GPU in
+    bf16/fp16, else the best rate of the model's own matmul ``shapes`` in ``dtype``, measured once
+    per machine (cached in ``$RESILIENT_PEAK_CACHE``, keyed by the device's model, the dtype,
+    torch's thread count and the shapes)."""
     if override > 0:
-        return float(override), "config"
+        return Peak(float(override), "config")
     dev = torch.device(device)
     if dev.type == "cuda" and dtype in TABLE_DTYPES:
         name = match_device(torch.cuda.get_device_name(dev))
         if name is not None:
-            return PEAK_FLOPS[name], f"table:{name}"
-    return _measured(str(dev), dtype, torch.get_num_threads()), "measured"
+            return Peak(PEAK_FLOPS[name], f"table:{name}")
+    threads = torch.get_num_threads()
+    key = f"{_device_model(dev)}|{str(dtype).removeprefix('torch.')}|threads={threads}|{shapes}"
+    path = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "resilient", "peak.json")
+    cached = (_read_cache(path)).get(key)
+    if isinstance(cached, int | float) and math.isfinite(cached) and cached > 0:
+        return Peak(float(cached), "cached", key, path)
+    flops = _measured(str(dev), dtype, threads, shapes)
+    _remember(path, key, flops)
+    return Peak(flops, "measured", key, path)
+
+
+def model_matmul_shapes(config: TrainConfig) -> Shapes:
+    """The (m, k, n) of one rank's big matmuls in a step: its tokens (of a microbatch under
+    pipelining) times the model width into the attention, MLP and output projections, each split
+    over the tensor-parallel ranks."""
+    p, model, data = config.parallel, config.model, config.data.pipeline
+    rows = max(1, data.global_rows // p.dp_shard // (p.microbatches if p.pp > 1 else 1))
+    m = min(MAX_BENCH_ROWS, rows * data.row_len)
+    outs = sorted({model.dim, model.ffn_hidden_dim, model.vocab_size})
+    return tuple((m, model.dim, max(1, n // p.tp)) for n in outs)
 
 
 def match_device(device_name: str) -> str | None:
@@ -79,26 +150,56 @@ def match_device(device_name: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _measured(device: str, dtype: torch.dtype, threads: int) -> float:
-    """Achieved FLOP/s of square matmuls on ``device`` (``threads`` is part of the cache key only:
-    the benchmark uses torch's current thread count, as the training step does)."""
+def _device_model(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or 'cpu'} x{os.cpu_count()}"
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        return read_json(path) or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(path: str, key: str, flops: float) -> None:
+    """Keep the highest peak seen for ``key`` (best effort: a read-only home keeps none)."""
+    known = _read_cache(path)
+    try:
+        if flops > float(known.get(key, 0.0)):
+            write_json(path, {**known, key: flops})
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def _measured(device: str, dtype: torch.dtype, threads: int, shapes: Shapes) -> float:
+    """Achieved FLOP/s of matmuls of ``shapes`` on ``device`` (``threads`` is part of the cache key
+    only: the benchmark uses torch's current thread count, as the training step does)."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    mats = {n: (torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)) for n in BENCH_SIZES}
+    mats = {
+        (m, k, n): (torch.randn(m, k, device=dev).to(dtype), torch.randn(k, n, device=dev).to(dtype))
+        for m, k, n in shapes
+    }
     for a, b in mats.values():  # warm-up: first calls pick kernels and fault in pages
         torch.mm(a, b)
     sync()
     best = 0.0
-    # The best rate of any size counts: small matmuls underrate a device (launch and cache effects),
-    # so averaging them in would lower the peak and inflate MFU. Each size gets an equal share of time.
-    for n, (a, b) in mats.items():
-        flops, elapsed, deadline = 0.0, 0.0, time.perf_counter() + BENCH_SECONDS / len(BENCH_SIZES)
+    # The best rate of any shape counts: averaging slower ones in would lower the peak and inflate
+    # MFU. Each shape gets an equal share of the time.
+    for (m, k, n), (a, b) in mats.items():
+        flops, elapsed, deadline = 0.0, 0.0, time.perf_counter() + BENCH_SECONDS / len(mats)
         start = time.perf_counter()
         while True:
             torch.mm(a, b)
             sync()
-            flops += 2.0 * n**3
+            flops += 2.0 * m * k * n
             elapsed = time.perf_counter() - start
             if time.perf_counter() >= deadline:
                 break

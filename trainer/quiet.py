@@ -16,11 +16,13 @@ import contextlib
 import os
 import sys
 
-from resilient.errors import ResilientError
+from resilient.errors import ConfigError, ResilientError, disk_full
 from resilient.runfiles import logs_dir
 
 DEBUG_ENV = "RESILIENT_DEBUG"
 ERROR_EXIT = 2
+RUNTIME_EXIT = 1
+"""A failure of the machine, not of the input (a full disk): rerunning once it is fixed resumes."""
 
 
 def debug_enabled() -> bool:
@@ -41,7 +43,12 @@ def error_path(run_dir: str) -> str:
     return os.path.join(logs_dir(run_dir), f"error-{run_id}")
 
 
-def claim_report(run_dir: str, message: str) -> bool:
+FINAL_MARK = "final"
+"""Second line of a claim whose error a restart cannot fix (a setting): the launcher stops torchrun
+rather than let it restart the ranks into the same error (``final_claim_since``)."""
+
+
+def claim_report(run_dir: str, message: str, *, final: bool = False) -> bool:
     """True if this rank is the first to report an error of this launch (and has recorded it)."""
     path = error_path(run_dir)
     try:
@@ -52,14 +59,21 @@ def claim_report(run_dir: str, message: str) -> bool:
     except OSError:
         return True  # the run directory is unwritable: better a line per rank than none
     with os.fdopen(fd, "w") as f:
-        f.write(message + "\n")
+        f.write(message + "\n" + (FINAL_MARK + "\n" if final else ""))
     return True
 
 
-def reported_since(run_dir: str, since: float) -> str | None:
-    """The error line a rank claimed (``claim_report``) at or after ``since`` (``time.time()``), the
-    earliest if several groups claimed one; None if none did. For launchers whose ranks write to log
-    files (replica groups), which print the line for them."""
+def final_claim_since(run_dir: str, since: float) -> str | None:
+    """The line of a claim at or after ``since`` that no restart can fix (``claim_report(final=True)``)."""
+    for path in _claims_since(run_dir, since):
+        with contextlib.suppress(OSError), open(path) as f:
+            lines = f.read().splitlines()
+            if len(lines) > 1 and lines[1] == FINAL_MARK:
+                return lines[0]
+    return None
+
+
+def _claims_since(run_dir: str, since: float) -> list[str]:
     folder = logs_dir(run_dir)
     claims = []
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
@@ -67,7 +81,14 @@ def reported_since(run_dir: str, since: float) -> str | None:
         with contextlib.suppress(OSError):
             if name.startswith("error-") and os.stat(path).st_mtime >= since:
                 claims.append((os.stat(path).st_mtime, path))
-    for _, path in sorted(claims):
+    return [path for _, path in sorted(claims)]
+
+
+def reported_since(run_dir: str, since: float) -> str | None:
+    """The error line a rank claimed (``claim_report``) at or after ``since`` (``time.time()``), the
+    earliest if several groups claimed one; None if none did. For launchers whose ranks write to log
+    files (replica groups), which print the line for them."""
+    for path in _claims_since(run_dir, since):
         with contextlib.suppress(OSError), open(path) as f:
             line = f.readline().strip()
             if line:
@@ -79,12 +100,13 @@ def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:
     """The exit code for a worker that failed with ``error``; None: re-raise it (a traceback)."""
     if debug_enabled():
         return None
-    if isinstance(error, ResilientError):
+    if isinstance(error, ResilientError) or disk_full(error):
         # An agreed error already names the rank that saw it ("[rank 0 (and 1 other rank(s))] ...").
         line = f"error: {error}" if str(error).startswith("[rank ") else f"error: [rank {rank}] {error}"
-        if claim_report(run_dir, line):
+        if claim_report(run_dir, line, final=isinstance(error, ConfigError)):
             print(line, file=sys.stderr, flush=True)
-        return ERROR_EXIT
+        # A full disk is a failure of the machine, not of the input: 1, not the usage code.
+        return RUNTIME_EXIT if disk_full(error) else ERROR_EXIT
     if isinstance(error, KeyboardInterrupt):
         return 128 + 2  # Ctrl-C: torchrun passed the launcher's SIGINT on; the launcher says where we stood
     if isinstance(error, Exception) and os.path.exists(error_path(run_dir)):

@@ -129,7 +129,7 @@ class ReplicatedTrainer(Trainer):
             "model": model_state,
             "optim": optim_state,
             "scheduler": scheduler_state(self.parts.scheduler),
-            "data": self.parts.pipeline.state_dict(),
+            "data": self.parts.data.state_dict(),
             "train": {"step": self.step, "tokens_seen": self.tokens_seen},
         }
 
@@ -144,7 +144,7 @@ class ReplicatedTrainer(Trainer):
         parts = self.parts
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         load_scheduler_state(parts.scheduler, state["scheduler"])
-        parts.pipeline.load_state_dict(state["data"])
+        parts.data.load_state_dict(state["data"])
         self.step, self.tokens_seen = int(state["train"]["step"]), int(state["train"]["tokens_seen"])
 
     # -- one step: quorum, batch share, step event (the step itself is Trainer.train_step) ------
@@ -167,7 +167,7 @@ class ReplicatedTrainer(Trainer):
             )
         dp = self.config.parallel.dp_shard
         share = quorum.participating_rank * dp + self.mesh["dp_shard"].get_local_rank()
-        batch = self.parts.pipeline.batch_for_step(self.parts.pipeline.cursor, share, quorum.num_participants * dp)
+        batch = self.parts.data.batch_for_step(self.parts.data.cursor, share, quorum.num_participants * dp)
         return batch, time.perf_counter() - start - quorum.quorum_s
 
     def _record_attempt(self, result: StepResult) -> None:

@@ -33,7 +33,7 @@ from resilient.trainer.data import OmniPipeline
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
 
 if TYPE_CHECKING:
-    from resilient.trainer.pipeline import Stages
+    from resilient.trainer.pipeline_parallel import Stages
 
 
 @dataclass(slots=True)
@@ -45,8 +45,8 @@ class TrainingParts:
     parameters under their global names; the optimizer and the checkpoint go through it)."""
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
-    pipeline: OmniPipeline
-    """The data pipeline."""
+    data: OmniPipeline
+    """The data pipeline (``trainer/data``; pipeline parallelism is ``stages``)."""
     stages: Stages | None = None
     """Under pipelining, this rank's stages and their schedule (what a step calls instead of the model)."""
     global_params: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
@@ -72,7 +72,7 @@ def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str
         "model": model_state,
         "optim": optim_state,
         "scheduler": scheduler_state(parts.scheduler),
-        "data": parts.pipeline.state_dict(),
+        "data": parts.data.state_dict(),
         "rng": capture_rng_state(),
         "train": {"step": step, "tokens_seen": tokens_seen},
     }
@@ -123,6 +123,6 @@ def apply_state(parts: TrainingParts, state: dict[str, Any]) -> tuple[int, int]:
     }
     set_state_dict(parts.model, parts.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     load_scheduler_state(parts.scheduler, state["scheduler"])
-    parts.pipeline.load_state_dict(state["data"])
+    parts.data.load_state_dict(state["data"])
     restore_rng_state(state["rng"])
     return int(state["train"]["step"]), int(state["train"]["tokens_seen"])

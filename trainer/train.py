@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -21,6 +22,7 @@ from resilient.dist import agree, free_port
 from resilient.errors import ConfigError
 from resilient.recovery.ram.tier import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
+from resilient.storage.shared import check_shared_root
 from resilient.trainer.build import (
     build_checkpointer,
     build_parts,
@@ -29,10 +31,12 @@ from resilient.trainer.build import (
     seed_everything,
 )
 from resilient.trainer.config import TrainConfig, load_config
+from resilient.trainer.lighthouse import set_parent_death_signal
 from resilient.trainer.loop import Trainer
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs
-from resilient.trainer.peak import peak_flops
+from resilient.trainer.peak import find_peak, model_matmul_shapes
+from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted
 from resilient.trainer.quiet import report_failure
 from resilient.trainer.timing import StartupClock, process_start_time
 
@@ -100,7 +104,7 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
         steps=config.run.steps,
     )
     dtype = torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32
-    peak, peak_source = peak_flops(str(device), config.run.peak_flops, dtype)
+    peak = find_peak(str(device), config.run.peak_flops, dtype, model_matmul_shapes(config))
     outputs.context = {"layout": observer.layout}
     if config.metrics.tensorboard:
         outputs.open_tensorboard()
@@ -111,8 +115,9 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
             "group": group_id(),
             "device": str(device),
             "incarnation": observer.incarnation,
-            "peak_flops": peak,
-            "peak_flops_source": peak_source,
+            "peak_flops": peak.flops,
+            "peak_flops_source": peak.source,
+            "peak_flops_key": peak.key,
         },
     )
     saves_log = os.path.join(outputs.directory, SAVES_FILE) if outputs.enabled else None
@@ -128,9 +133,11 @@ def build_trainer(config: TrainConfig, device: torch.device, clock: StartupClock
     trainer = None
     try:
         checkpointer = build_checkpointer(config, saves_log)
+        # A root that is not shared would hang the first save for the whole commit timeout.
+        check_shared_root(checkpointer.store, setting="checkpoint.url")
         trainer = trainer_class(config, mesh, parts, checkpointer, outputs, device, observer)
         trainer.ram = ram
-        trainer.peak_flops = peak
+        trainer.peak, trainer.peak_flops = peak, peak.flops
         trainer.install_configured_hooks()
     except BaseException:
         # Nothing else holds these yet: close the RAM channel (and a half-built trainer's torchft
@@ -183,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     _setup_logging(rank)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun gone (SIGKILLed, OOM-killed): stop as on a preemption rather than live on in a
+        # session of our own; the ranks get it together and save the step they are at.
+        set_parent_death_signal(signal.SIGTERM)
     # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
     write_pid(config.run.dir, group_id(), rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world
@@ -201,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = build_trainer(config, device, clock)
         clock.mark("model")
-        trainer.run()
+        with trainer.preemption:
+            trainer.run()
         trainer.close()
+    except Preempted:
+        _close_quietly(trainer)
+        return PREEMPTED_EXIT
     except BaseException as e:
         if trainer is not None:
             _close_quietly(trainer)

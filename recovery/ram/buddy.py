@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.handler import PutTarget
 from resilient.recovery.ram.store import CrcAsItLands, RankStore, SnapshotIndex, first_corruption
 
@@ -123,7 +123,7 @@ def shared_secret() -> bytes:
     return bytes(secret.tolist())
 
 
-def bind_host(config: RecoveryConfig) -> str:
+def bind_host(config: RamTierConfig) -> str:
     """``recovery.bind_host``, else the local address of the interface that reaches the job's master."""
     if config.bind_host:
         return config.bind_host

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.node_id import sanitize
 from resilient.recovery.ram.timeline import incarnation_of
 from resilient.state import Leaf, held_elsewhere
@@ -450,21 +450,21 @@ def run_dir_key(run_dir: str) -> str:
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
 
 
-def store_root(config: RecoveryConfig, run_dir: str) -> str:
+def store_root(config: RamTierConfig, run_dir: str) -> str:
     """``<store_dir>``: the configured one, else ``/dev/shm/resilient/<run-dir-key>``."""
     if config.store_dir:
         return os.path.abspath(config.store_dir)
     return os.path.join(DEFAULT_STORE_ROOT, run_dir_key(run_dir))
 
 
-def node_store_dir(config: RecoveryConfig, run_dir: str, group: int, node: int | str) -> str:
+def node_store_dir(config: RamTierConfig, run_dir: str, group: int, node: int | str) -> str:
     """The directory of node ``node`` of replica group ``group`` (wipe it to simulate losing the
     node): a simulated node's index, or a real node's identity (sanitized)."""
     name = f"node{node}" if isinstance(node, int) else f"node-{sanitize(node)}"
     return os.path.join(store_root(config, run_dir), f"group{group}", name)
 
 
-def ranks_per_node(config: RecoveryConfig, world_size: int) -> int:
+def ranks_per_node(config: RamTierConfig, world_size: int) -> int:
     """Ranks per (simulated) node: the config, else torchrun's LOCAL_WORLD_SIZE, else the world."""
     per_node = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:

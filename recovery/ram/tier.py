@@ -31,7 +31,7 @@ import torch
 from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
 from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
@@ -72,7 +72,7 @@ class RamTier:
 
     def __init__(
         self,
-        config: RecoveryConfig,
+        config: RamTierConfig,
         *,
         keep: int,
         run_dir: str,

@@ -23,12 +23,11 @@ from resilient.dtypes import itemsize
 from resilient.errors import ConfigError, StorageError
 from resilient.layout import Box
 from resilient.manifest import LATEST, MANIFEST, parse_step_dir
+from resilient.storage.offline import FORMATS
 from resilient.storage.offline.catalog import open_checkpoint, select, split_step_url
 from resilient.storage.offline.sink import Layout, ResilientSink, default_layout
 from resilient.storage.offline.sources import ResilientSource, SourceState, TensorInfo, TensorSource
 from resilient.storage.offline.streaming import FLOAT_DTYPES, Pending, Pipeline, numpy_dtype
-
-FORMATS = ("resilient", "safetensors", "torch", "dcp")
 
 
 class TensorSink(Protocol):

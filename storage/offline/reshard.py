@@ -130,6 +130,20 @@ def not_applied(mesh: dict[str, int], infos: list[TensorInfo]) -> list[dict]:
     return [{"dim": name, "size": mesh[name], "reason": why, "tensors": fqns} for (name, why), fqns in groups.items()]
 
 
+def splits_no_tensor(mesh: dict[str, int]) -> list[dict]:
+    """The mesh dims (of size > 1) that split no tensor at all, and why: named, as any dim that
+    does not apply is, so that ``--mesh pp=2,...`` does not look as if pp had been ignored."""
+    return [
+        {
+            "dim": name,
+            "size": size,
+            "reason": "pipeline stages split the layers, not a tensor: every tensor is laid out for the other dims",
+        }
+        for name, size in mesh.items()
+        if name in SPLITS_NO_TENSOR and size > 1
+    ]
+
+
 def source_mesh(infos: list[TensorInfo]) -> dict[str, int] | list[dict[str, int]] | None:
     """The save-time mesh (a list if tensors were saved on several; None: saved without one)."""
     meshes = list(dict.fromkeys(tuple(zip(i.mesh_dim_names, i.mesh_shape, strict=True)) for i in infos if i.mesh_shape))
@@ -240,4 +254,5 @@ def reshard(
         "resharded_from": origin,
         "resharded_to": target,
         "not_applied": not_applied(target.get("mesh", {}), infos),
+        "splits_no_tensor": splits_no_tensor(target.get("mesh", {})),
     }

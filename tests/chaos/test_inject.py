@@ -16,7 +16,7 @@ import pytest
 from resilient.chaos.inject import FaultRecord, InjectContext, advance
 from resilient.chaos.job import job_node_store_dir, job_store_root
 from resilient.chaos.scenario import REPO_ROOT, FaultSpec
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.runfiles import pid_path
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -37,7 +37,7 @@ while True:
 def node(tmp_path: Path):
     run_dir = str(tmp_path / "run")
     config = SimpleNamespace(
-        recovery=RecoveryConfig(store_dir=str(tmp_path / "ram"), ranks_per_node=1),
+        recovery=RamTierConfig(store_dir=str(tmp_path / "ram"), ranks_per_node=1),
         checkpoint=SimpleNamespace(memory_every=2),
     )
     job = SimpleNamespace(
@@ -97,10 +97,10 @@ def test_kill_node_without_a_store_fails_and_kills_nothing(node) -> None:
 def test_a_relative_store_dir_resolves_against_the_repo_like_the_job(tmp_path: Path, monkeypatch) -> None:
     """The job runs with cwd = the repo root; the harness may run anywhere."""
     monkeypatch.chdir(tmp_path)
-    config = SimpleNamespace(recovery=RecoveryConfig(store_dir="runs/ram"))
+    config = SimpleNamespace(recovery=RamTierConfig(store_dir="runs/ram"))
     assert job_store_root(config, "/r") == str(REPO_ROOT / "runs" / "ram")
     assert job_node_store_dir(config, "/r", 1, 2) == str(REPO_ROOT / "runs" / "ram" / "group1" / "node2")
-    absolute = SimpleNamespace(recovery=RecoveryConfig(store_dir=str(tmp_path / "ram")))
+    absolute = SimpleNamespace(recovery=RamTierConfig(store_dir=str(tmp_path / "ram")))
     assert job_store_root(absolute, "/r") == str(tmp_path / "ram")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery.config import QuorumConfig, check_rows_divisible
+from resilient.recovery.config import ReplicaConfig, check_rows_divisible
 from resilient.recovery.quorum import replica_name
 from resilient.trainer.config import load_config
 
@@ -15,7 +15,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
 
 
 def test_defaults_retry_the_lighthouse() -> None:
-    config = QuorumConfig()
+    config = ReplicaConfig()
     assert not config.enabled and config.quorum_retries >= 10
 
 
@@ -31,15 +31,15 @@ def test_defaults_retry_the_lighthouse() -> None:
 )
 def test_bad_values_name_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        QuorumConfig(**kwargs)
+        ReplicaConfig(**kwargs)
 
 
 def test_lighthouse_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match="no lighthouse"):
-        QuorumConfig(enabled=True).lighthouse_url()
+        ReplicaConfig(enabled=True).lighthouse_url()
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:9")
-    assert QuorumConfig(enabled=True).lighthouse_url() == "http://127.0.0.1:9"
+    assert ReplicaConfig(enabled=True).lighthouse_url() == "http://127.0.0.1:9"
 
 
 def test_rows_must_split_over_every_participant_count() -> None:

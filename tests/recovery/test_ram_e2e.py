@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import communicate_or_fail
@@ -107,7 +107,7 @@ def _kill_node(run_dir: Path, store: Path, rank: int, *, wipe: list[int]) -> Non
     pid = read_pid(str(run_dir), 0, rank)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
-    config = RecoveryConfig(store_dir=str(store), ranks_per_node=1)
+    config = RamTierConfig(store_dir=str(store), ranks_per_node=1)
     for node in wipe:
         shutil.rmtree(node_store_dir(config, str(run_dir), 0, node))
     os.kill(pid, signal.SIGKILL)

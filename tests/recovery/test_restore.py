@@ -16,7 +16,7 @@ import torch
 
 from resilient.dist import barrier
 from resilient.errors import StorageError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, describe
 from resilient.storage.checkpointer import Checkpointer
@@ -217,7 +217,7 @@ def test_a_lost_node_restores_from_its_buddy_and_ranks_fail_together(tmp_path):
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
         save(ckpt, 2)
     run_world(_snapshot_rank, 2, str(store), [4], str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)
-    config = RecoveryConfig(store_dir=str(store), ranks_per_node=1)
+    config = RamTierConfig(store_dir=str(store), ranks_per_node=1)
     shutil.rmtree(node_store_dir(config, str(store / "run"), 0, 1))  # node 1 is replaced
     restored = run_world(_restore_rank, 2, str(store), str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)
     assert [(r["source"], r["step"], r["reads"]) for r in restored] == [("own", 4, 0), ("buddy", 4, 0)]

@@ -16,7 +16,7 @@ import torch
 from resilient.errors import ConfigError, IntegrityError, RestoreError
 from resilient.manifest import MANIFEST, step_dir
 from resilient.storage.checkpointer import Checkpointer
-from resilient.trainer.config import CheckpointConfig
+from resilient.trainer.checkpoint_config import CheckpointConfig
 from tests.dist import run_world
 from tests.recovery.policy import events, restore_with, save, snapshot, start_run, tier
 

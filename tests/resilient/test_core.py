@@ -185,3 +185,20 @@ def test_state_digest_over_a_group_covers_every_rank_s_tensors() -> None:
     whole = state_digest({"a": torch.arange(4.0), "b": torch.ones(3)})
     assert results[0]["held"] == whole, "split over two ranks = the same tensors in one process"
     assert results[0]["changed"] != results[0]["held"], "a change on rank 1 alone changes rank 0's digest"
+
+
+def test_metrics_sink_records_carry_time_run_id_and_incarnation(tmp_path) -> None:
+    """saves.jsonl / ram.jsonl are joined with the other run files by run_id and incarnation."""
+    from resilient.metrics import JsonlSink
+
+    path = str(tmp_path / "group0" / runfiles.SAVES_FILE)
+    sink = JsonlSink(path)
+    try:
+        runfiles.stamp_records(run_id="r1", incarnation=3)
+        sink.write({"event": "save", "step": 7})
+    finally:
+        runfiles._identity.clear()
+    (record,) = runfiles.read_jsonl(path)
+    assert (record["run_id"], record["incarnation"], record["step"]) == ("r1", 3, 7)
+    assert record["t"] > 1e9
+    assert list(sink.records) == [{"event": "save", "step": 7}]

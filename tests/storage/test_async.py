@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -219,6 +220,26 @@ def test_background_writer_runs_at_writer_nice(tmp_path, writer):
         ckpt.close()
     with pytest.raises(ConfigError, match=r"writer_nice must be an integer in \[0, 19\], got 20"):
         CheckpointerConfig(writer_nice=20)
+
+
+@pytest.mark.timeout(60)
+def test_writer_thread_nice_is_relative_to_a_niced_caller(tmp_path):
+    """A job started under ``nice`` keeps its writer below itself: the thread writer's priority is
+    the caller's plus writer_nice (it was set to writer_nice, above an already-niced job)."""
+    seen: dict = {}
+
+    def niced_job() -> None:  # a thread of its own: the test's priority is left alone
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 5)
+        seen["job"] = os.getpriority(os.PRIO_PROCESS, me)
+        with Checkpointer(str(tmp_path), config=CheckpointerConfig(writer="thread", writer_nice=7)) as ckpt:
+            ckpt.save(1, _state(1.0)).wait()
+            seen["writer"] = os.getpriority(os.PRIO_PROCESS, ckpt._writer._thread.native_id)
+
+    job = threading.Thread(target=niced_job)
+    job.start()
+    job.join(50)
+    assert seen["writer"] == min(seen["job"] + 7, 19) and seen["job"] >= 5, seen
 
 
 @pytest.mark.timeout(60)

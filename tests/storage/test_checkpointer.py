@@ -91,6 +91,17 @@ def test_steps_load_by_step_and_keep_last(tmp_path):
     assert json.loads((tmp_path / "latest").read_text()) == {"step": 3}
 
 
+def test_keep_last_zero_keeps_every_step_as_in_a_recipe(tmp_path):
+    """checkpoint.keep_last = 0 in a recipe and CheckpointerConfig(keep_last=0) mean the same."""
+    from resilient import CheckpointerConfig
+
+    ckpt = Checkpointer(str(tmp_path), config=CheckpointerConfig(keep_last=0))
+    for s in (1, 2, 3):
+        ckpt.save(s, make_state(s)).wait()
+    assert ckpt.steps() == [1, 2, 3]
+    assert CheckpointerConfig(keep_last=None).keep_last == 0
+
+
 def test_rng_state_round_trips_as_json(tmp_path):
     torch.manual_seed(5)
     state = {"rng": capture_rng_state()}

@@ -116,6 +116,27 @@ def test_retention_counts_only_steps_that_load_toward_keep_last(tmp_path):
     assert doomed == ["step-000000001"] and sorted(damaged) == [4, 5]
 
 
+def test_retention_keeps_a_step_set_aside_by_a_fallback_for_inspection(tmp_path):
+    """A restore fell back past damaged step 6 and set it aside; the run went on from step 4 with
+    another cadence, so step 6 is never saved again: its data stays while the steps around it are
+    kept (the README's promise), and goes once it is older than every kept step."""
+    from resilient.storage.retention import set_aside
+
+    ckpt = Checkpointer(str(tmp_path), config=CheckpointerConfig(keep_last=3))
+    for s in (2, 4, 6):
+        ckpt.save(s, {"w": torch.ones(2)}).wait()
+    store = FileObjectStore(parse_url(str(tmp_path)))
+    manifest = (tmp_path / "step-000000006" / "manifest.json").read_bytes()
+    assert set_aside(store, 6, manifest)
+    for s in (5, 7, 8):  # 7 and 8 commit after it: the old code deleted step 6 as a leftover save
+        ckpt.save(s, {"w": torch.ones(2)}).wait()
+    attempt = json.loads(manifest)["attempt"]
+    assert (tmp_path / "step-000000006" / attempt).is_dir() and ckpt.steps() == [5, 7, 8]
+    for s in (9, 10):  # now step 6 is older than every kept step (8, 9, 10)
+        ckpt.save(s, {"w": torch.ones(2)}).wait()
+    assert not (tmp_path / "step-000000006").exists()
+
+
 def test_retention_sees_damage_of_a_manifest_it_read_before(tmp_path):
     # Attempts are cached by the manifest's bytes (every commit re-reads the kept steps): the same
     # length with other bytes must be parsed again, and found damaged.

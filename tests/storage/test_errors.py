@@ -20,7 +20,7 @@ def test_unsupported_url_and_bad_arguments():
     with pytest.raises(ConfigError, match="unsupported checkpoint URL 'gs://b/x'"):
         Checkpointer("gs://b/x")
     with pytest.raises(ConfigError, match="keep_last"):
-        Checkpointer("/tmp/x", keep_last=0)
+        Checkpointer("/tmp/x", keep_last=-1)
     with pytest.raises(ConfigError, match="step must be a non-negative int"):
         Checkpointer("memory://e/x").save(-1, {})
 

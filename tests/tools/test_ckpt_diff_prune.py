@@ -187,6 +187,10 @@ def test_reshard_mesh_with_pp_lays_out_as_without_it(tmp_path, saved, cli):
     without = cli.json("reshard", root, str(tmp_path / "flat"), "--mesh", "dp_shard=4,tp=2")
     assert with_pp["not_applied"] == without["not_applied"]
     assert all(g["dim"] != "pp" for g in with_pp["not_applied"])
+    assert [(d["dim"], d["size"]) for d in with_pp["splits_no_tensor"]] == [("pp", 2)]  # named, not ignored
+    assert without["splits_no_tensor"] == []
+    rc, said, _ = cli("reshard", root, str(tmp_path / "pp-text"), "--mesh", "pp=2,dp_shard=4,tp=2")
+    assert rc == 0 and "note: pp=2 splits no tensor: pipeline stages split the layers" in said
     shards = {
         name: {t["fqn"]: t["shard_shape"] for t in cli.json("inspect", str(tmp_path / name))["tensors"]}
         for name in ("pp", "flat")

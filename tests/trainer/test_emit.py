@@ -22,6 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
+K8S = ["--image", "i:1", "--set", "checkpoint.url=s3://bucket/omni"]
+"""What every k8s emit needs: an image, and checkpoints that outlive the pods."""
 SPEC = dict(job_name="omni", nproc_per_node=4, gpus_per_node=4, shm_size="32Gi", trainer_args=["--config", "r.toml"])
 
 
@@ -86,7 +88,7 @@ def test_sbatch_script_parses_and_starts_one_launcher_per_node(tmp_path: Path) -
         assert _flag(argv, "--rdzv-endpoint") == "gpu-a17:29400"  # the allocation's first node
         assert _flag(argv, "--rdzv-id") == "4242-1"  # new for each requeue of the job
         assert _flag(argv, "--nproc-per-node") == "4" and _flag(argv, "--max-restarts") == "3"
-        assert argv[-2:] == ["--config", "r.toml"]
+        assert argv[-4:] == ["--config", "r.toml", "--set", "run.preempt_signal=SIGUSR1"]
 
 
 def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
@@ -124,7 +126,7 @@ def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: 
 
 
 def test_cli_emits_replica_groups(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--emit", "k8s", "--config", TINY, "--replica-groups", "4", "--nproc-per-group", "4", "--nnodes", "2"]
+    argv = ["--emit", "k8s", "--config", TINY, "--replica-groups", "4", "--nproc-per-group", "4", "--nnodes", "2", *K8S]
     assert main([*argv, "--set", "data.global_rows=24"]) == 0
     container = _container(yaml.safe_load(capsys.readouterr().out))
     command = shlex.split(container["args"][0].splitlines()[-1].removeprefix("exec "))
@@ -178,7 +180,7 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
 def test_k8s_node_identity_defaults_to_the_pod_hostname(tmp_path: Path) -> None:
     manifest = yaml.safe_load(k8s_manifest(EmitSpec(**{**SPEC, "gpus_per_node": 0})))
     container = _container(manifest)
-    assert "resources" not in container  # a CPU recipe requests no GPU
+    assert "nvidia.com/gpu" not in str(container["resources"])  # a CPU recipe requests no GPU
     env = {k: v for k, v in _stubs(tmp_path).items() if k != "RESILIENT_NODE_ID"}
     env.update(JOB_COMPLETION_INDEX="0", RDZV_ID="omni-0")
     done = subprocess.run(["bash", "-c", *container["args"]], env=env, capture_output=True, text=True, timeout=30)
@@ -194,6 +196,9 @@ def test_k8s_node_identity_defaults_to_the_pod_hostname(tmp_path: Path) -> None:
         ({"shm_size": "64G"}, "--shm-size '64G'"),
         ({"rdzv_port": 0}, "--rdzv-port 0"),
         ({"gpus_per_node": -1}, "--gpus-per-node -1"),
+        ({"time_limit": "24h"}, "--time '24h'"),
+        ({"cpus_per_node": -1}, "--cpus-per-node -1"),
+        ({"mem_per_node": "512G"}, "--mem-per-node '512G'"),
     ],
 )
 def test_emit_spec_rejects_bad_values_naming_the_flag(change: dict, says: str) -> None:
@@ -203,13 +208,13 @@ def test_emit_spec_rejects_bad_values_naming_the_flag(change: dict, says: str) -
 
 def test_cli_emits_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     # tiny.toml: dp_shard 2 x tp 2 = 4 ranks, split over the default 2 nodes; device auto: GPUs.
-    assert main(["--emit", "k8s", "--config", TINY, "--set", "run.steps=20", "--image", "i:1"]) == 0
+    assert main(["--emit", "k8s", "--config", TINY, *K8S, "--set", "run.steps=20"]) == 0
     manifest = yaml.safe_load(capsys.readouterr().out)
     container = _container(manifest)
     command = container["args"][0].splitlines()[-1]
     argv = shlex.split(command.removeprefix("exec "))
     assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--nproc-per-node") == "2"
-    assert argv[-4:] == ["--config", TINY, "--set", "run.steps=20"]
+    assert argv[-6:] == ["--config", TINY, "--set", "checkpoint.url=s3://bucket/omni", "--set", "run.steps=20"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert main(["--emit", "slurm", "--config", TINY, "--nnodes", "4", "--set", "parallel.dp_shard=4"]) == 0
     script = capsys.readouterr().out
@@ -225,7 +230,7 @@ def _one_line_exit_2(argv: list[str]) -> str:
     return lines[0]
 
 
-EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
+EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, *K8S, "--replica-groups", "2"]
 
 
 @pytest.mark.parametrize(
@@ -237,8 +242,12 @@ EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
         (["--emit", "slurm", "--config", TINY, "--nnodes", "2:x"], "error: --nnodes '2:x' must be N or MIN:MAX"),
         (["--emit", "mpi", "--config", TINY], "argument --emit: invalid choice: 'mpi'"),
         (["--emit", "slurm", "--config", TINY, "--nnodes", "3"], "error: parallel.pp x dp_shard x tp = 4 ranks"),
-        (["--emit", "k8s", "--config", TINY, "--nproc-per-node", "4"], "error: --nnodes 2 x --nproc-per-node 4 = 8"),
-        (["--emit", "k8s", "--config", TINY, "--shm-size", "1GB"], "error: --shm-size '1GB'"),
+        (["--emit", "k8s", "--config", TINY, *K8S, "--nproc-per-node", "4"], "error: --nnodes 2 x --nproc-per-node 4"),
+        (["--emit", "k8s", "--config", TINY, *K8S, "--shm-size", "1GB"], "error: --shm-size '1GB'"),
+        # Not ready to submit: a placeholder image, checkpoints on the pods' own disks, a bad limit.
+        (["--emit", "k8s", "--config", TINY], "--emit k8s takes --image IMAGE"),
+        (["--emit", "k8s", "--config", TINY, "--image", "i:1"], "checkpoint.url=s3://BUCKET/PREFIX"),
+        (["--emit", "slurm", "--config", TINY, "--time", "1 day"], "--time '1 day' must be [DAYS-]HH:MM:SS"),
         (
             [*EMIT_GROUPS, "--nproc-per-group", "2"],
             "error: --nproc-per-group 2 but parallel.pp x dp_shard x tp = 4 ranks",
@@ -252,3 +261,84 @@ EMIT_GROUPS = ["--emit", "k8s", "--config", TINY, "--replica-groups", "2"]
 )
 def test_bad_emit_flags_are_one_line_exit_2(argv: list[str], says: str) -> None:
     assert says in _one_line_exit_2(argv)
+
+
+def _preempt_stubs(tmp_path: Path) -> dict[str, str]:
+    """An ``srun`` that runs until it gets SIGUSR1, then exits 143 as a preempted launcher does (it
+    says it got the signal), and an ``scontrol`` that records a requeue."""
+    env = _stubs(tmp_path)
+    bin_dir = tmp_path / "bin"
+    body = (
+        'trap \'echo "step got USR1" >> "$OUT/log"; exit 143\' USR1\n'
+        'echo started >> "$OUT/log"\n'
+        "for i in $(seq 1 300); do sleep 0.1; done\nexit 0\n"
+    )
+    _stub(bin_dir, "srun", body)
+    _stub(bin_dir, "scontrol", 'if [ "$1" = requeue ]; then echo "requeue $2" >> "$OUT/log"; else echo n1; fi\n')
+    return env
+
+
+def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempted(tmp_path: Path) -> None:
+    spec = EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)
+    script = slurm_script(spec)
+    assert "#SBATCH --signal=B:USR1@170" in script  # grace + torchrun's and the launcher's margins + 30
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]"}
+    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "log"
+    for _ in range(100):
+        if log.exists() and "started" in log.read_text():
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    job.send_signal(10)  # SIGUSR1, as SLURM sends it to the batch shell (B:)
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 143, stderr
+    assert log.read_text().splitlines() == ["started", "step got USR1", "requeue 77"]
+    assert "requeueing job 77" in stderr
+
+
+def test_sbatch_does_not_requeue_a_job_that_ended(tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2)))
+    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n[1-2]"}
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "requeue" not in done.stderr, done.stderr
+
+
+def test_jobset_grace_period_covers_the_trainers_preemption_grace() -> None:
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, preempt_grace_s=300.0)))
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 370 > 300 + 30  # above the grace and torchrun's margin
+
+
+def test_cli_takes_the_preemption_settings_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    sets = ["--set", "run.preempt_grace_s=200", "--set", "run.preempt_signal=SIGUSR2"]
+    assert main(["--emit", "slurm", "--config", TINY, "--nnodes", "2", *sets]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --signal=B:USR2@270" in script and "trap '" in script and "' USR2" in script
+    assert main(["--emit", "k8s", "--config", TINY, *K8S, "--nnodes", "2", "--set", "run.preempt_grace_s=200"]) == 0
+    assert "terminationGracePeriodSeconds: 270" in capsys.readouterr().out
+
+
+def test_emitted_files_are_ready_to_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The sbatch parses (bash -n) and sizes its task; the JobSet parses and sizes its pods."""
+    argv = ["--config", TINY, "--nnodes", "2", "--time", "2-00:00:00", "--cpus-per-node", "24"]
+    assert main(["--emit", "slurm", *argv, "--mem-per-node", "256Gi"]) == 0
+    script = capsys.readouterr().out
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    directives = {
+        line.split("=")[0]: line.split("=", 1)[1]
+        for line in script.splitlines()
+        if "#SBATCH --" in line and "=" in line
+    }
+    assert directives["#SBATCH --time"] == "2-00:00:00" and directives["#SBATCH --cpus-per-task"] == "24"
+    assert directives["#SBATCH --mem"] == "262144M" and directives["#SBATCH --signal"].startswith("B:USR1@")
+    assert main(["--emit", "k8s", *argv, *K8S]) == 0
+    pod = yaml.safe_load(capsys.readouterr().out)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    # 2 ranks per node: /dev/shm (64Gi) + 16Gi per rank, requested and limited alike; 24 CPUs asked.
+    assert resources["requests"] == {"cpu": "24", "memory": "96Gi"} and resources["limits"]["memory"] == "96Gi"
+    assert pod["containers"][0]["image"] == "i:1" and pod["terminationGracePeriodSeconds"] > 120

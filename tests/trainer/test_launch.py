@@ -20,7 +20,7 @@ def test_launcher_arguments() -> None:
     assert "--max-restarts" not in torchrun_command(parse_args(["--nproc", "2"]))  # one group: no restarts
     with pytest.raises(SystemExit):
         parse_args(["--replica-groups", "2", "--nproc", "2"])
-    assert parse_args([]).nproc is None  # from the recipe: parallel.dp_shard x tp
+    assert parse_args(["--config", "r.toml"]).nproc is None  # from the recipe: parallel.dp_shard x tp
     with pytest.raises(SystemExit):
         parse_args(["--nproc", "0"])
 

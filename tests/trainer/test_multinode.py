@@ -18,7 +18,7 @@ import pytest
 from resilient import Checkpointer
 from resilient.dist import free_port
 from resilient.errors import ConfigError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import iter_jsonl
 from resilient.tools.train import main, parse_args
@@ -291,7 +291,7 @@ def _steps_done(run_dir: Path) -> int:
 def _published(store: Path, node: str, kind: str) -> set[int]:
     """Steps with a published (renamed, so complete) snapshot index under ``<node>/<kind>/rank*``
     (one rank per node here: its own snapshots, or the copies it keeps for the other node's rank)."""
-    directory = Path(node_store_dir(RecoveryConfig(store_dir=str(store)), "", 0, node))
+    directory = Path(node_store_dir(RamTierConfig(store_dir=str(store)), "", 0, node))
     return {int(p.stem.split("-")[1]) for p in directory.glob(f"{kind}/rank*/step-*.json")}
 
 
@@ -347,7 +347,7 @@ def test_a_node_lost_with_its_memory_resumes_from_the_buddy_copies(tmp_path: Pat
             assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "no step past the snapshot"
             time.sleep(0.05)
         _kill_node_tree(nodes[1])
-        shutil.rmtree(node_store_dir(RecoveryConfig(store_dir=str(store)), "", 0, "host-b"))
+        shutil.rmtree(node_store_dir(RamTierConfig(store_dir=str(store)), "", 0, "host-b"))
         persisted, killed_after = _persisted(ckpt), _steps_done(run_dir)
         nodes[1] = _node(1, port, tmp_path, *sets, hooks=(PACE,))
     except BaseException:
@@ -374,3 +374,57 @@ def test_a_node_lost_with_its_memory_resumes_from_the_buddy_copies(tmp_path: Pat
     for record in iter_jsonl(str(run_dir / "group0" / "samples.jsonl")):
         redone.setdefault(record["step"], []).append(record["sample_ids"])
     assert all(len({json.dumps(ids) for ids in runs}) == 1 for runs in redone.values()), redone
+
+
+@pytest.mark.timeout(30)
+def test_a_waiting_node_says_whom_it_waits_for_where_and_since_when(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from resilient.runfiles import write_pid
+    from resilient.trainer import multinode
+
+    monkeypatch.setattr(multinode, "WAIT_REPORT_S", 0.0)
+    wait = multinode.RendezvousWait(
+        Rendezvous(min_nodes=2, max_nodes=2, endpoint="node0:29400", rdzv_id="job7", node_rank=1), str(tmp_path)
+    )
+    wait()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("waiting for 1 other node(s) of --nnodes 2 to join the rendezvous at node0:29400")
+    assert "(--rdzv-id job7) since " in line and "start the same command on each of them" in line
+    write_pid(str(tmp_path), 0, 0)  # a rank of this launch started: the rendezvous is complete
+    wait()
+    wait()
+    assert capsys.readouterr().err == "" and wait.started
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_node_alone_at_the_rendezvous_is_not_silent(tmp_path: Path) -> None:
+    proc = _node(0, free_port(), tmp_path)  # node 1 never comes
+    log = tmp_path / "node0.log"
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and "waiting for 1 other node(s)" not in log.read_text():
+            time.sleep(0.5)
+    finally:
+        kill_tree(proc)
+    lines = [line for line in log.read_text().splitlines() if line.startswith("waiting for")]
+    assert lines and "to join the rendezvous at 127.0.0.1:" in lines[0], log.read_text()[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_a_checkpoint_root_each_node_sees_apart_is_refused_at_start_without_restarts(tmp_path: Path) -> None:
+    # Each node's own directory, as a node-local path under each pod: refused before any save,
+    # naming the setting, and torchrun does not restart the ranks into the same refusal.
+    port = free_port()
+    nodes = [_node(rank, port, tmp_path, f"checkpoint.url={tmp_path / f'ckpt-node{rank}'}") for rank in (0, 1)]
+    for rank, proc in enumerate(nodes):
+        communicate_or_fail(proc, 150, f"node {rank}")
+    for rank, proc in enumerate(nodes):
+        log = (tmp_path / f"node{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, log[-3000:]
+        assert "is not shared between the ranks" in errors[0] and "set checkpoint.url to" in errors[0]
+        assert log.count("failed (exitcode: 2)") <= 1, log[-3000:]  # no restart into the same error
+    assert [p for rank in (0, 1) for p in (tmp_path / f"ckpt-node{rank}").glob("step-*")] == []

@@ -148,6 +148,7 @@ def test_a_clean_run_flags_no_straggler_and_its_records_join_across_a_resume(tmp
     metrics = read_jsonl(str(run / "group0" / "metrics.jsonl"))
     starts = [e for e in events if e["event"] == "startup"]
     assert [s["incarnation"] for s in starts] == [0, 1] and starts[1]["layout"]["world"] == 1
+    assert [s["cause"] for s in starts] == ["first", "relaunched"]  # a single group records why too
     assert len({m["run_id"] for m in metrics}) == 1 and metrics[0]["run_id"] == starts[0]["run_id"]
     assert [(m["step"], m["incarnation"], m["layout"]["world"]) for m in metrics] == [
         *((s, 0, 2) for s in range(1, 7)),

@@ -84,7 +84,7 @@ def _heal_in_first_quorum(trainer: Any) -> None:
 
     def next_batch() -> tuple[dict[str, Any], float]:
         if not healed:
-            trainer.parts.pipeline.commit_step()
+            trainer.parts.data.commit_step()
             healed.append(True)
         return fetch()
 

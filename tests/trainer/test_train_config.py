@@ -215,3 +215,73 @@ def test_world_size_mismatch_fails_before_any_collective(monkeypatch, capsys) ->
     assert "parallel.pp=1 x parallel.dp_shard=2 x parallel.tp=2 = 4 ranks, but 2 were started" in err
     assert main(["--config", TINY, "--set", "run.stepz=1"]) == CONFIG_ERROR_EXIT
     assert "unknown key run.stepz" in capsys.readouterr().err
+
+
+def test_every_checkpointer_setting_is_a_checkpoint_key_with_one_meaning() -> None:
+    import dataclasses
+
+    from resilient.storage.config import CheckpointerConfig
+
+    storage_fields = {f.name for f in dataclasses.fields(CheckpointerConfig)} - {"metrics_path"}
+    assert storage_fields <= set(allowed_keys("checkpoint"))
+    assert {"io_threads", "staging_bytes", "max_inflight", "commit_timeout_s", "keep_last"} <= storage_fields
+    config = load_config(
+        TINY,
+        [
+            "checkpoint.io_threads=3",
+            "checkpoint.staging_bytes=33554432",
+            "checkpoint.max_inflight=2",
+            "checkpoint.commit_timeout_s=90",
+            "checkpoint.keep_last=0",
+            "checkpoint.writer='process'",
+        ],
+    )
+    storage = config.checkpoint.storage
+    assert (storage.io_threads, storage.staging_bytes, storage.max_inflight) == (3, 32 << 20, 2)
+    assert storage.commit_timeout_s == 90.0 and storage.close_timeout_s == 1800.0  # the other from timeout_s
+    assert storage.keep_last == 0 and storage.writer == "process"  # 0 keeps every step, as in the class
+    defaults = load_config(None, ["checkpoint.timeout_s=120"]).checkpoint.storage
+    assert (defaults.keep_last, defaults.commit_timeout_s, defaults.close_timeout_s) == (3, 120.0, 120.0)
+    assert config_from_dict(config.to_dict()) == config
+    assert "metrics_path" not in config.to_dict()["checkpoint"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("checkpoint.io_threads=0", r"\[checkpoint\] checkpoint\.io_threads=0 is out of range"),
+        ("checkpoint.keep_last=-1", r"checkpoint\.keep_last=-1 is out of range: allowed >= 0"),
+        ("checkpoint.writer_nice=20", r"checkpoint\.writer_nice must be an integer in \[0, 19\]"),
+        ("checkpoint.metrics_path='x'", r"unknown key checkpoint\.metrics_path"),
+    ],
+)
+def test_checkpointer_keys_are_checked_naming_the_recipe_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [override])
+
+
+def test_the_trainer_builds_its_checkpointer_from_the_section(tmp_path: Path) -> None:
+    from resilient.trainer.build import build_checkpointer
+
+    config = load_config(TINY, [f"run.dir={tmp_path}", "checkpoint.io_threads=2", "checkpoint.keep_last=0"])
+    ckpt = build_checkpointer(config, str(tmp_path / "saves.jsonl"))
+    try:
+        assert ckpt.config.io_threads == 2 and ckpt.config.keep_last == 0
+        assert ckpt.config.metrics_path == str(tmp_path / "saves.jsonl")
+        assert ckpt.config.commit_timeout_s == config.checkpoint.timeout_s
+    finally:
+        ckpt.close()
+
+
+def test_section_classes_say_what_they_hold() -> None:
+    import dataclasses
+
+    from resilient.recovery.config import RamTierConfig, ReplicaConfig
+    from resilient.trainer.state import TrainingParts
+
+    config = load_config(None)
+    assert type(config.replica) is ReplicaConfig and type(config.recovery) is RamTierConfig
+    assert "data" in {f.name for f in dataclasses.fields(TrainingParts)}  # the data pipeline
+    assert "pipeline" not in {f.name for f in dataclasses.fields(TrainingParts)}
+    with pytest.raises(ImportError):
+        __import__("resilient.trainer.pipeline")  # pipeline parallelism is trainer/pipeline_parallel.py

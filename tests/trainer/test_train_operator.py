@@ -166,7 +166,7 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
     for stale in (run_dir / "logs").iterdir():
         os.utime(stale, (old, old))
 
-    def fake_run(launch) -> int:  # what the groups would have done
+    def fake_run(launch, *signals) -> int:  # what the groups would have done
         if outcome == "rank_error":
             monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"group1-{launch.launch_id}")
             assert claim_report(launch.run_dir, "error: [rank 1] checkpoint step 4 is damaged: do X")
@@ -174,6 +174,7 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
 
     monkeypatch.setattr(cli, "run_replicated", fake_run)
     args = ["--replica-groups", "2", "--nproc-per-group", "1", "--config", TINY, "--set", f"run.dir={run_dir}"]
+    args += ["--set", "parallel.dp_shard=1", "--set", "parallel.tp=1"]  # one rank per group, as launched
     code = cli.main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

@@ -12,7 +12,7 @@ def record_steps(trainer):
     path = os.path.join(trainer.config.run.dir, f"hook-rank{dist.get_rank()}.txt")
 
     def hook(step, trainer):
-        cursor = trainer.parts.pipeline.cursor
+        cursor = trainer.parts.data.cursor
         with open(path, "a") as f:
             f.write(f"{step} {cursor.epoch}:{cursor.row}\n")
 

@@ -9,6 +9,7 @@ the pipeline's cursor (only ``OmniPipeline.commit_step`` does).
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from multiprocessing import resource_sharer
@@ -50,6 +51,22 @@ class _StepCursors(Sampler):
 def _as_is(item: tuple[RowKey, Batch]) -> tuple[RowKey, Batch]:
     # The dataset already returns a whole batch; module-level so worker processes can pickle it.
     return item
+
+
+def _init_worker(worker_id: int) -> None:
+    """``worker_init_fn``: see the two functions it calls."""
+    _outlive_stop_signals()
+    _quiet_orphaned_handoffs(worker_id)
+
+
+def _outlive_stop_signals() -> None:
+    """A loader worker ignores the signals that ask the rank to stop (SIGTERM and the signals
+    ``run.preempt_signal`` may name): torchrun sends them to the rank's whole process group, and a
+    worker that died of one would fail the rank's next batch while it saves the step it stops at
+    (``trainer.preempt``). The worker still ends with its rank: the rank closes the loader, or
+    torch's worker loop sees its parent gone, or torchrun kills the group after its grace."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _quiet_orphaned_handoffs(worker_id: int) -> None:
@@ -118,7 +135,7 @@ class PrefetchLoader:
             num_workers=workers,
             prefetch_factor=cfg.prefetch_factor if workers else None,
             timeout=cfg.worker_timeout_s if workers else 0,
-            worker_init_fn=_quiet_orphaned_handoffs if workers else None,
+            worker_init_fn=_init_worker if workers else None,
         )
         self._iterator = iter(loader)
 

@@ -1,22 +1,26 @@
 """Video through FFmpeg for ``resilient.trainer.data.media.decode_video``: the frame on screen at
-each sampled instant, resized once (split from media.py, which holds the shared container helpers)."""
+each sampled instant, resized once."""
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
+from fractions import Fraction
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
-from resilient.trainer.data.media import (
+from resilient.trainer.data.media_stream import (
     MediaError,
-    _check_complete,
-    _declared_duration,
-    _packet_budget,
-    _packets,
-    _timeline_origin,
-    _to_pts,
+    check_complete,
+    declared_duration,
+    only_stream,
+    packet_budget,
+    packets,
+    seek_pts,
+    timeline_origin,
 )
 
 
@@ -27,32 +31,53 @@ def decode_video_av(
         if not container.streams.video:
             raise MediaError(f"cannot decode video from .{ext}: the file has no video stream")
         stream = container.streams.video[0]
+        only_stream(container, stream)
         # Frame threads decode several frames at once: a 2-4x speedup on long-GOP H.264 when cores
         # are free; the benchmark pins threads=1 to measure one core.
         stream.thread_type = "AUTO"
         stream.codec_context.thread_count = threads
-        origin = _timeline_origin(container)
+        origin = timeline_origin(container)
         if start_s > 0:
             # Lands on the keyframe at or before start_s; the frames from there to start_s are
             # decoded (they are needed as references) but never resized.
-            container.seek(_to_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
-        sampler = _FrameSampler(fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin)
+            container.seek(seek_pts(start_s + origin, stream.time_base), stream=stream, backward=True)
+        sampler = _FrameSampler(
+            fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin, time_base=stream.time_base
+        )
         frame_duration = _fallback_frame_duration(stream)
-        for packet in _packets(container, stream, _packet_budget(data)):
+        keyframes = _keyframe_times(stream, origin, len(data))
+        for packet in packets(container, stream, packet_budget(data)):
+            if sampler.can_jump(packet, keyframes, stream.codec_context.has_b_frames):
+                continue
             # A frame no target shows is only decoded if later frames reference it: at fps=2 from a
             # 25 fps source most non-reference (B) frames are never shown, and skipping them is
             # exact. FFmpeg reads skip_frame per packet sent, so it can change packet by packet.
             shown = sampler.may_show(packet, frame_duration)
             stream.codec_context.skip_frame = "DEFAULT" if shown else "NONREF"
-            if not all(sampler.offer(frame) for frame in packet.decode()):
+            decoded = packet.decode()
+            sampler.in_flight += (1 if packet.size else 0) - len(decoded)
+            if not all(sampler.offer(frame) for frame in decoded):
                 break
         else:  # decoded to the end of the file: it must be as long as its header says
             stream_end = sampler.held_time + frame_duration if sampler.held is not None else 0.0
-            _check_complete(ext, _declared_duration(container, stream), stream_end, kind="video")
+            check_complete(ext, declared_duration(container, stream), stream_end, kind="video")
         frames = sampler.finish(frame_duration)
     if not frames:
         return np.zeros((0, size, size, 3), dtype=np.float32)
     return np.stack(frames).astype(np.float32) / np.float32(255.0)
+
+
+def _keyframe_times(stream: av.video.stream.VideoStream, origin: float, size: int) -> list[float]:
+    """Seconds (from the origin) of the keyframes the container's index lists, ascending, as far as
+    the bytes at hand reach (a cut file's index names keyframes that never arrive)."""
+    if stream.time_base is None:
+        return []
+    numerator, denominator = stream.time_base.numerator, stream.time_base.denominator
+    return sorted(
+        entry.timestamp * numerator / denominator - origin
+        for entry in stream.index_entries
+        if entry.is_keyframe and entry.pos + entry.size <= size
+    )
 
 
 def _fallback_frame_duration(stream: av.video.stream.VideoStream) -> float:
@@ -65,14 +90,32 @@ class _FrameSampler:
     start_s + j / fps: a frame is known to cover the targets before the NEXT frame's time, so each
     frame is held until its successor (or the end of the stream) arrives."""
 
-    def __init__(self, *, fps: int, size: int, start_s: float, duration_s: float | None, origin: float) -> None:
+    def __init__(
+        self,
+        *,
+        fps: int,
+        size: int,
+        start_s: float,
+        duration_s: float | None,
+        origin: float,
+        time_base: Fraction | None,
+    ) -> None:
         self.fps, self.size, self.start_s, self.origin = fps, size, start_s, origin
+        # The packets' time base as integers: one division per packet instead of Fraction arithmetic
+        # (integer true division rounds once, exactly as float(Fraction(...)) does).
+        self._tick = (time_base.numerator, time_base.denominator) if time_base else None
+        self.in_flight = 0  # packets sent to the decoder whose frames have not come out yet (frame threads)
+        self._jumped = False  # packets were left out since the held frame: its successor is not its neighbour
         # Number of targets the requested window allows; the stream's end may cut it shorter.
         self.limit = None if duration_s is None else _count_before(duration_s * fps)
         self.frames: list[np.ndarray] = []
         self.held: av.VideoFrame | None = None
         self.held_time = 0.0
         self.frame_duration: float | None = None
+        # One reformatter per step for the whole decode: each keeps its scaler between frames.
+        # frame.reformat() builds a new one per call, and setting up a 40x AREA scaler costs far
+        # more than running it.
+        self._to_rgb, self._resize = VideoReformatter(), VideoReformatter()
 
     def _target(self, j: int) -> float:
         return self.start_s + j / self.fps
@@ -80,13 +123,32 @@ class _FrameSampler:
     def _done(self) -> bool:
         return self.limit is not None and len(self.frames) >= self.limit
 
+    def can_jump(self, packet: av.Packet, keyframes: list[float], reordered_frames: int) -> bool:
+        """Whether decoding may leave this packet out and restart at a later keyframe: when frames
+        come in display order (no B-frames, pts = dts) and a keyframe lies after this packet, at or
+        before the first pending target, every pending target is shown by that keyframe or a frame
+        after it, and none of those references this one. A codec without non-reference frames
+        (MPEG-4 Part 2 without B-frames) then decodes a few frames per target instead of all."""
+        if reordered_frames or not keyframes or packet.pts is None or packet.pts != packet.dts or not self._tick:
+            return False
+        time = packet.pts * self._tick[0] / self._tick[1] - self.origin
+        if self.in_flight == 0 and self.held is not None and time > self.held_time:
+            # Frames come in display order and the decoder holds none back: the held frame is on
+            # screen until this packet's frame, known now without decoding it.
+            self._emit_until(time)
+        after = bisect.bisect_right(keyframes, time + 1e-9)
+        jump = after < len(keyframes) and not self._done() and keyframes[after] <= self._target(len(self.frames)) + 1e-9
+        self._jumped |= jump
+        return jump
+
     def may_show(self, packet: av.Packet, fallback_duration: float) -> bool:
         """Whether the frame in ``packet`` can be on screen at a pending target: the targets in
         [pts, pts + duration). Unknown timing answers yes (decoding a frame is never wrong)."""
-        if packet.pts is None or packet.time_base is None:
+        if packet.pts is None or self._tick is None:
             return True
-        shown_from = float(packet.pts * packet.time_base) - self.origin
-        duration = float(packet.duration * packet.time_base) if packet.duration else fallback_duration
+        numerator, denominator = self._tick
+        shown_from = packet.pts * numerator / denominator - self.origin
+        duration = packet.duration * numerator / denominator if packet.duration else fallback_duration
         j = max(len(self.frames), _count_before((shown_from - self.start_s) * self.fps))
         if self.limit is not None and j >= self.limit:
             return False
@@ -96,10 +158,10 @@ class _FrameSampler:
         """Takes the next decoded frame; False once every target is filled."""
         time = self._time_of(frame)
         if self.held is not None:
-            if time > self.held_time:
+            if time > self.held_time and not self._jumped:
                 self.frame_duration = time - self.held_time
             self._emit_until(time)
-        self.held, self.held_time = frame, time
+        self.held, self.held_time, self._jumped = frame, time, False
         return not self._done()
 
     def _time_of(self, frame: av.VideoFrame) -> float:
@@ -116,17 +178,24 @@ class _FrameSampler:
             self._emit_until(self.held_time + duration)
         return self.frames
 
+    def _resized(self, frame: av.VideoFrame) -> np.ndarray:
+        """[size, size, 3] uint8 RGB: the frame converted to RGB at its full size, then each output
+        pixel the average of the source pixels in its area. AREA's box filter is the cheap correct
+        choice for heavy downscaling (640x360 -> 16x16 is a 40x cut: bilinear would read 4 of ~900
+        pixels per output and alias fine detail into noise). Converting first costs a full-size
+        conversion per sampled frame; converting and scaling in one step is cheaper but lands
+        several times further from the exact average (data_bench's mae_vs_full_res lines)."""
+        planar = self._to_rgb.reformat(frame, format="gbrp")
+        out = self._resize.reformat(planar, width=self.size, height=self.size, format="rgb24", interpolation="AREA")
+        return out.to_ndarray()
+
     def _emit_until(self, next_time: float) -> None:
         """The held frame is on screen until ``next_time``: it fills every pending target before then
         (including targets before the first frame, which the first frame stands in for)."""
         rgb = None
         while not self._done() and self._target(len(self.frames)) < next_time - 1e-9:
             if rgb is None:
-                # AREA averages every source pixel that falls in an output pixel: at 640x360 -> 16x16
-                # (a 40x cut) bilinear would read 4 of ~900 pixels per output and alias fine detail
-                # into noise; AREA's box filter is the cheap correct choice for heavy downscaling.
-                rgb = self.held.reformat(width=self.size, height=self.size, format="rgb24", interpolation="AREA")
-                rgb = rgb.to_ndarray()
+                rgb = self._resized(self.held)
             self.frames.append(rgb)
 
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.ram.timeline import Timeline
 from tests.recovery.ram.workers import empty_state, state_of
@@ -20,7 +20,7 @@ from tests.recovery.ram.workers import empty_state, state_of
 def machine_tier(rank: int, world: int, base: str, machines: list[str]) -> RamTier:
     os.environ["RESILIENT_NODE_ID"] = machines[rank]
     store_dir = os.path.join(base, machines[rank])
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1, replication_timeout_s=30.0)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1, replication_timeout_s=30.0)
     ram = RamTier(
         config, keep=2, run_dir=os.path.join(base, "run"), group=0, rank=rank, world_size=world, fingerprint={"tp": 1}
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.restore import choose_step
 from resilient.recovery.ram.store import RankStore, node_store_dir
 from tests.dist import run_world
@@ -33,7 +33,7 @@ def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog,
         assert [r["step"] for r in result["stats"]] == [2, 4]
     secret = results[0]["secret"]
     assert {r["secret"] for r in results} == {secret}
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1)
     shutil.rmtree(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1))  # node 1 is replaced
     restored = run_world(workers.restore, 3, store_dir, persistent_step, timeout_s=90)
     assert [r["source"] for r in restored] == ["own", "buddy", "own"]
@@ -57,7 +57,7 @@ def test_corrupt_snapshot_falls_back_to_the_buddy_copy_then_to_an_older_step(tmp
     # overwrite every one of them.
     store_dir = str(tmp_path / "store")
     run_world(workers.take_snapshots, 2, store_dir, [2, 4], timeout_s=90)
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1)
     run_dir = os.path.join(store_dir, "run")
     own0 = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 0), "own", "rank0"), keep=2)
     index = own0.indexes()[4]
@@ -90,7 +90,7 @@ def test_newer_persistent_step_or_other_world_size_means_no_ram_restore(tmp_path
 def test_missing_slot_file_falls_back_to_the_buddy_without_hanging(tmp_path):
     store_dir = str(tmp_path / "store")
     run_world(workers.take_snapshots, 2, store_dir, [2], timeout_s=90)
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1)
     own = Path(node_store_dir(config, os.path.join(store_dir, "run"), 0, 1)) / "own" / "rank1"
     for slot in own.glob("slot*.bin"):
         slot.unlink()
@@ -106,7 +106,7 @@ def test_without_a_persistent_step_a_rank_whose_peer_fails_keeps_its_initial_sta
     # rank 0, whose own snapshot was fine, must not hold step 2 while rank 1 holds the initial state.
     store_dir = str(tmp_path / "store")
     run_world(workers.take_snapshots, 2, store_dir, [2], timeout_s=90)
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1)
     run_dir = os.path.join(store_dir, "run")
     shutil.rmtree(node_store_dir(config, run_dir, 0, 1))
     kept = RankStore(os.path.join(node_store_dir(config, run_dir, 0, 0), "buddy", "rank1"), keep=2)

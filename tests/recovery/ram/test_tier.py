@@ -7,7 +7,7 @@ import time
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.tier import RamTier
 from tests.dist import run_world
 from tests.recovery.ram import workers
@@ -35,12 +35,12 @@ def test_snapshot_never_blocks_training_and_never_raises(tmp_path):
 
 
 def test_failure_domains_come_from_the_config_and_are_checked():
-    config = RecoveryConfig(store_dir="/nonexistent", ranks_per_node=1, failure_domains=["a", "a", "b", "b"])
+    config = RamTierConfig(store_dir="/nonexistent", ranks_per_node=1, failure_domains=["a", "a", "b", "b"])
     tier = RamTier(config, keep=1, run_dir="run", group=0, rank=1, world_size=4, fingerprint={})
     assert tier.pairing.buddy_of(1) == 2  # the next node is in the same rack "a": skipped
     with pytest.raises(ConfigError, match="recovery.failure_domains has 2 labels for 4 nodes"):
         RamTier(
-            RecoveryConfig(ranks_per_node=1, failure_domains=["a", "b"]),
+            RamTierConfig(ranks_per_node=1, failure_domains=["a", "b"]),
             keep=1,
             run_dir="run",
             group=0,
@@ -49,7 +49,7 @@ def test_failure_domains_come_from_the_config_and_are_checked():
             fingerprint={},
         )
     with pytest.raises(ConfigError, match="must be a list of strings"):
-        RecoveryConfig(failure_domains="rack-a")
+        RamTierConfig(failure_domains="rack-a")
 
 
 @pytest.mark.dist

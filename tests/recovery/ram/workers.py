@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.store import (
     RankStore,
     SnapshotIndex,
@@ -69,7 +69,7 @@ def empty_state() -> dict:
 
 
 def tier(rank: int, world: int, store_dir: str, *, per_node: int = 1, keep: int = 2) -> RamTier:
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=per_node, replication_timeout_s=30.0)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=per_node, replication_timeout_s=30.0)
     ram = RamTier(
         config,
         keep=keep,
@@ -136,7 +136,7 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
 def start_failing_on(rank: int, world: int, store_dir: str, bad_rank: int) -> dict:
     """Start a tier whose channel cannot listen on ``bad_rank`` (an address no interface has)."""
     bind_host = "203.0.113.1" if rank == bad_rank else ""  # TEST-NET-3: never a local address
-    config = RecoveryConfig(store_dir=store_dir, ranks_per_node=1, bind_host=bind_host)
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1, bind_host=bind_host)
     ram = RamTier(
         config, keep=1, run_dir=os.path.join(store_dir, "run"), group=0, rank=rank, world_size=world, fingerprint={}
     )

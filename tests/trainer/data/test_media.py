@@ -238,3 +238,37 @@ def test_video_sampling_equals_a_decode_of_every_frame() -> None:
             instants = [start_s + j / fps for j in range(len(shown))]
             assert shown == [max(i for t, i in every if t <= instant + 1e-9) for instant in instants]
             assert len(shown) == min(math.ceil(1.3 * fps), math.ceil((4.0 - start_s) * fps))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("threads", [0, 1])  # frame threads hold frames back; one thread does not
+def test_video_jumping_to_keyframes_equals_decoding_every_frame(threads: int) -> None:
+    """MPEG-4 Part 2 without B-frames (a keyframe every 12 frames, P-frames between): sampled
+    sparsely, decoding jumps from frame to a later keyframe; every sampled frame is still, pixel for
+    pixel, the one a decode of every frame shows at its instant."""
+    data = samples.encode_av(container="mp4", video=samples.moving_frames(48, 64, 48), video_codec="mpeg4", fps=12)
+    with av.open(io.BytesIO(data)) as container:
+        keyframes = [packet.is_keyframe for packet in container.demux(video=0) if packet.size]
+    assert sum(keyframes) == 4 and len(keyframes) == 48  # P-frames between keyframes: jumps are real
+    every = decode_video(data, "mp4", fps=12, size=8)  # a target per source frame: nothing is left out
+    assert every.shape == (48, 8, 8, 3) and len({frame.tobytes() for frame in every}) == 48
+    for start_s in (0.0, 0.37, 1.0, 2.9):
+        for fps in (1, 2, 5, 7):
+            video = decode_video(data, "mp4", fps=fps, size=8, start_s=start_s, duration_s=1.3, threads=threads)
+            instants = [start_s + j / fps for j in range(len(video))]
+            expected = every[[math.floor(instant * 12 + 1e-9) for instant in instants]]
+            assert np.array_equal(video, expected), (start_s, fps)
+
+
+@pytest.mark.timeout(30)
+def test_video_frame_is_the_area_average_of_the_full_size_rgb_frame() -> None:
+    """Each output pixel is the mean of the source pixels it covers, taken over the frame converted
+    to RGB at full size: within a few 8-bit steps of that exact average (a one-step convert and
+    resize of 4:2:0 video averages subsampled chroma and lands several times further away)."""
+    data = samples.encode_av(container="mp4", video=samples.moving_frames(4, 64, 48), video_codec="mpeg4", fps=4)
+    with av.open(io.BytesIO(data)) as container:
+        full = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]) / 255.0
+    reference = full.reshape(4, 8, 6, 8, 8, 3).mean(axis=(2, 4))  # 48x64 -> 8x8: blocks of 6x8 pixels
+    video = decode_video(data, "mp4", fps=4, size=8)
+    assert video.shape == reference.shape
+    assert float(np.mean(np.abs(video - reference))) < 0.004

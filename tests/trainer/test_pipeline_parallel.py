@@ -17,7 +17,7 @@ from resilient.errors import ConfigError
 from resilient.trainer.config import load_config
 from resilient.trainer.model import OmniModel, count_loss_tokens, synthetic_batch
 from resilient.trainer.parallel_config import ParallelConfig
-from resilient.trainer.pipeline import rank_stages, stage_layers
+from resilient.trainer.pipeline_parallel import rank_stages, stage_layers
 from tests.dist import run_world
 from tests.trainer.e2e_runs import TINY
 

@@ -1,0 +1,134 @@
+"""Preemption (trainer/preempt.py): a SIGTERM, or ``run.preempt_signal``, makes the ranks agree on a
+stop step, commit it, record a ``preempted`` event and exit 143; the next start resumes from it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient import Checkpointer
+from resilient.runfiles import read_events, read_jsonl_by_step
+from resilient.trainer.config import load_config
+from resilient.trainer.preempt import (
+    PREEMPTED_EXIT,
+    PreemptWatch,
+    forwarded_signals,
+    launcher_grace_s,
+    preempt_flags,
+    preempt_signals,
+)
+from tests.procs import communicate_or_fail
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+PACE = "tests.recovery.ram_hooks:pace"
+
+
+@pytest.mark.timeout(10)
+def test_the_watch_records_the_first_signal_and_restores_the_handlers() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with PreemptWatch(preempt_signals("SIGUSR1")) as watch:
+        assert watch.agreed() == 0  # no process group: this rank alone
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.received == signal.SIGUSR1 and watch.agreed() == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert preempt_signals("") == [signal.SIGTERM]
+
+
+@pytest.mark.timeout(10)
+def test_torchrun_waits_out_the_grace_and_passes_the_preempt_signal_on() -> None:
+    config = load_config(TINY, ["run.preempt_signal='SIGUSR1'", "run.preempt_grace_s=200"])
+    flags = preempt_flags(config)
+    assert flags[flags.index("--shutdown-timeout") + 1] == "230"  # grace + margin, not torchrun's 30 s
+    assert flags[flags.index("--signals-to-handle") + 1].split(",")[-1] == "SIGUSR1"
+    assert launcher_grace_s(config, 30.0) >= 230
+    assert forwarded_signals(config) == (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def _launch(run_dir: Path, steps: int, *sets: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY]
+    items = ["parallel.dp_shard=2", "parallel.tp=1", f"run.dir={run_dir}", f"run.steps={steps}", *sets]
+    command += [arg for item in items for arg in ("--set", item)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_TEST_STEP_SLEEP": "0.2"}
+    env.pop("RESILIENT_GROUP", None)
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
+    metrics = str(run_dir / "group0" / "metrics.jsonl")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and len(read_jsonl_by_step(metrics)) < steps:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-4000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_a_preempted_run_commits_its_step_exits_143_and_resumes_there(tmp_path: Path, sig: str) -> None:
+    run_dir = tmp_path / "run"
+    # No periodic save: whatever is committed, the preemption saved.
+    sets = ["checkpoint.persist_every=1000", f'run.step_hooks=["{PACE}"]', "run.preempt_signal='SIGUSR1'"]
+    proc = _launch(run_dir, 500, *sets)
+    _wait_for_steps(proc, run_dir, 3)
+    proc.send_signal(getattr(signal, sig))
+    stdout, stderr = communicate_or_fail(proc, 120, "resilient-train")
+    assert proc.returncode == PREEMPTED_EXIT, stderr[-4000:]
+    (event,) = [e for e in read_events(str(run_dir)) if e["event"] == "preempted"]
+    stop = event["step"]
+    assert stop >= 3 and event["signal"] == sig and event["group"] == 0
+    assert Checkpointer(str(run_dir / "ckpt")).steps() == [stop]  # durable: committed to storage
+    assert f"preempted: step {stop} is committed" in stdout and "Traceback" not in stderr, stderr[-4000:]
+    if sig == "SIGUSR1":
+        return
+    # The next start resumes from the saved step: its first logged step is the one after it.
+    resumed = _launch(run_dir, stop + 2, *sets)
+    _, stderr = communicate_or_fail(resumed, 180, "resilient-train")
+    assert resumed.returncode == 0, stderr[-4000:]
+    restores = [e for e in read_events(str(run_dir)) if e["event"] == "restore" and e["t"] > event["t"]]
+    assert restores and all(e["step"] == stop for e in restores), restores
+    assert Checkpointer(str(run_dir / "ckpt")).steps() == [stop, stop + 2]
+    # The preemption is why the second start happened (its startup event's cause).
+    starts = [e["cause"] for e in read_events(str(run_dir)) if e["event"] == "startup"]
+    assert starts == ["first", "preempted"], starts
+
+
+def _job_processes(run_dir: Path) -> list[int]:
+    """Processes whose command line names ``run_dir`` (torchrun and its workers), but not this one."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if str(run_dir).encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_sigkilled_launcher_leaves_no_process_of_its_job(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, 500, "checkpoint.persist_every=1000", f'run.step_hooks=["{PACE}"]')
+    _wait_for_steps(proc, run_dir, 2)
+    assert len(_job_processes(run_dir)) >= 3  # the launcher, torchrun, two ranks
+    proc.kill()  # SIGKILL: the launcher runs no cleanup of its own
+    deadline = time.monotonic() + 200  # torchrun stops its workers, which save first (preempt grace)
+    while time.monotonic() < deadline and _job_processes(run_dir):
+        time.sleep(0.5)
+    left = _job_processes(run_dir)
+    for pid in left:  # do not leak them into the next test
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)  # its pipes close with the last process that inherited them
+    assert left == []
+    # They did not just vanish: torchrun passed the launcher's death on and the ranks saved.
+    assert [e["event"] for e in read_events(str(run_dir)) if e["event"] == "preempted"] == ["preempted"]

@@ -1,0 +1,258 @@
+"""Audio for ``resilient.trainer.data.media.decode_audio``: mono float32 at the asked rate over a
+window of the source timeline, from wav/flac (read directly or through libsndfile) or any audio
+track FFmpeg decodes.
+
+Every decoder produces mono samples at the file's own rate over a span of the native timeline; one
+function resamples and cuts the window out of it. The span starts on the "phase grid": instants
+that are whole samples at both the native and the target rate (every 441 samples = 20 ms for
+22.05 kHz -> 16 kHz, every 3 for 48 kHz). A resampler fed from such an instant produces output
+samples exactly on k / 16000 s; fed from anywhere else, its output is shifted by a fraction of a
+sample, and a window would differ from the same span of a full decode by up to half a sample
+(~0.07 rms on a 1.5 kHz tone at 16 kHz).
+
+Placement on the timeline uses the decoder's timestamps (pts * time_base), not a sample count from
+the seek point: AAC and MP3 start with encoder priming that the demuxer trims by an edit list, and a
+seek lands on a packet boundary before ``start_s``; counting samples would shift the window by up to
+a frame (~21 ms of AAC at 48 kHz).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from fractions import Fraction
+
+import av
+import numpy as np
+import soundfile
+
+from resilient.trainer.data.media_stream import (
+    MediaError,
+    check_complete,
+    declared_duration,
+    decoded_frames,
+    only_stream,
+    packet_budget,
+    seek_pts,
+    timeline_origin,
+)
+from resilient.trainer.data.media_wav import read_wav
+
+# AAC is an MDCT codec: the first frame decoded after a seek lacks the previous frame's overlap and
+# comes out wrong. Seeking this much earlier than start_s and throwing the lead-in away leaves
+# several clean frames (1024 samples = 21-64 ms each at 16-48 kHz) before the window.
+_AUDIO_PREROLL_S = 0.25
+# Audio decoded on both sides of a window that gets resampled, so the resampler's filter sees real
+# signal at the window's edges instead of a cut (its transient would otherwise land inside the window).
+_RESAMPLE_MARGIN_S = 0.01
+# Native samples handed to the resampler per call. libswresample's output does not depend on how
+# its input is cut (tests hold it), but its cost does: one call with a whole clip runs several times
+# slower than the same samples in pieces of this size (benchmarks/README.md, data_bench).
+RESAMPLE_CHUNK = 1 << 16
+
+
+def native_span(start_s: float, duration_s: float | None, native_rate: int, sample_rate: int) -> tuple[int, int | None]:
+    """[first, last) native sample indices to decode: the window, widened by the resampler margin,
+    its start moved back onto the phase grid; last is None for "to the end"."""
+    grid = native_rate // math.gcd(native_rate, sample_rate)
+    margin = round(_RESAMPLE_MARGIN_S * native_rate) if native_rate != sample_rate else 0
+    first = max(round(start_s * native_rate) - margin, 0) // grid * grid
+    last = None if duration_s is None else math.ceil((start_s + duration_s) * native_rate) + margin
+    return first, last
+
+
+def window_from_native(
+    mono: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
+) -> np.ndarray:
+    """The output window from native samples whose sample 0 is native index ``first`` (on the grid)."""
+    if native_rate != sample_rate:
+        mono = resample(mono, native_rate, sample_rate)
+    # first * sample_rate / native_rate is a whole number: the grid guarantees it.
+    offset = first * sample_rate // native_rate - round(start_s * sample_rate)
+    length = None if duration_s is None else round(duration_s * sample_rate)
+    return _place(mono, offset, length)
+
+
+def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
+    """``samples`` laid onto [0, length) with its first sample at ``offset`` (to its end when length
+    is None): what falls outside is dropped, what it does not cover stays zero. A run that is
+    exactly the window is returned as it is (every decoder hands over an array of its own)."""
+    if length is None:
+        length = max(offset + len(samples), 0)
+    if offset == 0 and len(samples) == length:
+        return samples
+    out = np.zeros(length, dtype=np.float32)
+    lo, hi = max(offset, 0), min(offset + len(samples), length)
+    if lo < hi:
+        out[lo:hi] = samples[lo - offset : hi - offset]
+    return out
+
+
+def resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
+    so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
+    interpolation would; its output starts aligned with its input (the filter delay is compensated),
+    so output sample 0 is the input's first instant."""
+    if not len(mono):  # a window past the end; PyAV cannot build an empty frame
+        return mono
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
+    out: list[av.AudioFrame] = []
+    for begin in range(0, len(mono), RESAMPLE_CHUNK):
+        piece = np.ascontiguousarray(mono[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
+        frame = av.AudioFrame.from_ndarray(piece, format="flt", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = from_rate, begin, Fraction(1, from_rate)
+        out.extend(resampler.resample(frame))
+    out.extend(resampler.resample(None))
+    if not out:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in out]).astype(np.float32, copy=False)
+
+
+def _downmix(samples: np.ndarray) -> np.ndarray:
+    """[frames, channels] float32 to mono by averaging channels: keeps a full-scale mono file full
+    scale and never clips. One channel is returned as it is (the mean of one value is that value)."""
+    if samples.shape[1] == 1:
+        return samples.reshape(-1)
+    return samples.mean(axis=1, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# wav and flac
+
+
+def decode_audio_soundfile(
+    data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int
+) -> np.ndarray:
+    """wav and flac. Plain PCM wav is read straight from the bytes (its samples are where the header
+    says); everything else goes through libsndfile, which seeks sample-exactly."""
+    wav = read_wav(data, ext) if ext == "wav" else None
+    if wav is not None:
+        first, last = native_span(start_s, duration_s, wav.rate, sample_rate)
+        mono = _downmix(wav.frames(first, wav.length if last is None else min(last, wav.length)))
+        return window_from_native(mono, first, wav.rate, start_s, duration_s, sample_rate)
+    with soundfile.SoundFile(io.BytesIO(data)) as f:
+        _check_wav_complete(ext, f)
+        native_rate, total = f.samplerate, f.frames
+        first, last = native_span(start_s, duration_s, native_rate, sample_rate)
+        last = total if last is None else min(last, total)
+        wanted = max(last - first, 0)
+        if wanted:
+            f.seek(first)
+        samples = f.read(frames=wanted, dtype="float32", always_2d=True)
+    if len(samples) < wanted:
+        raise MediaError(f"cannot decode audio from .{ext}: truncated, read {len(samples)} of {wanted} frames")
+    return window_from_native(_downmix(samples), first, native_rate, start_s, duration_s, sample_rate)
+
+
+def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
+    """A WAV cut short still opens (libsndfile reads what is there); its header's data size gives it
+    away, which libsndfile reports as "data : N (should be M)". Sizes 0 and 0xFFFFFFFF are the
+    placeholders of a WAV written to a pipe, complete but unsized, and pass."""
+    found = re.search(r"^data : (\d+) \(should be (\d+)\)", f.extra_info, flags=re.MULTILINE)
+    if found and int(found[1]) not in (0, 0xFFFFFFFF) and int(found[2]) < int(found[1]):
+        raise MediaError(
+            f"cannot decode audio from .{ext}: truncated, the header declares {found[1]} bytes of audio, "
+            f"the file holds {found[2]}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# audio through FFmpeg (audio tracks of mp4/m4a/mkv/webm, mp3, ogg)
+
+
+def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
+    with av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.audio:
+            raise MediaError(f"cannot decode audio from .{ext}: the file has no audio stream")
+        stream = container.streams.audio[0]
+        only_stream(container, stream)
+        native_rate = stream.codec_context.sample_rate
+        if not native_rate:
+            raise MediaError(f"cannot decode audio from .{ext}: the audio stream has no sample rate")
+        first, last = native_span(start_s, duration_s, native_rate, sample_rate)
+        origin = timeline_origin(container)
+        seek_s = first / native_rate - _AUDIO_PREROLL_S
+        if seek_s > 0 and _sample_exact_timestamps(stream, native_rate):
+            # backward=True lands on the last packet at or before seek_s, so nothing of the span is missed.
+            container.seek(seek_pts(seek_s + origin, stream.time_base), stream=stream, backward=True)
+        timeline = _AudioTimeline(origin=origin, rate=native_rate)
+        for frame in decoded_frames(container, stream, packet_budget(data)):
+            if frame.pts is None:
+                raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
+            timeline.add(frame)
+            if last is not None and timeline.end >= last:
+                break
+        else:  # decoded to the end of the file: it must be as long as its header says
+            declared_s = declared_duration(container, stream)
+            check_complete(ext, declared_s, timeline.end / native_rate)
+            if last is None and declared_s is not None:
+                # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
+                last = min(timeline.end, round(declared_s * native_rate))
+    if last is None:
+        last = timeline.end
+    mono = timeline.mono(first, max(last, first))
+    return window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
+
+
+def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: int) -> bool:
+    """Whether a packet's pts names its first sample exactly. Matroska/WebM store milliseconds: the
+    first frame after a seek would be placed up to 0.5 ms (8 samples at 16 kHz) off, so for them
+    the decode runs from the file's start, where time 0 is exact and the frames after it follow
+    contiguously. Costs decode time proportional to start_s (AAC decodes at ~500x realtime)."""
+    return stream.time_base is not None and stream.time_base <= Fraction(1, native_rate)
+
+
+class _AudioTimeline:
+    """Decoded samples, float at the native rate, in runs: each run starts at the native sample
+    index of its first frame (pts * time_base, less the origin) and its frames follow each other
+    contiguously. Matroska stores pts in milliseconds, and placing every 21 ms AAC frame by its
+    rounded pts would open or overlap a few samples at each seam; only a jump larger than _GAP_S
+    (a real hole in the stream) starts a new run, placed by its timestamp.
+
+    Per frame, each channel's samples are copied out of the decoder's buffer (which it then reuses)
+    and nothing else: per-frame work in Python is most of what a 21 ms AAC frame costs after the
+    decoder itself. Runs are joined and mixed down once, at the end."""
+
+    _GAP_S = 0.02
+
+    def __init__(self, *, origin: float, rate: int) -> None:
+        self.origin, self.rate = origin, rate
+        self.runs: list[tuple[int, list[list[np.ndarray]]]] = []  # (first index, per channel: pieces)
+        self.end = 0
+        self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
+        # Converts any sample format to float planes at the native rate (no rate change, so no filter
+        # delay, and no layout change: channels are averaged like the wav/flac path does). AAC, MP3
+        # and Vorbis decode to float planes already, and then it hands the frame back untouched.
+        self._to_float = av.AudioResampler(format="fltp", rate=rate)
+
+    def add(self, frame: av.AudioFrame) -> None:
+        if self._tick is None:
+            self._tick = (frame.time_base.numerator, frame.time_base.denominator)
+        numerator, denominator = self._tick
+        # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
+        stamped = round((frame.pts * numerator / denominator - self.origin) * self.rate)
+        if not self.runs or abs(stamped - self.end) > self._GAP_S * self.rate:
+            self.runs.append((stamped, [[] for _ in frame.planes]))
+            self.end = stamped
+        channels = self.runs[-1][1]
+        for converted in self._to_float.resample(frame):
+            count = converted.samples
+            for pieces, plane in zip(channels, converted.planes, strict=True):
+                pieces.append(np.frombuffer(plane, np.float32, count).copy())
+            self.end += count
+
+    def mono(self, first: int, last: int) -> np.ndarray:
+        """Mono samples of native indices [first, last); what no frame covers is zero."""
+        runs = [(position, channels) for position, channels in self.runs if channels[0]]
+        count = len(runs[0][1]) if runs else 1
+        out = np.zeros((count, last - first), dtype=np.float32)
+        for position, channels in runs:
+            for channel, pieces in enumerate(channels):
+                samples = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+                lo, hi = max(position, first), min(position + len(samples), last)
+                if count == 1 and len(runs) == 1 and (lo, hi) == (first, last):
+                    return samples[lo - position : hi - position]  # the common case: one mono run covers it
+                if lo < hi:
+                    out[channel, lo - first : hi - first] = samples[lo - position : hi - position]
+        return out[0] if count == 1 else out.mean(axis=0, dtype=np.float32)
