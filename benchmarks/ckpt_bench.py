@@ -59,6 +59,7 @@ from bench_fsdp_state import (
     state_bytes,
     zero_state,
 )
+from bench_packed import PackedConfig, S3SmallConfig, run_objects, run_s3_small
 from bench_s3 import S3Config, moto_available, moto_path, run_s3
 from bench_small import SmallConfig, run_small
 
@@ -262,8 +263,16 @@ def load_world(rank: int, world: int, cfg: BenchConfig, saved: list[list[float]]
     model, opt, _ = build_state(cfg, seed=2)
     with Checkpointer(cfg.resilient_root) as ckpt:
         times = _load_rounds(cfg, world, ckpt, model, opt, saved)
+        # Read amplification of our loads: bytes fetched (whole inner chunks, crcs, shard indexes)
+        # over bytes needed, summed over ranks.
+        import torch
+        import torch.distributed as dist
+
+        last = ckpt.restore_stats[-1]
+        totals = torch.tensor([last.bytes_fetched, last.bytes_read], dtype=torch.float64)
+        dist.all_reduce(totals)
     log.info("load world of %d: peak RSS per rank %.2f GiB", world, peak_rss_gib())
-    return {"seconds": times}
+    return {"seconds": times, "read_amplification": round(float(totals[0] / totals[1]), 4)}
 
 
 def _load_rounds(
@@ -333,9 +342,12 @@ def run_fsdp(cfg: BenchConfig) -> None:
     for line in lines.values():
         emit(line)
     for world in LOAD_WORLDS:
-        loaded = run_world(load_world, world, cfg, saved[0]["fingerprint"])[0]["seconds"]
+        result = run_world(load_world, world, cfg, saved[0]["fingerprint"])[0]
+        loaded = result["seconds"]
         for impl in ("resilient", "dcp"):
             lines[f"load_4to{world}_{impl}"] = _line("load", impl, nbytes, loaded[impl], to_world=world)
+            if impl == "resilient":
+                lines[f"load_4to{world}_{impl}"]["read_amplification"] = result["read_amplification"]
             emit(lines[f"load_4to{world}_{impl}"])
     emit_ratios(lines)
 
@@ -397,6 +409,9 @@ class Cases:
     fsdp: BenchConfig
     small: SmallConfig | None
     s3: S3Config | None
+    s3_small: S3SmallConfig | None
+    objects: PackedConfig | None
+    fsdp_too: bool
     parent: str
     """Parent of the run's scratch directory."""
 
@@ -412,6 +427,12 @@ def parse_args(argv: list[str] | None = None) -> Cases:
     parser.add_argument("--small-kib", type=int, default=16, help="KiB of each small tensor")
     parser.add_argument("--s3", action="store_true", help="run the S3 case (needs moto_server in the venv)")
     parser.add_argument("--s3-mib", type=int, default=256, help="MiB saved in the S3 case")
+    parser.add_argument(
+        "--objects", action="store_true", help="objects per step and the sharded small-tensor case, ours vs DCP"
+    )
+    parser.add_argument("--objects-tensors", default="200,2000", help="small-tensor counts of --objects")
+    parser.add_argument("--objects-world", type=int, default=4, help="ranks of --objects")
+    parser.add_argument("--only", action="store_true", help="skip the FSDP case (run only the cases asked for)")
     args = parser.parse_args(argv)
     common = {"repeats": args.repeats, "timeout_s": args.timeout_s}
     try:
@@ -419,6 +440,18 @@ def parse_args(argv: list[str] | None = None) -> Cases:
             fsdp=BenchConfig(total_gib=args.total_gib, width=args.width, **common),
             small=SmallConfig(tensors=args.small_tensors, kib=args.small_kib, **common) if args.small_tensors else None,
             s3=S3Config(mib=args.s3_mib, **common) if args.s3 else None,
+            s3_small=S3SmallConfig(tensors=args.small_tensors or 2000, kib=args.small_kib, **common)
+            if args.s3
+            else None,
+            objects=PackedConfig(
+                tensors=[int(n) for n in args.objects_tensors.split(",")],
+                world=args.objects_world,
+                kib=args.small_kib,
+                **common,
+            )
+            if args.objects
+            else None,
+            fsdp_too=not args.only,
             parent=args.dir,
         )
     except ValueError as e:
@@ -426,12 +459,17 @@ def parse_args(argv: list[str] | None = None) -> Cases:
 
 
 def run(cases: Cases) -> None:
-    run_fsdp(cases.fsdp)
+    if cases.fsdp_too:
+        run_fsdp(cases.fsdp)
     if cases.small is not None:
         cases.small.root = os.path.join(cases.fsdp.root, "small")
         run_small(cases.small)
+    if cases.objects is not None:
+        cases.objects.root = os.path.join(cases.fsdp.root, "objects")
+        run_objects(cases.objects)
     if cases.s3 is not None:
         run_s3(cases.s3)
+        run_s3_small(cases.s3_small)
 
 
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:

@@ -1,4 +1,4 @@
-"""The manifest: the JSON document whose existence *is* a committed step (format version 2; 1 is read).
+"""The manifest: the JSON document whose existence *is* a committed step (format version 3; 1 and 2 are read).
 
 It names every array (FQN, path, shape, dtype, chunking, regions with their writers and data
 checksums), the save-time layout, and the non-tensor state as plain JSON. No pickle: loading an
@@ -16,16 +16,19 @@ from typing import Any
 from resilient.errors import ConfigError, IntegrityError
 
 FORMAT_NAME = "resilient"
-FORMAT_VERSION = 2
-"""What this resilient writes. Version 2 names shard objects with zarr v3's "v2" chunk key encoding
-and a "." separator (``<array>/1.0``) instead of version 1's "default" one (``<array>/c/1/0``):
-no ``c/`` directory and no directory per leading grid index. Measured on this machine's ext4, a
-``mkdir`` cost 25-400 us of kernel CPU depending on the directory tree, against ~40 us for a file
-create, and a 2,000-tensor save made 5,000 directories under version 1 against 3,000 now. Nothing
-else differs."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""What this resilient writes. Version 3 packs a rank's shard objects into a few pack objects (stored
+ZIP archives, ``storage/pack.py``; docs/format.md has the decision and its numbers) and records
+where each shard lies in its array entry (``shards``): a step's object count no longer grows with
+its tensor count. Version 2 wrote each shard as its own object, named with zarr v3's "v2" chunk key
+encoding and a "." separator (``<array>/1.0``); version 1 with the "default" one (``<array>/c/1/0``).
+The shard bytes and their keys are the same in versions 2 and 3."""
+READABLE_VERSIONS = (1, 2, 3)
 # The layout's default chunk sizes, here (torch-free) so that a config can name them without torch.
-DEFAULT_INNER_CHUNK_BYTES = 4 << 20
+DEFAULT_INNER_CHUNK_BYTES = 1 << 20
+"""A resharded load reads whole inner chunks: with 4 MiB ones, ckpt_bench's 4->3 load of FSDP row
+shards (4 MiB each) fetched ~1.5x the bytes it needed, with 1 MiB ones ~1.1x (benchmarks/README.md,
+"packed layout"); a chunk costs 20 bytes of index and crc, and the save writes the same bytes."""
 DEFAULT_MAX_SHARD_BYTES = 1 << 30  # S3 PUTs one object whole: stay far below its 5 GiB limit
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -60,9 +63,14 @@ class ArrayEntry:
     mesh_dim_names: list[str]
     regions: list[dict]  # {"offsets", "sizes", "writer", "crc32c"}
     format_version: int = FORMAT_VERSION  # the manifest's, not stored per array: it names the shard keys
+    shards: dict[str, list] = field(default_factory=dict)
+    """Version 3: chunk key -> [pack object (under the attempt), offset, nbytes] of every shard."""
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("fqn", "format_version")}
+        out = {k: getattr(self, k) for k in self.__slots__ if k not in ("fqn", "format_version", "shards")}
+        if self.format_version >= 3:
+            out["shards"] = self.shards
+        return out
 
     @staticmethod
     def from_json(fqn: str, d: dict, format_version: int) -> ArrayEntry:
@@ -80,6 +88,9 @@ class Manifest:
     versions: dict = field(default_factory=dict)
     created_unix: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    tensorstore: dict[str, dict] = field(default_factory=dict)
+    """Version 3: per tensor, the TensorStore spec that opens its array with no code of ours
+    (written for readers; this resilient builds its own from ``shards`` and the current root)."""
 
     @property
     def total_bytes(self) -> int:
@@ -99,6 +110,7 @@ class Manifest:
             "arrays": {fqn: a.to_json() for fqn, a in sorted(self.arrays.items())},
             "values": self.values,
             "metadata": self.metadata,
+            **({"tensorstore": self.tensorstore} if self.tensorstore else {}),
         }
 
     def dumps(self) -> bytes:

@@ -41,6 +41,10 @@ class RestoreStats:
     bytes_read: int = 0
     seconds: float = 0.0
     storage_reads: int = 0
+    bytes_fetched: int = 0
+    """Bytes read from storage to fill ``bytes_read`` (whole inner chunks, checksums, shard indexes):
+    over ``bytes_read`` it is the load's read amplification. Counted by the local-file reader; the
+    TensorStore reader (S3, memory://) reports ``bytes_read`` here."""
 
     def to_json(self) -> dict:
         return {"event": "restore", **asdict(self)}

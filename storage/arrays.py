@@ -15,6 +15,7 @@ from resilient.errors import IntegrityError, StorageError
 from resilient.layout import ArrayPlan
 from resilient.manifest import FORMAT_VERSION, ArrayEntry
 from resilient.storage.objects import memory_context
+from resilient.storage.pack import pack_name
 from resilient.storage.url import Location
 
 _CHECKSUMMED = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -67,7 +68,7 @@ def array_metadata(
 
 
 def plan_metadata(plan: ArrayPlan) -> dict:
-    """Metadata of an array this resilient writes (the current format version)."""
+    """Metadata of an array this resilient writes (versions 2 and 3 have the same)."""
     return array_metadata(
         list(plan.shape), plan.dtype, list(plan.shard_shape), list(plan.inner_shape), format_version=FORMAT_VERSION
     )
@@ -89,9 +90,10 @@ def zarr_group_document(attributes: dict | None = None) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def kvstore_spec(location: Location, key: str) -> dict:
-    """TensorStore kvstore spec of the directory ``key`` under the checkpoint root."""
-    path = location.join(key) + "/"
+def kvstore_spec(location: Location, key: str, *, directory: bool = True) -> dict:
+    """TensorStore kvstore spec of the directory ``key`` under the checkpoint root (of the object
+    ``key`` when not ``directory``)."""
+    path = location.join(key) + ("/" if directory else "")
     if location.scheme == "file":
         return {"driver": "file", "path": "/" + path}
     if location.scheme == "memory":
@@ -136,6 +138,50 @@ def open_array(location: Location, key: str, metadata: dict, context):
     return ts.open(array_spec(location, key, metadata), context=context, open=True, create=True, assume_metadata=True)
 
 
+def packed_kvstore_spec(location: Location, attempt_key: str, entry: ArrayEntry) -> dict:
+    """The kvstore of a version 3 array: a ``kvstack`` that sends each of its keys to the ZIP pack
+    holding it (TensorStore's ``zip`` kvstore over the pack object). An array whose shards all lie
+    in one rank's first pack takes one prefix layer (its ``zarr.json`` is there too)."""
+
+    def zipped(pack: str) -> dict:
+        return {"driver": "zip", "base": kvstore_spec(location, f"{attempt_key}/{pack}", directory=False)}
+
+    by_pack: dict[str, list[str]] = {}
+    for key, (pack, _offset, _nbytes) in sorted(entry.shards.items()):
+        by_pack.setdefault(pack, []).append(f"{entry.path}/{key}")
+    # Rank 0's first pack holds every zarr.json, a rank's first pack those of the arrays it writes.
+    docs = pack_name(0, 0)
+    if len(by_pack) == 1 and next(iter(by_pack)).endswith("-0.zip"):
+        docs = next(iter(by_pack))
+    if len(by_pack) <= 1:
+        only = next(iter(by_pack), docs)
+        layers = [{"prefix": f"{entry.path}/", "base": zipped(only), "strip_prefix": 0}]
+        if only != docs:
+            layers.append({"exact": f"{entry.path}/zarr.json", "base": zipped(docs), "strip_prefix": 0})
+    else:
+        layers = [{"exact": f"{entry.path}/zarr.json", "base": zipped(docs), "strip_prefix": 0}]
+        for pack, keys in by_pack.items():
+            layers += [{"exact": key, "base": zipped(pack), "strip_prefix": 0} for key in keys]
+    return {"driver": "kvstack", "layers": layers, "path": f"{entry.path}/"}
+
+
+def reader_spec(location: Location, attempt_key: str, entry: ArrayEntry) -> dict:
+    """What a plain TensorStore user opens a version 3 array with (it reads the array's zarr.json)."""
+    return {"driver": "zarr3", "kvstore": packed_kvstore_spec(location, attempt_key, entry)}
+
+
+def open_entry(location: Location, attempt_key: str, entry: ArrayEntry, context):
+    """A future of the opened TensorStore of a manifest's array, in its format version (metadata
+    assumed from the manifest, never read)."""
+    import tensorstore as ts
+
+    meta = entry_metadata(entry)
+    if entry.format_version < 3:
+        return open_array(location, f"{attempt_key}/{entry.path}", meta, context)
+    spec = {**array_spec(location, "", meta), "kvstore": packed_kvstore_spec(location, attempt_key, entry)}
+    return ts.open(spec, context=context, open=True, assume_metadata=True)
+
+
 _ENTRY = re.compile(r'(?:chunk (\{[^}]*\}) stored at )?shard entry (\{[^}]*\})/\{[^}]*\} in (?:.*?)"([^"]+)"')
 
 
@@ -149,6 +195,11 @@ def read_error(err: Exception, *, fqn: str, step: int, url: str) -> Exception:
             f"checksum mismatch in tensor {fqn!r} at step {step}, {where} ({url}): the stored bytes "
             f"are corrupted. Load another step (load(state, step=...)) or restore from a replica. "
             f"[{msg}]"
+        )
+    if "ZIP" in msg:  # a pack (format version 3) whose archive structure is gone: cut short or overwritten
+        return IntegrityError(
+            f"tensor {fqn!r} at step {step} is damaged: the pack holding {where} ({url}) is not a whole "
+            f"ZIP archive any more (cut short?). Load another step. [{msg}]"
         )
     if "NOT_FOUND" in msg or "is missing" in msg:
         return IntegrityError(

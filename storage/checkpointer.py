@@ -1,14 +1,14 @@
 """``Checkpointer``: collective save/load of a nested state into Zarr v3 arrays (DESIGN §4-§6).
 
-save: every rank describes what it holds -> one all-gather -> every rank computes the same plan
-(which rank writes which shard-aligned region) -> each rank writes its regions and a receipt ->
-rank 0 checks coverage and commits the manifest. load: rank 0 picks the step and broadcasts its
-manifest -> each rank reads the boxes its tensors need, on any mesh and world size.
+save: make room (the ``max_inflight`` policy) -> decide (``planner``: one all-gather of what every
+rank holds, the same plan on every rank) -> stage (copy this rank's part) -> submit (the writer
+persists it into this rank's packs and a receipt; rank 0 checks coverage and commits the manifest).
+load: rank 0 picks the step and broadcasts its manifest -> each rank reads the boxes its tensors
+need, on any mesh and world size.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import weakref
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from resilient import dist
-from resilient.errors import CommitError, ConfigError, RestoreError, StateError
-from resilient.layout import ArrayPlan, LocalTensor, describe_local, plan_arrays
+from resilient.errors import CommitError, ConfigError, RestoreError
+from resilient.layout import LocalTensor, describe_local
 from resilient.manifest import (
     MANIFEST,
     Manifest,
@@ -29,15 +29,15 @@ from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
 from resilient.storage.commit import decision_grace_s, settle_failure
 from resilient.storage.config import CheckpointerConfig
-from resilient.storage.describe import LayoutCache
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
 from resilient.storage.objects import open_store
 from resilient.storage.outcomes import SaveLedger, SaveOutcomes
 from resilient.storage.persist import PersistJob
+from resilient.storage.planner import SaveDecision, SavePlanner
 from resilient.storage.reader import ReadTarget, read_into
-from resilient.storage.retention import list_steps, new_attempt
-from resilient.storage.snapshot import Snapshot, SnapshotLayout, StagingPool, snapshot_layout, take_snapshot
+from resilient.storage.retention import list_steps
+from resilient.storage.snapshot import Snapshot, SnapshotLayout, StagingPool, take_snapshot
 from resilient.storage.url import parse_url
 from resilient.storage.workers import PersistProcess, PersistThread, start_background
 
@@ -74,7 +74,6 @@ class Checkpointer:
         self.save_stats = self._ledger.stats
         self._inflight: list[SaveHandle] = []  # saves whose persist may still be running
         self._outcomes = SaveOutcomes()  # saves whose error (if any) is not raised yet
-        self._latched_here: BaseException | None = None  # this rank's part of the last agreement
         self._pool = StagingPool(
             budget_bytes=config.staging_bytes,
             pin_memory=torch.cuda.is_available(),
@@ -83,12 +82,14 @@ class Checkpointer:
         self._ledger.pool = self._pool
         self._writer = None
         self._stream = None
-        self._plan_cache: tuple[dict[str, ArrayPlan], SnapshotLayout] | None = None
-        self._layouts = LayoutCache()  # this rank's tensor layouts, described once, not per save
-        self._sent_tensors: list[dict] | None = None  # this rank's layout as last sent to its peers
-        self._sent_unchanged = False  # this save's layout is the one last sent
-        self._peer_tensors: dict[int, list[dict]] = {}  # every rank's layout as last received
-        self._gathered: list[dict] = []
+        self._planner = SavePlanner(
+            group=process_group,
+            rank=self.rank,
+            world_size=self.world_size,
+            store=self.store,
+            config=config,
+            outcomes=self._outcomes,
+        )
         self.restore_stats: list[RestoreStats] = []
         self.storage_reads = 0
         """Objects this Checkpointer asked storage for in loads (manifest + one per region read):
@@ -110,46 +111,24 @@ class Checkpointer:
         start = time.perf_counter()
         stats = SaveStats(step=step, rank=self.rank)
         busy, late = self._make_room(stats)
-        agreement, locals_ = self._prepare_start(step, state, metadata, busy, late)
-        early = self._snapshot_early(agreement, locals_, busy)
-        try:
-            attempt = self._prepare_finish(agreement)
-            plans, layout = self._plan() if attempt is not None else (None, None)
-        except BaseException:  # every rank raises the same here (the plan is computed alike)
-            self._discard(early)
-            raise
+        decision = self._planner.decide(
+            step, state, metadata, busy=busy, late=late, copy_early=self._snapshot, discard=self._discard
+        )
         # The commit clock starts here, at one instant on every rank (the agreement just returned):
         # no rank can give up on the step while another still commits it.
         deadline = time.time() + self.config.commit_timeout_s
-        if attempt is None:  # some rank was busy under if_busy="skip": every rank skips together
-            self._discard(early)
+        if decision.attempt is None:  # some rank was busy under if_busy="skip": every rank skips together
             stats.outcome = stats.policy = "skipped"
             self._ledger.record(stats)
             return SaveHandle.skipped(stats)
-        job = PersistJob(
-            step=step,
-            attempt=attempt,
-            rank=self.rank,
-            world_size=self.world_size,
-            plans=plans,
-            regions=[],
-            values=[p["values"] for p in self._gathered] if self.rank == 0 else [],
-            metadata=metadata or {},
-            commit_timeout_s=self.config.commit_timeout_s,
-            deadline=deadline,
-            poll_cap_s=self.config.poll_cap_s,
-            keep_last=self.config.keep_last or None,  # 0 keeps every step
-            io_threads=self.config.io_threads,
-        )
+        job = self._job(decision, metadata, deadline)
         handle = SaveHandle(step, decided_by=deadline + self._grace_s())
-        handle.stats, handle.attempt = stats, attempt
+        handle.stats, handle.attempt = stats, decision.attempt
         self._inflight.append(handle)
         self._outcomes.track(handle)
-        snap = early[1] if early is not None and early[0] is layout else None
+        snap = None
         try:
-            if snap is None:  # no early copy, or a peer's layout changed and with it the plan
-                self._discard(early)
-                snap = self._snapshot(layout, locals_)
+            snap = self._stage(decision)
             stats.snapshot_s = time.perf_counter() - start
             job.regions = snap.regions
             handle.set_staged(snap.staged)
@@ -158,6 +137,32 @@ class Checkpointer:
             self._fail_in_background(job, handle, snap, e)
         return handle
 
+    def _job(self, decision: SaveDecision, metadata: dict | None, deadline: float) -> PersistJob:
+        """What the writer persists for this decision (its regions are set once staged)."""
+        return PersistJob(
+            step=decision.step,
+            attempt=decision.attempt,
+            rank=self.rank,
+            world_size=self.world_size,
+            plans=decision.plans,
+            regions=[],
+            values=decision.values,
+            metadata=metadata or {},
+            commit_timeout_s=self.config.commit_timeout_s,
+            deadline=deadline,
+            poll_cap_s=self.config.poll_cap_s,
+            keep_last=self.config.keep_last or None,  # 0 keeps every step
+            io_threads=self.config.io_threads,
+        )
+
+    def _stage(self, decision: SaveDecision) -> Snapshot:
+        """This rank's part, copied into staging: the early copy when the plan it used still holds."""
+        early = decision.early
+        if early is not None and early[0] is decision.layout:
+            return early[1]
+        self._discard(early)  # no early copy, or a peer's layout changed and with it the plan
+        return self._snapshot(decision.layout, decision.locals)
+
     def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
         """Load the newest committed step (or ``step``) into ``state`` in place; returns the step.
         Collective: every rank returns, or every rank raises the same error (a rank whose read
@@ -165,10 +170,15 @@ class Checkpointer:
         start = time.perf_counter()
         chosen, manifest = self._agree_on_manifest(step)
         got = dist.agree(lambda: self._load_local(state, chosen, manifest, strict), group=self.group)
-        nbytes, reads = got[self.rank]
+        nbytes, reads, fetched = got[self.rank]
         self.storage_reads += reads
         stats = RestoreStats(
-            step=chosen, rank=self.rank, bytes_read=nbytes, seconds=time.perf_counter() - start, storage_reads=reads
+            step=chosen,
+            rank=self.rank,
+            bytes_read=nbytes,
+            seconds=time.perf_counter() - start,
+            storage_reads=reads,
+            bytes_fetched=fetched,
         )
         self.restore_stats.append(stats)
         log.info(
@@ -182,7 +192,7 @@ class Checkpointer:
         return chosen
 
     def _load_local(self, state: dict, chosen: int, manifest: Manifest, strict: bool) -> list[int]:
-        """This rank's part of ``load``: its boxes read into ``state``; [bytes, objects read]."""
+        """This rank's part of ``load``: its boxes read into ``state``; [bytes, objects read, bytes fetched]."""
         leaves = flatten_state(state)
         match = match_state(manifest, leaves, url=self.url, strict=strict)
         targets = []
@@ -191,7 +201,7 @@ class Checkpointer:
             if local.box is not None:
                 targets.append(ReadTarget(manifest.arrays[fqn], local.box, local.data))
         attempt_key = f"{step_dir(chosen)}/{manifest.attempt}"
-        nbytes = read_into(
+        totals = read_into(
             self.location,
             attempt_key,
             targets,
@@ -200,7 +210,7 @@ class Checkpointer:
             budget_bytes=self.config.load_budget_bytes,
         )
         match.apply_values(manifest, self.rank)
-        return [nbytes, 1 + len(targets)]
+        return [totals.needed, 1 + len(targets), totals.fetched]
 
     def wait(self) -> None:
         """Block until every save in flight is decided; raise the first error not yet raised.
@@ -289,66 +299,9 @@ class Checkpointer:
 
         start_background(settle, "resilient-ckpt-settle")  # joined at exit, like the writers
 
-    def _prepare_start(
-        self, step: int, state: dict, metadata: dict | None, busy: bool, late: CommitError | None
-    ) -> tuple[dist.Agreement, dict[str, LocalTensor]]:
-        """Every rank describes its state (``_describe``) in one ``dist.agree``, which carries each
-        rank's busy flag and background error too, so every rank decides the same: raise together,
-        skip together, or save together (no rank is left waiting in a collective). Started here,
-        settled by ``_prepare_finish``, so the snapshot copy can run while it crosses."""
-        locals_: dict[str, LocalTensor] = {}
-        agreement = dist.agree_async(
-            lambda: self._describe(step, state, metadata, busy, late, locals_), group=self.group
-        )
-        return agreement, locals_
-
-    def _prepare_finish(self, agreement: dist.Agreement) -> str | None:
-        """The attempt id every rank saves under, or None if every rank skips; raises together."""
-        try:
-            gathered = agreement.result()
-        except Exception:
-            self._sent_tensors = None  # every rank resends its layout next time: none was recorded
-            raise
-        for rank, p in enumerate(gathered):
-            if p["tensors"] is not None:
-                self._peer_tensors[rank] = p["tensors"]
-                self._plan_cache = None
-        self._gathered = gathered
-        self._outcomes.settle([p["latched"] for p in gathered], self.rank, self._latched_here)
-        if len({p["step"] for p in gathered}) > 1:
-            raise ConfigError(
-                f"save() called with different steps on different ranks: {[p['step'] for p in gathered]}; "
-                "every rank must save the same step"
-            )
-        if any(p["busy"] for p in gathered):
-            return None
-        return gathered[0]["attempt"]
-
     def _snapshot(self, layout: SnapshotLayout, locals_: dict[str, LocalTensor]) -> Snapshot:
         stream = self._side_stream(locals_)
         return take_snapshot(layout, locals_, self._pool, timeout_s=self.config.commit_timeout_s, stream=stream)
-
-    def _snapshot_early(
-        self, agreement: dist.Agreement, locals_: dict[str, LocalTensor], busy: bool
-    ) -> tuple[SnapshotLayout, Snapshot] | None:
-        """Copy this rank's part while the agreement crosses (its latency, ~5-40 ms among 4 ranks
-        on 2 cores, was a third of save()'s stall), by the last plan: valid unless some rank's
-        layout changed, which the agreement tells; then it is discarded, as when a rank failed.
-        Only under if_busy="wait", where no rank can be busy: under "skip", a peer still busy
-        would make a ready rank pay for a copy that is thrown away."""
-        if (
-            self._plan_cache is None
-            or busy
-            or self.config.if_busy != "wait"
-            or agreement.local_error is not None
-            or not self._sent_unchanged
-        ):
-            return None
-        layout = self._plan_cache[1]
-        try:
-            return layout, self._snapshot(layout, locals_)
-        except Exception:  # not ours to raise before the agreement: the copy is retried after it
-            return None
 
     def _discard(self, early: tuple[SnapshotLayout, Snapshot] | None) -> None:
         if early is None:
@@ -357,71 +310,6 @@ class Checkpointer:
         if snap.staged is not None:
             snap.staged.synchronize()  # the copy must not land in a buffer handed to the next save
         self._pool.release(snap.buffer)
-
-    def _describe(
-        self,
-        step: int,
-        state: dict,
-        metadata: dict | None,
-        busy: bool,
-        late: CommitError | None,
-        locals_: dict[str, LocalTensor],
-    ) -> dict:
-        """This rank's part of the save decision (fills ``locals_``); rank 0 also checks storage and
-        the step and draws the attempt id. A background error not yet raised travels with it
-        (``SaveOutcomes``), so that every rank raises it, with its class, and marks it raised."""
-        if late is not None:
-            raise late
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        values, tensors = {}, {}
-        for fqn, leaf in flatten_state(state).items():
-            if leaf.is_tensor:
-                tensors[fqn] = leaf.value
-            else:
-                values[fqn] = leaf.value
-        try:
-            json.dumps(metadata)
-        except (TypeError, ValueError) as e:
-            raise StateError(f"metadata is not JSON-able: {e}") from e
-        described_locals, described = self._layouts.describe(tensors)
-        locals_.update(described_locals)
-        latched, self._latched_here = self._outcomes.pop_first_error()  # last: nothing after it raises on ranks > 0
-        # Layouts rarely change between saves: send ours only when it did (the all-gather is on
-        # the training thread's critical path).
-        changed = described != self._sent_tensors
-        payload: dict = {
-            "busy": busy,
-            "step": step,
-            "latched": latched,
-            "values": values,
-            "tensors": described if changed else None,
-        }
-        self._sent_tensors, self._sent_unchanged = described, not changed
-        if self.rank == 0 and latched is None:
-            self._precheck(step)
-            payload["attempt"] = new_attempt()
-        return payload
-
-    def _precheck(self, step: int) -> None:
-        self.store.check_root(create=True)
-        if self.store.exists(f"{step_dir(step)}/{MANIFEST}"):
-            raise CommitError(
-                f"step {step} is already committed at {self.url}; a step is written once: "
-                "save under a new step number (committed steps are never overwritten)"
-            )
-
-    def _plan(self) -> tuple[dict[str, ArrayPlan], SnapshotLayout]:
-        """The save plan and where this rank stages its part of it, recomputed only when some
-        rank's tensor layout changed."""
-        if self._plan_cache is None:
-            plans = plan_arrays(
-                [self._peer_tensors[r] for r in range(self.world_size)],
-                inner_chunk_bytes=self.config.inner_chunk_bytes,
-                max_shard_bytes=self.config.max_shard_bytes,
-            )
-            self._plan_cache = (plans, snapshot_layout(plans, self.rank))
-        return self._plan_cache
 
     def _side_stream(self, locals_: dict[str, LocalTensor]):
         if not any(t.data.is_cuda for t in locals_.values()):

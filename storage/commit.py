@@ -44,6 +44,7 @@ from resilient.manifest import (
     step_dir,
 )
 from resilient.storage import notice
+from resilient.storage.arrays import reader_spec
 from resilient.storage.objects import ObjectStore
 from resilient.storage.retention import KeepLast, apply_retention, remember_committed
 from resilient.storage.s3 import COMMIT_WRITE_BOUND_S
@@ -288,7 +289,11 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
             f"{job.commit_timeout_s:.0f} s (checkpoint.commit_timeout_s), when the other ranks may have given up"
         )
     crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
-    arrays = {fqn: manifest_entry(p, crcs) for fqn, p in job.plans.items()}
+    shards: dict[str, dict] = {fqn: {} for fqn in job.plans}
+    for rec in receipts:
+        for r in rec["regions"]:
+            shards[r["fqn"]].update(r["shards"])
+    arrays = {fqn: manifest_entry(p, crcs, shards[fqn]) for fqn, p in job.plans.items()}
     manifest = Manifest(
         step=job.step,
         attempt=job.attempt,
@@ -297,6 +302,7 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
         values=encode_values(job.values),
         metadata=job.metadata,
         versions=library_versions(),
+        tensorstore={fqn: reader_spec(store.location, job.attempt_key, a) for fqn, a in arrays.items()},
     )
     commit_manifest(store, manifest)
     log.info(
@@ -316,8 +322,9 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
 
 
-def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
-    """The manifest entry of a planned array, with each region's crc32c (keyed by (fqn, offsets))."""
+def manifest_entry(p: ArrayPlan, crcs: dict, shards: dict[str, list]) -> ArrayEntry:
+    """The manifest entry of a planned array, with each region's crc32c (keyed by (fqn, offsets))
+    and where each of its shards lies in the packs (chunk key -> [pack, offset, nbytes])."""
     return ArrayEntry(
         fqn=p.fqn,
         path=array_path(p.fqn),
@@ -330,6 +337,7 @@ def manifest_entry(p: ArrayPlan, crcs: dict) -> ArrayEntry:
         mesh_shape=list(p.mesh_shape),
         mesh_dim_names=list(p.mesh_dim_names),
         regions=[{**r.box.to_json(), "writer": r.writer, "crc32c": crcs[(p.fqn, r.box.offsets)]} for r in p.regions],
+        shards=shards,
     )
 
 

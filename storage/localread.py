@@ -30,7 +30,7 @@ from resilient.dtypes import itemsize, to_numpy, torch_dtype
 from resilient.errors import IntegrityError, StorageError
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
-from resilient.storage.localwrite import run_parallel
+from resilient.storage.parallel import run_parallel
 from resilient.storage.shardfile import CRC_BYTES, MISSING, chunk_key, chunks_per_shard, index_nbytes, parse_index
 from resilient.storage.url import Location
 
@@ -43,6 +43,18 @@ enough that one big tensor still spreads over every thread."""
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 """Buffers one preadv may take (Linux: 1024); a chunk needs up to 3 (scratch, destination, crc)."""
 _ITEM_IOVECS = 3
+
+
+def can_copy_into(dest: torch.Tensor, dtype: str) -> bool:
+    """True when the stored bytes of ``dtype`` can be copied into ``dest`` as they are: a CPU tensor
+    of that dtype on a little-endian host (strides do not matter to a numpy copy)."""
+    return (
+        sys.byteorder == "little"
+        and dest.device.type == "cpu"
+        and dest.dtype == torch_dtype(dtype)
+        and not dest.is_conj()
+        and not dest.is_neg()
+    )
 
 
 def can_read_locally(location: Location, dest: torch.Tensor, dtype: str) -> bool:
@@ -70,10 +82,13 @@ class _Shard:
 
     fqn: str
     step: int
-    key: str  # "1.0" (format version 2) or "c/1/0" (version 1)
-    path: str
+    key: str  # "1.0" (format versions 2 and 3) or "c/1/0" (version 1)
+    path: str  # the shard object (versions 1, 2) or the pack holding it (version 3)
     inner_shape: tuple[int, ...]
     dtype: np.dtype
+    base: int = 0  # where the shard starts in the file
+    nbytes: int | None = None  # the shard's length in its pack (version 3); None: the whole file
+    held: tuple[str, ...] = ()  # version 3: the tensors of this load that the pack holds
 
 
 @dataclass(slots=True)
@@ -122,7 +137,7 @@ def _contiguous_range(lo: tuple[int, ...], sizes: tuple[int, ...], full: tuple[i
     return start, start + math.prod(sizes)
 
 
-def _grid_range(box: Box, origin: tuple[int, ...], step: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+def grid_range(box: Box, origin: tuple[int, ...], step: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Indices of the cells of side ``step`` (grid starting at ``origin``) that ``box`` overlaps."""
     ranges = [
         range((o - z) // s, -(-(o + n - z) // s))
@@ -131,10 +146,10 @@ def _grid_range(box: Box, origin: tuple[int, ...], step: tuple[int, ...]) -> Ite
     return itertools.product(*ranges)  # a 0-d array has one cell, the empty index ()
 
 
-def _shards_of(entry: ArrayEntry, box: Box) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
+def shards_of(entry: ArrayEntry, box: Box) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Box]]:
     """(shard grid index, the shard's first element, the part of ``box`` inside the shard)."""
     shape, shard_shape = tuple(entry.shape), tuple(entry.shard_shape)
-    for index in _grid_range(box, (0,) * len(shape), shard_shape):
+    for index in grid_range(box, (0,) * len(shape), shard_shape):
         start = tuple(i * s for i, s in zip(index, shard_shape, strict=True))
         region = Box(start, tuple(min(s, n - o) for s, n, o in zip(shard_shape, shape, start, strict=True)))
         part = region.intersect(box)
@@ -158,7 +173,7 @@ def _plan_chunks(
     chunk_bytes = math.prod(inner) * item
     dest_bytes = dest.reshape(-1).view(np.uint8)
     reads = []
-    for grid_index in _grid_range(part, origin, inner):
+    for grid_index in grid_range(part, origin, inner):
         n = int(np.ravel_multi_index(grid_index, grid)) if grid else 0
         offset, nbytes = (int(x) for x in index[n])
         if offset == MISSING or nbytes == MISSING:
@@ -170,7 +185,7 @@ def _plan_chunks(
         cell = Box(start, inner).intersect(part)
         in_chunk = tuple(o - s for o, s in zip(cell.offsets, start, strict=True))
         in_dest = tuple(o - b for o, b in zip(cell.offsets, box.offsets, strict=True))
-        read = _ChunkRead(tuple(grid_index), offset, chunk_bytes)
+        read = _ChunkRead(tuple(grid_index), shard.base + offset, chunk_bytes)
         source, target = (
             _contiguous_range(in_chunk, cell.sizes, inner),
             _contiguous_range(in_dest, cell.sizes, box.sizes),
@@ -205,28 +220,45 @@ def _runs(shard: _Shard, reads: list[_ChunkRead], scratch_cap: int) -> Iterator[
         yield run
 
 
-def _read_index(shard: _Shard, shard_shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+class _Tally:
+    """Bytes fetched from files by a load's threads (read amplification = fetched / needed)."""
+
+    def __init__(self) -> None:
+        self.fetched = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.fetched += nbytes
+
+
+def _read_index(shard: _Shard, shard_shape: tuple[int, ...], tally: _Tally) -> tuple[np.ndarray, int]:
     """The shard's index (checksum verified) and where its chunk data ends."""
     tail_bytes = index_nbytes(shard_shape, shard.inner_shape)
+    tally.add(tail_bytes)
     try:
         fd = os.open(shard.path, os.O_RDONLY)
     except FileNotFoundError as err:
-        raise _missing(shard, f"shard object {shard.key!r}", "does not exist") from err
+        raise _missing(shard, f"shard object {shard.key!r}", _gone(shard)) from err
     except OSError as err:
         raise _storage_error(shard, err) from err
     try:
         size = os.fstat(fd).st_size
-        if size < tail_bytes:
+        end = size if shard.nbytes is None else shard.base + shard.nbytes
+        if size < end:
             raise _damaged(
-                shard, f"shard object {shard.key!r}", f"is {size} bytes, shorter than its index ({tail_bytes})"
+                shard, f"shard object {shard.key!r}", f"is cut short: its pack is {size} bytes, the shard ends at {end}"
             )
-        tail = os.pread(fd, tail_bytes, size - tail_bytes)
+        if end - shard.base < tail_bytes:
+            detail = f"is {end - shard.base} bytes, shorter than its index ({tail_bytes})"
+            raise _damaged(shard, f"shard object {shard.key!r}", detail)
+        tail = os.pread(fd, tail_bytes, end - tail_bytes)
     except OSError as err:
         raise _storage_error(shard, err) from err
     finally:
         os.close(fd)
     try:
-        return parse_index(tail, shard_shape, shard.inner_shape), size - tail_bytes
+        return parse_index(tail, shard_shape, shard.inner_shape), end - tail_bytes - shard.base
     except ValueError as err:
         raise _corrupt(shard, f"the index of shard object {shard.key!r}") from err
 
@@ -305,8 +337,9 @@ def _read_run(fd: int, run: _Run, scratch: memoryview) -> None:
             dst[...] = chunk[part]
 
 
-def _run_task(runs: list[_Run], scratch: _Scratch) -> None:
+def _run_task(runs: list[_Run], scratch: _Scratch, tally: _Tally) -> None:
     """Read a task's runs in order, opening each shard file once for its consecutive runs."""
+    tally.add(sum(r.nbytes for r in runs))
     buffer = scratch.get(max(r.scratch_bytes for r in runs))
     path, fd = None, -1
     run = runs[0]
@@ -320,7 +353,7 @@ def _run_task(runs: list[_Run], scratch: _Scratch) -> None:
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError as err:
-                    raise _missing(run.shard, f"shard object {run.shard.key!r}", "does not exist") from err
+                    raise _missing(run.shard, f"shard object {run.shard.key!r}", _gone(run.shard)) from err
             _read_run(fd, run, buffer)
     except OSError as err:
         raise _storage_error(run.shard, err) from err
@@ -329,25 +362,47 @@ def _run_task(runs: list[_Run], scratch: _Scratch) -> None:
             os.close(fd)
 
 
+def _shard(root: str, entry: ArrayEntry, key: str, step: int, dtype: np.dtype, held: dict) -> _Shard:
+    """The shard ``key`` of ``entry``: its own file (versions 1, 2) or its range of a pack (3)."""
+    inner = tuple(entry.inner_shape)
+    if entry.format_version < 3:
+        return _Shard(entry.fqn, step, key, f"{root}/{entry.path}/{key}", inner, dtype)
+    ref = entry.shards.get(key)
+    if ref is None:
+        raise IntegrityError(
+            f"tensor {entry.fqn!r} at step {step} is missing data: the manifest names no pack for shard "
+            f"{key!r}. The checkpoint is damaged; load another step."
+        )
+    pack, base, nbytes = ref
+    return _Shard(entry.fqn, step, key, f"{root}/{pack}", inner, dtype, base, nbytes, held.get(pack, ()))
+
+
 def _target_runs(
-    root: str, entry: ArrayEntry, box: Box, dest: torch.Tensor, step: int, scratch_cap: int
+    root: str, entry: ArrayEntry, box: Box, dest: torch.Tensor, step: int, scratch_cap: int, held: dict, tally: _Tally
 ) -> Iterator[_Run]:
     """Every run that fills ``dest`` (the box ``box`` of array ``entry``)."""
     shard_shape, inner = tuple(entry.shard_shape), tuple(entry.inner_shape)
     grid = chunks_per_shard(shard_shape, inner)
     dest_np = to_numpy(dest.detach())
-    for shard_index, origin, part in _shards_of(entry, box):
+    for shard_index, origin, part in shards_of(entry, box):
         key = chunk_key(shard_index, format_version=entry.format_version)
-        shard = _Shard(entry.fqn, step, key, f"{root}/{entry.path}/{key}", inner, dest_np.dtype)
-        index, data_end = _read_index(shard, shard_shape)
+        shard = _shard(root, entry, key, step, dest_np.dtype, held)
+        index, data_end = _read_index(shard, shard_shape, tally)
         reads = _plan_chunks(shard, index, data_end, grid, origin, part, box, dest_np)
         yield from _runs(shard, reads, scratch_cap)
 
 
+@dataclass(frozen=True, slots=True)
+class ReadTotals:
+    needed: int  # bytes of the boxes filled
+    fetched: int  # bytes read from storage to fill them
+
+
 def read_local(
     location: Location, attempt_key: str, targets: list, *, step: int, budget_bytes: int, threads: int = READ_THREADS
-) -> int:
-    """Fill every target (``reader.ReadTarget``s that ``can_read_locally``); returns the bytes read.
+) -> ReadTotals:
+    """Fill every target (``reader.ReadTarget``s that ``can_read_locally``); returns the bytes needed
+    and the bytes fetched.
 
     Scratch memory stays within ``budget_bytes``: each thread's scratch holds at most a
     ``budget_bytes / threads`` share (or one inner chunk, when a chunk is bigger than that).
@@ -356,26 +411,38 @@ def read_local(
     """
     root = "/" + location.join(attempt_key)
     scratch_cap = max(1, budget_bytes // threads)
-    scratch = _Scratch()
+    scratch, tally = _Scratch(), _Tally()
     live = [t for t in targets if t.box.numel > 0]
     # Planning (reading each shard's index) runs on the threads too, one task ahead of the reads.
-    run_parallel(_tasks(root, live, step, scratch_cap, scratch), threads)
-    return sum(t.box.numel * itemsize(t.entry.dtype) for t in live)
+    held = held_by_pack(t.entry for t in live)
+    run_parallel(_tasks(root, live, step, scratch_cap, scratch, held, tally), threads)
+    return ReadTotals(sum(t.box.numel * itemsize(t.entry.dtype) for t in live), tally.fetched)
 
 
-def _tasks(root: str, targets: list, step: int, scratch_cap: int, scratch: _Scratch) -> Iterator[Callable[[], None]]:
+def held_by_pack(entries) -> dict[str, tuple[str, ...]]:
+    """Pack -> the tensors (of ``entries``) with a shard in it: what a lost pack takes with it."""
+    held: dict[str, set[str]] = {}
+    for entry in entries:
+        for pack, _offset, _nbytes in entry.shards.values():
+            held.setdefault(pack, set()).add(entry.fqn)
+    return {pack: tuple(sorted(fqns)) for pack, fqns in held.items()}
+
+
+def _tasks(
+    root: str, targets: list, step: int, scratch_cap: int, scratch: _Scratch, held: dict, tally: _Tally
+) -> Iterator[Callable[[], None]]:
     """The load's runs, grouped into tasks of about TASK_BYTES each."""
     task: list[_Run] = []
     task_bytes = 0
     for t in targets:
-        for run in _target_runs(root, t.entry, t.box, t.dest, step, scratch_cap):
+        for run in _target_runs(root, t.entry, t.box, t.dest, step, scratch_cap, held, tally):
             task.append(run)
             task_bytes += run.nbytes
             if task_bytes >= TASK_BYTES:
-                yield functools.partial(_run_task, task, scratch)
+                yield functools.partial(_run_task, task, scratch, tally)
                 task, task_bytes = [], 0
     if task:
-        yield functools.partial(_run_task, task, scratch)
+        yield functools.partial(_run_task, task, scratch, tally)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,16 +462,29 @@ def _corrupt(shard: _Shard, where: str) -> IntegrityError:
 
 def _damaged(shard: _Shard, where: str, detail: str) -> IntegrityError:
     return IntegrityError(
-        f"tensor {shard.fqn!r} at step {shard.step} is damaged: {where} ({shard.path}) {detail}. Load another "
-        f"step (load(state, step=...)) or restore from a replica."
+        f"tensor {shard.fqn!r} at step {shard.step} is damaged: {where} ({shard.path}) {detail}{_held(shard)}. "
+        f"Load another step (load(state, step=...)) or restore from a replica."
     )
 
 
 def _missing(shard: _Shard, where: str, detail: str) -> IntegrityError:
     return IntegrityError(
-        f"tensor {shard.fqn!r} at step {shard.step} is missing data: {where} ({shard.path}) {detail}. The "
-        f"checkpoint is incomplete; load another step."
+        f"tensor {shard.fqn!r} at step {shard.step} is missing data: {where} ({shard.path}) {detail}{_held(shard)}. "
+        f"The checkpoint is incomplete; load another step."
     )
+
+
+def _gone(shard: _Shard) -> str:
+    return "does not exist" if shard.nbytes is None else "is in a pack that does not exist"
+
+
+def _held(shard: _Shard) -> str:
+    """What else the shard's pack takes with it (version 3), for a pack that is gone or cut."""
+    if not shard.held:
+        return ""
+    shown = ", ".join(repr(f) for f in shard.held[:8])
+    more = f" and {len(shard.held) - 8} more" if len(shard.held) > 8 else ""
+    return f"; its pack holds tensors {shown}{more}"
 
 
 def _storage_error(shard: _Shard, err: OSError) -> StorageError:

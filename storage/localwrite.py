@@ -19,9 +19,10 @@ import ctypes.util
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Iterable
 
 from resilient.errors import StorageError
+from resilient.storage.parallel import run_parallel
 
 IOV_MAX = 1024  # Linux's limit on buffers per writev
 SYNCFS_MIN_FILES = 64
@@ -136,6 +137,43 @@ def _writev_all(fd: int, buffers: list) -> int:
     return done
 
 
+def _pwrite_parallel(fd: int, buffers: list, threads: int) -> int:
+    """Write ``buffers`` back to back from offset 0, in pieces of about ``WRITEBACK_STEP_BYTES``
+    each written (and its writeback started) by one of ``threads`` threads; returns the bytes."""
+    pieces: list[tuple[int, list[memoryview]]] = []
+    offset = 0
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    while views:
+        batch = _next_batch(views, WRITEBACK_STEP_BYTES)
+        size = sum(v.nbytes for v in batch)
+        pieces.append((offset, batch))
+        offset += size
+        while size:  # drop what the batch took from the front of views
+            take = min(size, views[0].nbytes)
+            size -= take
+            views[0] = views[0][take:]
+            if not views[0].nbytes:
+                views.pop(0)
+    run_parallel([lambda o=o, b=b: _pwrite_piece(fd, o, b) for o, b in pieces], threads)
+    return offset
+
+
+def _pwrite_piece(fd: int, offset: int, views: list[memoryview]) -> None:
+    start = offset
+    while views:
+        written = os.pwritev(fd, views, offset)
+        offset += written
+        while written and views:
+            if written >= views[0].nbytes:
+                written -= views[0].nbytes
+                views = views[1:]
+            else:
+                views = [views[0][written:], *views[1:]]
+                written = 0
+    if offset - start >= WRITEBACK_MIN_BYTES:
+        start_writeback(fd, start, offset - start)
+
+
 def _next_batch(views: list[memoryview], limit: int) -> list[memoryview]:
     """The first views, at most ``IOV_MAX`` of them and ``limit`` bytes (the last one cut)."""
     batch, total = [], 0
@@ -146,58 +184,6 @@ def _next_batch(views: list[memoryview], limit: int) -> list[memoryview]:
         batch.append(piece)
         total += piece.nbytes
     return batch
-
-
-def run_parallel(tasks: Iterable[Callable[[], None]], threads: int) -> None:
-    """Run ``tasks`` on up to ``threads`` plain threads (not an executor: saves also drain and loads
-    also run at interpreter exit, when executors refuse new work); raise the first failure after all
-    stop. ``tasks`` may be a generator: it is drawn one task at a time, in order (fault points rely on
-    the first task starting first), so a reader plans its next reads while earlier ones run and
-    holds no more than ``threads`` planned tasks at once. An error, raised by a task or by the
-    generator, stops the drawing."""
-    if isinstance(tasks, Sized):
-        threads = min(threads, len(tasks))  # a thread per task at most; one task runs right here
-    source = iter(tasks)
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if errors:
-                    return
-                try:
-                    task = next(source, None)
-                except BaseException as e:  # noqa: BLE001 - re-raised below, on the caller's thread
-                    errors.append(e)
-                    return
-            if task is None:
-                return
-            try:
-                task()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, on the caller's thread
-                with lock:
-                    errors.append(e)
-
-    if threads <= 1:
-        for task in source:
-            task()
-        return
-    workers = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
-    try:
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    except BaseException as e:  # Ctrl-C while waiting: no task may still run (or write) after we raise
-        with lock:
-            errors.append(e)  # stops the drawing
-        for w in workers:
-            if w.ident is not None:
-                w.join()
-        raise
-    if errors:
-        raise errors[0]
 
 
 class AttemptFiles:
@@ -272,15 +258,18 @@ class AttemptFiles:
         with self._lock:
             self._new_entries_in.add(os.path.dirname(path))
 
-    def write(self, key: str, buffers: list) -> int:
-        """Create ``key`` (it must not exist) holding ``buffers`` back to back; returns its size."""
+    def write(self, key: str, buffers: list, *, threads: int = 1) -> int:
+        """Create ``key`` (it must not exist) holding ``buffers`` back to back; returns its size.
+        With ``threads`` > 1 a big file is written in ``WRITEBACK_STEP_BYTES`` pieces at their
+        offsets by that many threads (``pwritev``): page-cache copies of one big pack run side by
+        side as those of several objects did."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise StorageError(f"cannot create {path}: {e.strerror}") from e
         try:
-            nbytes = _writev_all(fd, buffers)
+            nbytes = _pwrite_parallel(fd, buffers, threads) if threads > 1 else _writev_all(fd, buffers)
             if not self.use_syncfs:
                 os.fdatasync(fd)
         except OSError as e:

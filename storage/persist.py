@@ -1,21 +1,21 @@
-"""Stage 2 of a save (DESIGN §6), persist: write this rank's staged regions into zarr arrays (and,
-on rank 0, the zarr.json documents), report a receipt, then hand over to stage 3 (``commit.py``).
+"""Stage 2 of a save (DESIGN §6), persist: encode this rank's staged regions as zarr shard objects,
+write them into this rank's pack objects (``pack.py``: format version 3; rank 0's first pack also
+holds every zarr.json), report a receipt naming where each shard lies, then hand over to stage 3
+(``commit.py``).
 
 A ``PersistJob`` is plain data (JSON-able), so the same ``run_persist`` runs on the writer thread
 or in a writer process. Nothing here issues a collective: ranks coordinate through receipts and
 the manifest in storage, so a slow or dead rank can never deadlock the training process group.
 
-All opens are issued before any write and all writes before any wait, so TensorStore keeps the
-whole save in flight at once (resolving futures one by one was many times slower here).
+A rank writes one pack (more past ``pack.PACK_MAX_BYTES``) whatever its tensor count: a local pack
+by ``io_threads`` threads at their offsets, made durable before the receipt (``localwrite``); on
+S3 a single PUT, or a multipart upload of parts in parallel for a large one (``packio``).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import crc32c
@@ -24,30 +24,26 @@ import torch
 
 from resilient.dtypes import to_numpy, torch_dtype
 from resilient.errors import ResilientError, StorageError
-from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box, Region, plan_from_json, plan_to_json
 from resilient.manifest import FORMAT_VERSION, array_path, step_dir
 from resilient.metrics import SaveStats
 from resilient.storage.arrays import (
-    kvstore_spec,
-    open_array,
     plan_metadata,
     zarr_array_document,
     zarr_group_document,
 )
 from resilient.storage.checksum import crc32c_concat
 from resilient.storage.commit import commit_step, settle_failure, wait_for_commit, write_receipt
-from resilient.storage.localwrite import AttemptFiles, run_parallel
 from resilient.storage.objects import ObjectStore
+from resilient.storage.pack import PackBuilder, pack_name
+from resilient.storage.packio import write_packs
+from resilient.storage.parallel import run_parallel
 from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
 from resilient.storage.snapshot import StagedRegion
 from resilient.storage.url import Location
 
-SMALL_OBJECT_BYTES = 256 << 10
-"""Shard objects of fewer bytes (and every zarr.json) are written in groups, each by one thread."""
-SMALL_GROUP_BYTES = 64 << 20
-"""The most bytes of small objects one thread writes in turn: past that, another group (and
-thread) takes over, so many mid-size shards (a wide layer over hundreds of ranks) still spread."""
+ENCODE_TASK_BYTES = 16 << 20
+"""Regions encoded by one task of ``io_threads`` (big ones alone, small ones together)."""
 
 
 @dataclass(slots=True)
@@ -96,17 +92,7 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     stats.bytes_total = sum(p.nbytes for p in job.plans.values())
     t0 = time.perf_counter()
     try:
-        items = _region_data(job, buffer)
-        if location.scheme == "file":
-            written = write_local(job, items, location.url)
-        else:
-            # zarr.json documents go out alongside the data, not before it.
-            docs = (
-                write_zarr_documents(location, job.attempt_key, job.plans, context, job.step) if job.rank == 0 else []
-            )
-            written = write_regions(location, job.attempt_key, items, context)
-            for future in docs:
-                future.result()
+        written = write_rank(job, _region_data(job, buffer), location, store)
         stats.bytes_written = sum(r["nbytes"] for r in written)
         write_receipt(store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})
     except Exception as e:
@@ -153,71 +139,61 @@ class RegionData:
     data: np.ndarray  # C-contiguous, shape == region.box.sizes
 
 
-def write_regions(location: Location, attempt_key: str, items: list[RegionData], context) -> list[dict]:
-    """Write every region; returns the receipt entries (fqn, box, bytes, crc32c of the raw bytes)."""
-    opened = {}
-    for item in items:
-        fqn = item.plan.fqn
-        if fqn not in opened:
-            opened[fqn] = open_array(location, f"{attempt_key}/{array_path(fqn)}", plan_metadata(item.plan), context)
-    pending = []
+def write_rank(job: PersistJob, items: list[RegionData], location: Location, store: ObjectStore) -> list[dict]:
+    """Encode every region's shards (on ``io_threads`` threads), lay them out into this rank's
+    packs, write those; returns the receipt entries: each region's box, bytes and crc32c, and
+    where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``)."""
+    encoded: list = [None] * len(items)
+
+    def encode(indices: range) -> None:
+        for i in indices:
+            encoded[i] = _encode(items[i])
+
+    run_parallel([lambda r=r: encode(r) for r in _spans(items, ENCODE_TASK_BYTES)], job.io_threads)
+    builder = PackBuilder(lambda index: pack_name(job.rank, index))
+    # The documents first, so they are in the rank's first pack: rank 0's holds every one; each
+    # other rank's holds those of the arrays it writes, so that pack opens as a zarr store alone.
+    written = None if job.rank == 0 else {item.plan.fqn: item.plan for item in items}
+    for key, doc in zarr_documents(job.plans if written is None else written, job.step, groups=written is None).items():
+        builder.add(key, [json.dumps(doc).encode()])
     receipt = []
-    for i, item in enumerate(items):
-        store = opened[item.plan.fqn].result()
-        pending.append(store[item.region.box.slices()].write(item.data))
-        receipt.append(_receipt_entry(item))
-        if i == 0:
-            fault_point("persist.first_region_issued")
-    for future in pending:
-        future.result()
-    fault_point("persist.regions_written")
+    for item, (shards, crcs) in zip(items, encoded, strict=True):
+        refs = {key: builder.add(f"{array_path(item.plan.fqn)}/{key}", buffers).to_json() for key, buffers in shards}
+        receipt.append({**_receipt_entry(item, _region_crc(item, crcs)), "shards": refs})
+    write_packs(builder.finish(job.io_threads), job, location, store)
     return receipt
 
 
-def write_local(job: PersistJob, items: list[RegionData], root: str) -> list[dict]:
-    """The file system path of ``write_regions``: every shard object (and on rank 0 every zarr.json)
-    written by ``job.io_threads`` threads straight from the staging buffer, then made durable in
-    one pass (``localwrite``) before the receipt can be written."""
-    objects = (
-        [(f"{job.attempt_key}/{key}", doc) for key, doc in zarr_documents(job.plans, job.step).items()]
-        if job.rank == 0
-        else []
-    )
-    # per region, each shard's (crc32c, nbytes) of its chunks, filled by the shard's writer; None
-    # where the region's crc32c cannot be made from its chunks' and is computed from its bytes
-    shards = [_shards(item) for item in items]
-    piece_crcs = [
-        [[] for _ in boxes] if _crc_from_chunks(item) else [None] * len(boxes)
-        for item, boxes in zip(items, shards, strict=True)
-    ]
-    objects += [
-        (f"{job.attempt_key}/{array_path(item.plan.fqn)}/{key}", (item, box, crcs))
-        for item, boxes, shard_crcs in zip(items, shards, piece_crcs, strict=True)
-        for (key, box), crcs in zip(boxes, shard_crcs, strict=True)
-    ]
-    files = AttemptFiles(root, expected_files=len(objects))
-    if objects:  # a rank with nothing to write (all its tensors written by a peer) makes nothing durable;
-        # it must not fsync step-N/ either: the rank that creates it may not have yet (ENOENT)
-        files.sync_dirs_anyway(["", step_dir(job.step)])  # the root names step-N/, step-N/ the attempt
-    first_shard = threading.Lock()  # held once the first shard is written (whichever thread wrote it)
+def _spans(items: list[RegionData], cap: int) -> list[range]:
+    """Consecutive items in runs of about ``cap`` bytes: a task per tiny tensor costs more in
+    thread hand-offs than encoding it (encoding is crc32c and views, ~10 GiB/s)."""
+    spans, start, total = [], 0, 0
+    for i, item in enumerate(items):
+        total += item.data.nbytes
+        if total >= cap:
+            spans.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(items):
+        spans.append(range(start, len(items)))
+    return spans
 
-    def write(key: str, what) -> None:
-        files.make_parent(key)
-        if isinstance(what, dict):
-            files.write(key, [json.dumps(what).encode()])
-            return
-        item, box, crcs = what
-        files.write(key, encode_shard(_within(item, box), item.plan.shard_shape, item.plan.inner_shape, crcs))
-        if first_shard.acquire(blocking=False):
-            fault_point("persist.first_region_issued")
 
-    try:
-        run_parallel(_writer_tasks(objects, write), job.io_threads)
-        fault_point("persist.regions_written")
-        files.make_durable(job.io_threads)
-    finally:
-        files.close()
-    return [_receipt_entry(item, _region_crc(item, crcs)) for item, crcs in zip(items, piece_crcs, strict=True)]
+def _encode(item: RegionData) -> tuple[list[tuple[str, list]], list | None]:
+    """The region's shard objects [(chunk key, buffers)], and per shard the (crc32c, nbytes) of
+    its chunks when the region's crc32c can be made from them (else None)."""
+    crcs: list | None = [] if _crc_from_chunks(item) else None
+    shards = []
+    for index, box in shards_in(item.region.box, item.plan.shard_shape):
+        pieces: list | None = [] if crcs is not None else None
+        shards.append(
+            (
+                chunk_key(index, format_version=FORMAT_VERSION),
+                encode_shard(_within(item, box), item.plan.shard_shape, item.plan.inner_shape, pieces),
+            )
+        )
+        if crcs is not None:
+            crcs.append(pieces)
+    return shards, crcs
 
 
 def _crc_from_chunks(item: RegionData) -> bool:
@@ -227,57 +203,14 @@ def _crc_from_chunks(item: RegionData) -> bool:
     return all(shard == inner == size for shard, inner, size in dims)
 
 
-def _region_crc(item: RegionData, shard_crcs: list) -> int | None:
+def _region_crc(item: RegionData, shard_crcs: list | None) -> int | None:
     """The region's crc32c from its shards' chunk crcs (in shard order), None if not made that way."""
-    if not shard_crcs or shard_crcs[0] is None:
+    if not shard_crcs:
         return None
     pieces = [piece for crcs in shard_crcs for piece in crcs]
     if sum(nbytes for _, nbytes in pieces) != item.data.nbytes:
         return None  # the chunks are not the region's bytes after all: read them (never expected)
     return crc32c_concat(pieces)
-
-
-def _writer_tasks(objects: list[tuple[str, object]], write: Callable[[str, object], None]) -> list[Callable[[], None]]:
-    """Small objects in groups of up to ``SMALL_GROUP_BYTES``, each group written in turn by one
-    thread and drawn first (shards before zarr.json documents, so the first shard goes out early),
-    then one task per big object. Creating many small files is kernel metadata work that more
-    threads only contend for (2,000 tensors of 16 KiB here: 0.55-0.65 s by one thread, 0.72-0.88 s
-    by four), while page-cache copies of many bytes do run side by side."""
-    sized = [(key, what, _object_bytes(what)) for key, what in objects]
-    small = [entry for entry in sized if not isinstance(entry[1], dict) and entry[2] < SMALL_OBJECT_BYTES]
-    docs = [entry for entry in sized if isinstance(entry[1], dict)]
-    big = [(key, what) for key, what, nbytes in sized if not isinstance(what, dict) and nbytes >= SMALL_OBJECT_BYTES]
-    groups = _groups(small + docs, SMALL_GROUP_BYTES)
-    tasks: list[Callable[[], None]] = [lambda g=group: [write(key, what) for key, what in g] for group in groups]
-    return tasks + [lambda k=key, w=what: write(k, w) for key, what in big]
-
-
-def _groups(objects: list[tuple[str, object, int]], cap: int) -> list[list[tuple[str, object]]]:
-    """(key, object, bytes) cut, in order, into runs of at most ``cap`` bytes (at least one object each)."""
-    groups: list[list[tuple[str, object]]] = []
-    total = 0
-    for key, what, nbytes in objects:
-        if not groups or total + nbytes > cap:
-            groups.append([])
-            total = 0
-        groups[-1].append((key, what))
-        total += nbytes
-    return groups
-
-
-def _object_bytes(what) -> int:
-    """The size of a shard object's data (a zarr.json document counts as small)."""
-    if isinstance(what, dict):
-        return 0
-    item, box, _crcs = what
-    return math.prod(box.sizes) * item.data.itemsize
-
-
-def _shards(item: RegionData) -> list[tuple[str, Box]]:
-    return [
-        (chunk_key(index, format_version=FORMAT_VERSION), box)
-        for index, box in shards_in(item.region.box, item.plan.shard_shape)
-    ]
 
 
 def _within(item: RegionData, box: Box) -> np.ndarray:
@@ -296,22 +229,13 @@ def _receipt_entry(item: RegionData, crc: int | None = None) -> dict:
     }
 
 
-def zarr_documents(plans: dict[str, ArrayPlan], step: int) -> dict[str, dict]:
-    """``zarr.json`` of the attempt group, every intermediate group and every array, by key under
-    the attempt (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python)."""
-    docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})}
+def zarr_documents(plans: dict[str, ArrayPlan], step: int, *, groups: bool = True) -> dict[str, dict]:
+    """``zarr.json`` of every array of ``plans`` and (``groups``) of the attempt group and every
+    intermediate group, by key under the attempt (so plain zarr-python opens the group)."""
+    docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})} if groups else {}
     for fqn, plan in plans.items():
         parts = array_path(fqn).split("/")
-        for depth in range(1, len(parts)):
+        for depth in range(1, len(parts) if groups else 1):
             docs.setdefault("/".join(parts[:depth]) + "/zarr.json", zarr_group_document())
         docs["/".join(parts) + "/zarr.json"] = zarr_array_document(plan_metadata(plan), {"fqn": fqn})
     return docs
-
-
-def write_zarr_documents(location: Location, attempt_key: str, plans: dict[str, ArrayPlan], context, step: int) -> list:
-    """Start writing ``zarr.json`` for the attempt group, every intermediate group and every array
-    (so ``zarr.open_group(<step>/<attempt>)`` works with plain zarr-python); returns the futures."""
-    import tensorstore as ts
-
-    kv = ts.KvStore.open(kvstore_spec(location, attempt_key), context=context).result()
-    return [kv.write(key, json.dumps(doc).encode()) for key, doc in zarr_documents(plans, step).items()]

@@ -2,8 +2,9 @@
 
 Local checkpoints read into dense CPU tensors take the direct path of ``localread`` (preadv into
 the destination's memory; the parts of a chunk a box does not need land in scratch, read only for
-their checksum); everything else (S3, memory://, CUDA or strided destinations, a dtype
-conversion) goes through TensorStore.
+their checksum); format version 3 on object storage into CPU tensors of the stored dtype takes
+``rangeread`` (ranged reads into the packs); everything else (versions 1 and 2 on S3 or
+memory://, CUDA destinations, a dtype conversion) goes through TensorStore.
 
 TensorStore fetches only the inner chunks that overlap a box and verifies their crc32c, then
 decodes straight into the destination's memory when it can (dense CPU tensors), so a load makes
@@ -21,8 +22,9 @@ import torch
 from resilient.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
-from resilient.storage.arrays import entry_metadata, open_array, read_error
-from resilient.storage.localread import can_read_locally, read_local
+from resilient.storage.arrays import open_entry, read_error
+from resilient.storage.localread import ReadTotals, can_copy_into, can_read_locally, read_local
+from resilient.storage.rangeread import read_ranged
 from resilient.storage.url import Location
 
 
@@ -44,16 +46,24 @@ def _direct_view(dest: torch.Tensor):
 
 def read_into(
     location: Location, attempt_key: str, targets: list[ReadTarget], context, *, step: int, budget_bytes: int
-) -> int:
-    """Fill every target; returns the bytes read. Raises IntegrityError on a bad/missing chunk."""
+) -> ReadTotals:
+    """Fill every target; returns the bytes needed and fetched (TensorStore's reads count as
+    needed: it does not say what it fetched). Raises IntegrityError on a bad/missing chunk."""
     local = [t for t in targets if can_read_locally(location, t.dest, t.entry.dtype)]
-    others = [t for t in targets if not can_read_locally(location, t.dest, t.entry.dtype)]
-    total = 0
-    if local:
-        total += read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes)
+    rest = [t for t in targets if not can_read_locally(location, t.dest, t.entry.dtype)]
+    ranged = [t for t in rest if t.entry.format_version >= 3 and can_copy_into(t.dest, t.entry.dtype)]
+    others = [t for t in rest if not (t.entry.format_version >= 3 and can_copy_into(t.dest, t.entry.dtype))]
+    needed = fetched = 0
+    for got in (
+        read_local(location, attempt_key, local, step=step, budget_bytes=budget_bytes) if local else None,
+        read_ranged(location, attempt_key, ranged, context, step=step, budget_bytes=budget_bytes) if ranged else None,
+    ):
+        if got is not None:
+            needed, fetched = needed + got.needed, fetched + got.fetched
     if others:
-        total += read_tensorstore(location, attempt_key, others, context, step=step, budget_bytes=budget_bytes)
-    return total
+        nbytes = read_tensorstore(location, attempt_key, others, context, step=step, budget_bytes=budget_bytes)
+        needed, fetched = needed + nbytes, fetched + nbytes
+    return ReadTotals(needed, fetched)
 
 
 def read_tensorstore(
@@ -64,8 +74,7 @@ def read_tensorstore(
     for t in targets:
         e = t.entry
         if e.fqn not in opened:
-            meta = entry_metadata(e)
-            opened[e.fqn] = open_array(location, f"{attempt_key}/{e.path}", meta, context)
+            opened[e.fqn] = open_entry(location, attempt_key, e, context)
     inflight: deque = deque()
     inflight_bytes = 0
     total = 0

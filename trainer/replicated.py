@@ -206,7 +206,8 @@ class ReplicatedTrainer(Trainer):
         """One group writes each persistent checkpoint: the group of participating rank 0, and not
         a step some other group already committed to storage (a group finishing alone after its
         peers may reach a step they saved)."""
-        assert self.last_quorum is not None
+        if self.last_quorum is None:
+            return False  # no step trained yet (a preemption at start): the state came from a peer or storage
         return self.last_quorum.participating_rank == 0 and self.step not in self._committed_steps()
 
     # -- end of run --------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from resilient.storage.commit import commit_step, write_receipt
 from resilient.storage.dcp.address import check_step, resolve, split_step
 from resilient.storage.dcp.runtime import Runtime, runtime
 from resilient.storage.dcp.values import JSON, TORCH_SAVE, StoredValue
-from resilient.storage.persist import PersistJob, RegionData, write_local, write_regions, write_zarr_documents
+from resilient.storage.persist import PersistJob, RegionData, write_rank
 from resilient.validate import check_int, check_number
 
 DCP_KEY = "dcp"
@@ -138,17 +138,7 @@ class StorageWriter(_DcpStorageWriter):
         )
         tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         items = region_data(job, tensors, planner)
-        if rt.location.scheme == "file":
-            written = write_local(job, items, rt.location.url)
-        else:
-            docs = (
-                write_zarr_documents(rt.location, job.attempt_key, job.plans, rt.context, job.step)
-                if job.rank == 0
-                else []
-            )
-            written = write_regions(rt.location, job.attempt_key, items, rt.context)
-            for future in docs:
-                future.result()
+        written = write_rank(job, items, rt.location, rt.store)
         results = [WriteResult(i.index, 0, None) for i in tensors]
         results += write_values(job, [i for i in plan.items if i.type == WriteItemType.BYTE_IO], planner, rt)
         write_receipt(rt.store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})

@@ -1,19 +1,21 @@
 """Write a resilient checkpoint from a stream of blocks, in bounded memory, as a normal committed step.
 
-The offline tools (convert, reshard) have no ranks and no snapshot: they create each array with
-TensorStore, write it shard by shard (each shard object whole, in one write: a partial shard write
-would be a read-modify-write of the object), record the crc32c of every shard's raw bytes as its
-region, then write the zarr documents and commit the manifest with the same protocol as
-``Checkpointer`` (create-if-absent ``manifest.json``, then ``latest``). A crash before the commit
-leaves an orphan attempt that ``resilient-ckpt prune`` removes.
+The offline tools (convert, reshard) have no ranks and no snapshot: they write the current format
+(version 3) as one writer, rank 0. The plan (each array's shard grid; one block per shard) is
+known up front, so the zarr.json documents go first into the first pack, then each block, as it
+arrives, is encoded as its shard object and appended to the pack (``packio.PackStream``: a pack
+goes out front to back, never held whole in memory), with the crc32c of its raw bytes as its
+region. Then the manifest is committed with the same protocol as ``Checkpointer``
+(create-if-absent ``manifest.json``, then ``latest``). A crash before the commit leaves an orphan
+attempt that ``resilient-ckpt prune`` removes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import crc32c
 import numpy as np
@@ -21,13 +23,15 @@ import numpy as np
 from resilient.dtypes import itemsize
 from resilient.errors import CommitError, ConfigError
 from resilient.layout import DEFAULT_INNER_CHUNK_BYTES, ArrayPlan, Box, Region, choose_inner_shape, edge_grid
-from resilient.manifest import MANIFEST, Manifest, array_path, library_versions, step_dir
-from resilient.storage.arrays import make_context, open_array, plan_metadata
+from resilient.manifest import FORMAT_VERSION, MANIFEST, Manifest, array_path, library_versions, step_dir
+from resilient.storage.arrays import reader_spec
 from resilient.storage.commit import commit_manifest, manifest_entry
 from resilient.storage.objects import open_store
 from resilient.storage.offline.sources import SourceState, TensorInfo
 from resilient.storage.offline.streaming import grid_boxes
-from resilient.storage.persist import write_zarr_documents
+from resilient.storage.packio import PackStream
+from resilient.storage.persist import zarr_documents
+from resilient.storage.shardfile import chunk_key, encode_shard
 from resilient.storage.url import Location
 
 Layout = Callable[[TensorInfo], tuple[tuple[int, ...], tuple[int, ...]]]  # info -> (shard, inner)
@@ -61,17 +65,6 @@ def default_layout(shard_bytes: int, inner_bytes: int = DEFAULT_INNER_CHUNK_BYTE
     return layout
 
 
-class _Write:
-    """A pending TensorStore write that keeps its source array alive until it has landed."""
-
-    def __init__(self, future: Any, data: np.ndarray) -> None:
-        self._future, self._data = future, data
-
-    def result(self) -> None:
-        self._future.result()
-        self._data = None
-
-
 class ResilientSink:
     """Writes one new step under ``location``; ``finish`` commits it."""
 
@@ -90,10 +83,9 @@ class ResilientSink:
             )
         self.attempt = f"attempt-{uuid.uuid4().hex[:16]}"
         self.attempt_key = f"{step_dir(step)}/{self.attempt}"
-        self._context = make_context(location)
         self.plans: dict[str, ArrayPlan] = {}
-        self._infos: dict[str, TensorInfo] = {}
-        self._opened: dict[str, Any] = {}
+        self._packs = PackStream(location, self.store, self.attempt_key)
+        self._shards: dict[str, dict[str, list]] = {}
         self._crcs: dict[tuple[str, tuple[int, ...]], int] = {}
         self._state, self._metadata = SourceState(), {}
 
@@ -116,32 +108,36 @@ class ResilientSink:
                 info.mesh_dim_names,
                 [Region(b, 0) for b in grid_boxes(info.shape, shard)],
             )
-            self.plans[info.fqn], self._infos[info.fqn] = plan, info
-            # Every open is issued before any is awaited: TensorStore overlaps them.
-            self._opened[info.fqn] = open_array(
-                self.location, f"{self.attempt_key}/{array_path(info.fqn)}", plan_metadata(plan), self._context
-            )
+            self.plans[info.fqn], self._shards[info.fqn] = plan, {}
+        # The documents first: readers find them in the first pack (``arrays.packed_kvstore_spec``).
+        for key, doc in zarr_documents(self.plans, self.step).items():
+            self._packs.add(key, [json.dumps(doc).encode()])
 
     def blocks(self, info: TensorInfo) -> list[Box]:
         return [r.box for r in self.plans[info.fqn].regions]
 
-    def write(self, info: TensorInfo, box: Box, data: np.ndarray) -> _Write:
+    def write(self, info: TensorInfo, box: Box, data: np.ndarray) -> None:
+        """Append the shard at ``box`` (one block is one shard) to the pack; nothing stays pending."""
+        plan = self.plans[info.fqn]
         data = np.require(data, requirements="C")
         self._crcs[(info.fqn, box.offsets)] = crc32c.crc32c(data.reshape(-1).view(np.uint8))
-        store = self._opened[info.fqn].result()
-        return _Write(store[box.slices()].write(data), data)
+        index = tuple(o // s for o, s in zip(box.offsets, plan.shard_shape, strict=True))
+        key = chunk_key(index, format_version=FORMAT_VERSION)
+        buffers = encode_shard(data, plan.shard_shape, plan.inner_shape)
+        self._shards[info.fqn][key] = self._packs.add(f"{array_path(info.fqn)}/{key}", buffers).to_json()
 
     def finish(self) -> Manifest:
-        for future in write_zarr_documents(self.location, self.attempt_key, self.plans, self._context, self.step):
-            future.result()
+        self._packs.close()
+        arrays = {fqn: manifest_entry(p, self._crcs, self._shards[fqn]) for fqn, p in self.plans.items()}
         manifest = Manifest(
             step=self.step,
             attempt=self.attempt,
             world_size=self._state.world_size,
-            arrays={fqn: manifest_entry(p, self._crcs) for fqn, p in self.plans.items()},
+            arrays=arrays,
             values=self._state.values,
             metadata=self._metadata,
             versions=library_versions(),
+            tensorstore={fqn: reader_spec(self.location, self.attempt_key, a) for fqn, a in arrays.items()},
         )
         commit_manifest(self.store, manifest)
         return manifest

@@ -75,6 +75,15 @@ def shard_key(entry: ArrayEntry, index: tuple[int, ...]) -> str:
     return f"{entry.path}/{chunk_key(index, format_version=entry.format_version)}"
 
 
+def object_of(entry: ArrayEntry, index: tuple[int, ...]) -> str | None:
+    """Key (under the attempt) of the object holding a shard: the shard itself (versions 1, 2) or
+    the pack the manifest names for it (version 3; None if it names none)."""
+    if entry.format_version < 3:
+        return shard_key(entry, index)
+    ref = entry.shards.get(chunk_key(index, format_version=entry.format_version))
+    return ref[0] if ref else None
+
+
 def region_shards(entry: ArrayEntry, box: Box) -> list[tuple[int, ...]]:
     """Grid indices of the shards a (shard-aligned) region covers; ``[()]`` for a 0-d array."""
     ranges = [
@@ -154,13 +163,15 @@ class _StepVerifier:
             self.problem(entry.fqn, "coverage", None, f"tensor {entry.fqn!r} at step {self.ref.step}: {why}")
         for region in entry.regions:
             box = Box(tuple(region["offsets"]), tuple(region["sizes"]))
-            missing = [shard_key(entry, i) for i in region_shards(entry, box) if shard_key(entry, i) not in keys]
+            missing = [shard_key(entry, i) for i in region_shards(entry, box) if object_of(entry, i) not in keys]
             if missing:
+                where = object_of(entry, region_shards(entry, box)[0]) if entry.format_version >= 3 else None
+                held = f" (in pack {where!r})" if where else ""
                 self.problem(
                     entry.fqn,
                     "missing-object",
                     missing[0],
-                    f"tensor {entry.fqn!r} at step {self.ref.step}: shard object {missing[0]!r} "
+                    f"tensor {entry.fqn!r} at step {self.ref.step}: shard object {missing[0]!r}{held} "
                     f"({len(missing)} in region offsets={region['offsets']}) does not exist under "
                     f"{self.ref.url}/{self.ref.manifest.attempt}",
                 )

@@ -6,7 +6,6 @@ One process on a temporary file:// root, and two gloo ranks for a step damaged o
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _flip_chunk(root: Path, step: int, fqn: str, chunk: str = "0.0") -> None:
-    """Flip one data byte of ``fqn``'s shard object ``<chunk>`` of ``step`` (its crc32c then fails)."""
-    (path,) = glob.glob(str(root / step_dir(step) / "attempt-*" / fqn.replace(".", "/") / chunk))
-    data = bytearray(Path(path).read_bytes())
-    data[len(data) // 4] ^= 0x5A
-    Path(path).write_bytes(data)
+    """Flip one data byte of ``fqn``'s shard object ``<chunk>`` of ``step`` (its crc32c then fails),
+    found where the manifest says it lies in its pack."""
+    manifest = json.loads((root / step_dir(step) / MANIFEST).read_text())
+    pack, offset, nbytes = manifest["arrays"][fqn]["shards"][chunk]
+    path = root / step_dir(step) / manifest["attempt"] / pack
+    data = bytearray(path.read_bytes())
+    data[offset + nbytes // 4] ^= 0x5A
+    path.write_bytes(data)
 
 
 def _truncate_manifest(root: Path, step: int) -> None:

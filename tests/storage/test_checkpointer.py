@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -118,10 +118,10 @@ def test_rng_state_round_trips_as_json(tmp_path):
 @pytest.mark.timeout(60)
 def test_plain_zarr_python_opens_a_bf16_array_after_one_import_without_torch(tmp_path):
     Checkpointer(str(tmp_path)).save(1, {"w": torch.arange(6, dtype=torch.bfloat16)}).wait()
-    attempt = json.loads((tmp_path / "step-000000001" / "manifest.json").read_text())["attempt"]
+    (pack,) = (tmp_path / "step-000000001").glob("attempt-*/pack-r00000-0.zip")  # one process: one pack
     probe = (
         "import sys, zarr, resilient.zarr_bfloat16\n"
-        f"a = zarr.open_array({str(tmp_path / 'step-000000001' / attempt / 'w')!r}, mode='r')\n"
+        f"a = zarr.open_array(zarr.storage.ZipStore({str(pack)!r}, mode='r'), path='w', mode='r')\n"
         "print(a.dtype, a[...].astype('float32').tolist(), 'torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50, cwd=tmp_path)
@@ -136,7 +136,8 @@ def test_zarr_python_reads_every_array_and_no_file_is_a_pickle(tmp_path):
     state = make_state(2)
     Checkpointer(str(tmp_path)).save(3, state).wait()
     manifest = json.loads((tmp_path / "step-000000003" / "manifest.json").read_text())
-    group = zarr.open_group(str(tmp_path / "step-000000003" / manifest["attempt"]), mode="r")
+    (pack,) = (tmp_path / "step-000000003").glob("attempt-*/pack-*.zip")
+    group = zarr.open_group(zarr.storage.ZipStore(str(pack), mode="r"), mode="r")
     from resilient.dtypes import to_numpy
     from resilient.state import flatten_state
 
@@ -154,7 +155,14 @@ def test_zarr_python_reads_every_array_and_no_file_is_a_pickle(tmp_path):
             with open(path, "rb") as f:
                 data = f.read()
             assert not data.startswith(b"\x80"), f"{path} starts like a pickle"
-            if not re.fullmatch(r"\d+(\.\d+)*", name):  # everything but shard objects ("0", "1.0") is JSON
+            if name.endswith(".zip"):  # a pack: shard objects, and zarr.json documents that are JSON
+                with zipfile.ZipFile(path) as z:
+                    for entry in z.namelist():
+                        assert not z.read(entry).startswith(b"\x80"), f"{entry} in {path} starts like a pickle"
+                        if entry.endswith("zarr.json"):
+                            json.loads(z.read(entry))
+                            n_json += 1
+            else:
                 json.loads(data)
                 n_json += 1
     assert n_json >= 3 + len(flatten_state(state))  # manifest, latest, receipts, group + array docs

@@ -170,11 +170,12 @@ def test_a_committed_step_is_never_overwritten(tmp_path) -> None:
 def test_corrupt_chunk_is_named_with_tensor_and_step(tmp_path) -> None:
     url = str(tmp_path / "ck")
     dcp.save({"layer": {"w": torch.arange(64.0)}}, storage_writer=StorageWriter(url, step=3))
-    attempt = next(p for p in (tmp_path / "ck" / step_dir(3)).iterdir() if p.name.startswith("attempt-"))
-    shard = next(p for p in (attempt / "layer" / "w").iterdir() if p.name != "zarr.json")
-    data = bytearray(shard.read_bytes())
-    data[10] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    manifest = json.loads((tmp_path / "ck" / step_dir(3) / "manifest.json").read_text())
+    pack, offset, _ = manifest["arrays"]["layer.w"]["shards"]["0"]  # where the shard lies in its pack
+    path = tmp_path / "ck" / step_dir(3) / manifest["attempt"] / pack
+    data = bytearray(path.read_bytes())
+    data[offset + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
     with pytest.raises(CheckpointException, match=r"IntegrityError: .*'layer\.w'.*step 3") as caught:
         dcp.load({"layer": {"w": torch.empty(64)}}, storage_reader=StorageReader(url))
     error = caught.value.failures[0][0]  # what the rank raised, with its class, under DCP's wrapper

@@ -14,10 +14,11 @@ from resilient import Checkpointer, IntegrityError
 pytestmark = pytest.mark.timeout(60)
 
 
-def _chunk_files(root, step: int, fqn_path: str) -> list[str]:
+def _shard_range(root, step: int, fqn: str, key: str = "0") -> tuple[Path, int, int]:
+    """(pack file, offset, length) of one shard object of a format-version-3 step."""
     manifest = json.loads((Path(root) / f"step-{step:09d}" / "manifest.json").read_text())
-    base = os.path.join(root, f"step-{step:09d}", manifest["attempt"], fqn_path)
-    return sorted(os.path.join(base, f) for f in os.listdir(base) if f != "zarr.json")  # "0.0", "1.0", ...
+    pack, offset, nbytes = manifest["arrays"][fqn]["shards"][key]
+    return Path(root) / f"step-{step:09d}" / manifest["attempt"] / pack, offset, nbytes
 
 
 def _save_two_steps(root) -> tuple[Checkpointer, dict, dict]:
@@ -31,10 +32,10 @@ def _save_two_steps(root) -> tuple[Checkpointer, dict, dict]:
 
 def test_flipped_byte_names_tensor_step_and_chunk(tmp_path):
     ckpt, s1, _ = _save_two_steps(tmp_path)
-    (chunk,) = _chunk_files(tmp_path, 2, "w")
-    data = bytearray(Path(chunk).read_bytes())
-    data[100] ^= 0xFF
-    Path(chunk).write_bytes(bytes(data))
+    pack, offset, _ = _shard_range(tmp_path, 2, "w", "0.0")
+    data = bytearray(pack.read_bytes())
+    data[offset + 100] ^= 0xFF
+    pack.write_bytes(bytes(data))
     target = {"w": torch.zeros(64, 64), "v": torch.zeros(8)}
     with pytest.raises(IntegrityError) as info:
         ckpt.load(target)
@@ -44,17 +45,16 @@ def test_flipped_byte_names_tensor_step_and_chunk(tmp_path):
     assert torch.equal(target["w"], s1["w"]) and torch.equal(target["v"], s1["v"])
 
 
-def test_truncated_and_missing_chunk_objects_are_integrity_errors(tmp_path):
+def test_truncated_and_missing_pack_objects_are_integrity_errors(tmp_path):
     ckpt, _, _ = _save_two_steps(tmp_path)
-    (w_chunk,) = _chunk_files(tmp_path, 2, "w")
-    data = Path(w_chunk).read_bytes()
-    Path(w_chunk).write_bytes(data[: len(data) // 2])
+    pack, offset, nbytes = _shard_range(tmp_path, 2, "w", "0.0")
+    pack.write_bytes(pack.read_bytes()[: offset + nbytes // 2])
     target = {"w": torch.zeros(64, 64), "v": torch.zeros(8)}
-    with pytest.raises(IntegrityError, match=r"tensor 'w' at step 2"):
+    with pytest.raises(IntegrityError, match=r"at step 2 is damaged: .* cut short.*holds tensors 'v', 'w'"):
         ckpt.load(target)
-    (v_chunk,) = _chunk_files(tmp_path, 1, "v")
-    os.remove(v_chunk)
-    with pytest.raises(IntegrityError, match=r"tensor 'v' at step 1 is missing data"):
+    pack, _, _ = _shard_range(tmp_path, 1, "v")
+    os.remove(pack)
+    with pytest.raises(IntegrityError, match=r"at step 1 is missing data.*holds tensors 'v', 'w'"):
         ckpt.load(target, step=1)
 
 

@@ -61,7 +61,9 @@ def _read(location, entry: ArrayEntry, box: Box, *, direct: bool) -> torch.Tenso
     target = ReadTarget(entry, box, dest)
     if direct:
         assert localread.can_read_locally(location, dest, entry.dtype)
-        n = localread.read_local(location, ATTEMPT, [target], step=1, budget_bytes=BUDGET)
+        got = localread.read_local(location, ATTEMPT, [target], step=1, budget_bytes=BUDGET)
+        n = got.needed
+        assert got.fetched >= got.needed  # whole inner chunks and the shard's index
     else:
         n = read_tensorstore(location, ATTEMPT, [target], make_context(location), step=1, budget_bytes=BUDGET)
     assert n == dest.nbytes
@@ -138,7 +140,9 @@ def test_read_into_routes_strided_destinations_and_conversions_to_tensorstore(tm
     monkeypatch.setattr("resilient.storage.reader.read_local", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
     box = Box((0, 0), (40, 30))
     targets = [ReadTarget(entry, box, strided), ReadTarget(entry, box, dense)]
-    assert read_into(location, ATTEMPT, targets, make_context(location), step=1, budget_bytes=BUDGET) == 2 * data.nbytes
+    assert read_into(location, ATTEMPT, targets, make_context(location), step=1, budget_bytes=BUDGET).needed == 2 * (
+        data.nbytes
+    )
     assert calls == [1]  # only the dense one took the direct path
     assert torch.equal(strided, data) and torch.equal(dense, data)
     assert not localread.can_read_locally(parse_url("memory://m/x"), dense, "float32")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
-import types
 
 import ml_dtypes
 import numpy as np
@@ -21,7 +19,8 @@ from resilient.manifest import FORMAT_VERSION
 from resilient.storage import localwrite, persist
 from resilient.storage.arrays import array_metadata, make_context, open_array
 from resilient.storage.config import CheckpointerConfig
-from resilient.storage.localwrite import AttemptFiles, run_parallel
+from resilient.storage.localwrite import AttemptFiles
+from resilient.storage.parallel import run_parallel
 from resilient.storage.shardfile import chunk_key, encode_shard, shards_in
 from resilient.storage.url import parse_url
 
@@ -147,6 +146,14 @@ def test_an_io_error_starting_writeback_fails_the_write_and_unsupported_is_ignor
         files.write("failed", big)
 
 
+def _many_files(root, monkeypatch=None) -> AttemptFiles:
+    files = AttemptFiles(str(root), expected_files=localwrite.SYNCFS_MIN_FILES)
+    for i in range(localwrite.SYNCFS_MIN_FILES):
+        files.make_parent(f"d{i % 3}/f{i}")
+        files.write(f"d{i % 3}/f{i}", [bytes([i]) * 10])
+    return files
+
+
 def test_syncfs_checks_an_fd_opened_before_the_first_write(tmp_path, monkeypatch):
     """syncfs reports a writeback error to an fd opened before the error (errseq), even if another
     process's syncfs has seen it since: the fd must predate every write, and be closed after."""
@@ -156,80 +163,51 @@ def test_syncfs_checks_an_fd_opened_before_the_first_write(tmp_path, monkeypatch
     synced_fds: list[int] = []
     real_syncfs = localwrite._SYNCFS
     monkeypatch.setattr(localwrite, "_SYNCFS", lambda fd: (synced_fds.append(fd), real_syncfs(fd))[1])
-    state = {f"norm{i}": torch.randn(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
-    Checkpointer(str(tmp_path / "ck")).save(1, state).wait()
-    root = str(tmp_path / "ck")
-    first_shard = next(i for i, p in enumerate(opened) if "/attempt-" in p and p.endswith("/0"))
-    assert root in opened[:first_shard], "the fd syncfs uses is opened before the first shard"
+    files = _many_files(tmp_path)
+    files.make_durable(4)
+    first_file = next(i for i, p in enumerate(opened) if p.endswith("/f0"))
+    assert str(tmp_path) in opened[:first_file], "the fd syncfs uses is opened before the first file"
     assert len(synced_fds) == 1
     with pytest.raises(OSError):
         os.fstat(synced_fds[0])  # closed once the pass is done
 
 
-def test_small_objects_are_grouped_by_bytes_shards_before_documents():
-    item = types.SimpleNamespace(data=np.zeros(1, dtype=np.float32))
-    shard = lambda n: (item, Box((0,), (n,)), None)  # noqa: E731 - n float32 values
-    objects = [("doc", {}), ("a", shard(10)), ("big", shard(persist.SMALL_OBJECT_BYTES))]
-    objects += [(f"s{i}", shard(persist.SMALL_OBJECT_BYTES // 4 - 1)) for i in range(600)]
-    written: list[str] = []
-    tasks = persist._writer_tasks(objects, lambda key, what: written.append(key))
-    for task in tasks:
-        task()
-    small_bytes = (persist.SMALL_OBJECT_BYTES - 4) * 600 + 40
-    groups = -(-small_bytes // persist.SMALL_GROUP_BYTES)
-    assert len(tasks) == groups + 1  # the small ones in groups of at most SMALL_GROUP_BYTES, then "big"
-    assert written[0] == "a" and written[-2:] == ["doc", "big"]  # shards, then documents, then big ones
-    assert sorted(written) == sorted(key for key, _ in objects)
-    only_docs = persist._writer_tasks([("d1", {}), ("d2", {})], lambda key, what: written.append(key))
-    assert len(only_docs) == 1  # a rank 0 with nothing but documents to write
+def test_a_pack_is_written_in_pieces_at_their_offsets_by_several_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(localwrite, "WRITEBACK_STEP_BYTES", 1 << 16)
+    offsets: list[int] = []
+    real_pwritev = os.pwritev
+
+    def spy(fd, views, offset):
+        offsets.append(offset)
+        return real_pwritev(fd, views, offset)
+
+    monkeypatch.setattr(os, "pwritev", spy)
+    rng = np.random.default_rng(1)
+    buffers = [rng.bytes(int(n)) for n in rng.integers(1, 40_000, size=300)]
+    files = AttemptFiles(str(tmp_path), expected_files=1)
+    assert files.write("pack", buffers, threads=4) == sum(map(len, buffers))
+    files.make_durable(4)
+    assert (tmp_path / "pack").read_bytes() == b"".join(buffers)
+    assert len(offsets) > 1 and offsets[0] == 0  # in pieces, each at its offset (tasks of run_parallel)
 
 
-def test_the_first_region_fault_point_fires_once_at_the_first_shard_written(tmp_path, monkeypatch):
-    """Chaos pauses and kills at persist.first_region_issued: it must mean "one shard is out", also
-    when the small shards' group is written before the big shard planned first."""
-    shard_writes: list[str] = []
+def test_the_first_region_fault_point_fires_once_after_the_first_pack_is_out(tmp_path, monkeypatch):
+    """Chaos pauses and kills at persist.first_region_issued: it must mean "data is out"."""
+    from resilient.storage import packio
+
+    writes: list[str] = []
     fired_after: list[int] = []
     real_write = AttemptFiles.write
     monkeypatch.setattr(
-        AttemptFiles,
-        "write",
-        lambda self, key, buffers: (
-            (shard_writes.append(key) if not key.endswith(".json") else None) or real_write(self, key, buffers)
-        ),
+        AttemptFiles, "write", lambda self, key, buffers, **k: writes.append(key) or real_write(self, key, buffers, **k)
     )
     monkeypatch.setattr(
-        persist, "fault_point", lambda name: fired_after.append(len(shard_writes)) if name.endswith("issued") else None
+        packio, "fault_point", lambda name: fired_after.append(len(writes)) if name.endswith("issued") else None
     )
     state = {"a_big": torch.randn(512, 512)} | {f"norm{i}": torch.randn(16) for i in range(20)}
     with Checkpointer(str(tmp_path / "ck"), config=CheckpointerConfig(io_threads=1)) as ckpt:
         ckpt.save(1, state).wait()
-    assert fired_after == [1], "fired once, right after the first shard object was written"
-    assert "a_big" not in shard_writes[0]  # the small group went first
-
-
-def test_small_objects_are_written_by_one_thread_big_ones_side_by_side(tmp_path, monkeypatch):
-    """Creating many small files is metadata work threads only contend for: every object under
-    SMALL_OBJECT_BYTES (and every zarr.json) is written by one thread; each big object
-    is a task of its own. The checkpoint loads back bit-exact either way."""
-    monkeypatch.setattr(persist, "SMALL_OBJECT_BYTES", 4096)
-    writers: dict[str, int] = {}
-    real_write = AttemptFiles.write
-
-    def spy(self, key, buffers):
-        writers[key] = threading.get_ident()
-        return real_write(self, key, buffers)
-
-    monkeypatch.setattr(AttemptFiles, "write", spy)
-    state = {f"norm{i}": torch.randn(16) for i in range(40)} | {f"w{i}": torch.randn(64, 64) for i in range(6)}
-    with Checkpointer(str(tmp_path / "ck")) as ckpt:
-        ckpt.save(1, state).wait()
-        back = {k: torch.zeros_like(v) for k, v in state.items()}
-        ckpt.load(back, step=1)
-    assert all(torch.equal(back[k], v) for k, v in state.items())
-    small = [k for k in writers if "/norm" in k or k.endswith("zarr.json")]
-    big = [k for k in writers if "/w" in k and not k.endswith("zarr.json")]
-    assert len(big) == 6 and len(small) == 40 + 46 + 1  # shards, array documents, the group's
-    assert len({writers[k] for k in small}) == 1, "the small objects share one writer thread"
+    assert fired_after == [1], "fired once, right after the first pack was written"
 
 
 def test_a_file_is_created_once_never_overwritten(tmp_path):
@@ -253,33 +231,30 @@ def test_run_parallel_runs_every_task_and_raises_the_first_failure():
         run_parallel([boom] + [lambda: None] * 10, threads=3)
 
 
-def test_many_files_are_made_durable_by_one_syncfs_before_the_receipt(tmp_path, monkeypatch):
+def test_many_files_are_made_durable_by_one_syncfs(tmp_path, monkeypatch):
     events: list[str] = []
-    real_syncfs, real_receipt = localwrite._SYNCFS, persist.write_receipt
+    real_syncfs = localwrite._SYNCFS
     assert real_syncfs is not None, "this Linux has syncfs"
     monkeypatch.setattr(localwrite, "_SYNCFS", lambda fd: (events.append("syncfs"), real_syncfs(fd))[1])
     monkeypatch.setattr(os, "fdatasync", lambda fd: events.append("fdatasync"))
-    monkeypatch.setattr(persist, "write_receipt", lambda *a, **k: (events.append("receipt"), real_receipt(*a, **k))[1])
-    state = {f"norm{i}": torch.randn(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
-    Checkpointer(str(tmp_path / "ck")).save(1, state).wait()
-    assert events == ["syncfs", "receipt"]
+    files = _many_files(tmp_path)
+    if not files.use_syncfs:
+        pytest.skip("syncfs is not trusted on this file system")
+    files.make_durable(4)
+    assert events == ["syncfs"]
 
 
-def test_a_failed_syncfs_fails_the_save_and_the_previous_step_stays(tmp_path, monkeypatch):
-    state = {f"norm{i}": torch.full((8,), float(i)) for i in range(localwrite.SYNCFS_MIN_FILES)}
-    ckpt = Checkpointer(str(tmp_path / "ck"))
-    ckpt.save(1, state).wait()
-
+def test_a_failed_syncfs_fails_the_durability_pass(tmp_path, monkeypatch):
     def eio(fd: int) -> int:
         ctypes.set_errno(errno.EIO)
         return -1
 
+    files = _many_files(tmp_path)
+    if not files.use_syncfs:
+        pytest.skip("syncfs is not trusted on this file system")
     monkeypatch.setattr(localwrite, "_SYNCFS", eio)
     with pytest.raises(StorageError, match="syncfs.*Input/output error"):
-        ckpt.save(2, state).wait()
-    assert ckpt.steps() == [1]
-    target = {f"norm{i}": torch.zeros(8) for i in range(localwrite.SYNCFS_MIN_FILES)}
-    assert ckpt.load(target) == 1 and torch.equal(target["norm3"], torch.full((8,), 3.0))
+        files.make_durable(4)
 
 
 def test_syncfs_is_trusted_only_on_local_file_systems(tmp_path):

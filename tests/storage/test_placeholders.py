@@ -163,9 +163,12 @@ def test_zarr_python_reads_every_array_of_a_split_save(saved):
 
     root, _ = saved
     manifest = _manifest(root)
-    group = zarr.open_group(os.path.join(root, "split", "step-000000001", manifest["attempt"]), mode="r")
+    attempt = os.path.join(root, "split", "step-000000001", manifest["attempt"])
     for fqn in SHAPES:
-        got = group[f"model/{fqn}"][...]
+        # each array is written whole by its stage's rank: that rank's pack opens it alone
+        (pack,) = {ref[0] for ref in manifest["arrays"][f"model.{fqn}"]["shards"].values()}
+        store = zarr.storage.ZipStore(os.path.join(attempt, pack), mode="r")
+        got = zarr.open_array(store, path=f"model/{fqn}", mode="r")[...]
         want = to_numpy(_value(fqn))
         assert got.dtype == want.dtype and got.shape == SHAPES[fqn], fqn
         np.testing.assert_array_equal(got, want, err_msg=fqn)

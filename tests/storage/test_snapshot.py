@@ -56,7 +56,7 @@ def _save_worker(rank: int, world: int, root: str) -> dict:
     state["step"] = 3
     out["new_object"] = [save(3), _loaded(ckpt, mesh)]
     if rank == 1:
-        ckpt._sent_tensors = None  # rank 1 resends its layout: every rank replans
+        ckpt._planner.sent_tensors = None  # rank 1 resends its layout: every rank replans
     state["step"] = 4
     out["peer_resent"] = [save(4), _loaded(ckpt, mesh)]
     try:  # a failure on rank 1 only: rank 0 copied early and must let its buffer go

@@ -29,7 +29,7 @@ def _check_ls(listing: dict, root_url: str) -> None:
 
 
 def _check_inspect(summary: dict) -> None:
-    assert summary["step"] == 5 and summary["format_version"] == 2 and summary["world_size"] == 1
+    assert summary["step"] == 5 and summary["format_version"] == 3 and summary["world_size"] == 1
     tensors = {t["fqn"]: t for t in summary["tensors"]}
     assert tensors["model.embed.weight"]["shape"] == [96, 40] and tensors["model.embed.weight"]["dtype"] == "float32"
     assert tensors["model.proj.weight"]["dtype"] == "bfloat16" and tensors["model.proj.weight"]["bytes"] == 1920

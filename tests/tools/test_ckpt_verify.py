@@ -1,9 +1,9 @@
-"""``verify``: a healthy checkpoint exits 0; a flipped byte, a truncated and a missing shard object
-each exit 1 naming the step, the tensor and the chunk."""
+"""``verify``: a healthy checkpoint exits 0; a flipped byte exits 1 naming the step, the tensor and
+the chunk; a cut or missing pack exits 1 naming the step and every tensor it held."""
 
 from __future__ import annotations
 
-import glob
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,27 +15,36 @@ pytestmark = pytest.mark.timeout(120)
 W = "model.embed.weight"
 
 
-def _shard_object(root: str, fqn: str) -> str:
-    (path,) = glob.glob(os.path.join(root, "step-000000005", "attempt-*", *fqn.split("."), "0.0"))
-    return path
+def _shard_range(root: str, fqn: str, step: int = 5) -> tuple[str, int, int]:
+    """(pack file, offset, length) of the tensor's shard "0.0"/"0" (format version 3)."""
+    step_root = os.path.join(root, f"step-{step:09d}")
+    with open(os.path.join(step_root, "manifest.json")) as f:
+        manifest = json.load(f)
+    pack, offset, nbytes = next(iter(manifest["arrays"][fqn]["shards"].values()))
+    return os.path.join(step_root, manifest["attempt"], pack), offset, nbytes
 
 
 def _damaged_copy(tmp_path, root: str, name: str, damage) -> str:
     copy = str(tmp_path / name)
     shutil.copytree(root, copy)
-    damage(_shard_object(copy, W))
+    damage(*_shard_range(copy, W))
     return copy
 
 
-def _flip(path: str) -> None:
+def _flip(path: str, offset: int, nbytes: int) -> None:
     data = bytearray(Path(path).read_bytes())
-    data[len(data) // 3] ^= 0x5A
+    data[offset + nbytes // 3] ^= 0x5A
     Path(path).write_bytes(bytes(data))
 
 
-def _truncate(path: str) -> None:
+def _truncate(path: str, offset: int, nbytes: int) -> None:
+    """Cut the pack inside the shard: it, every entry after it and the ZIP directory are gone."""
     data = Path(path).read_bytes()
-    Path(path).write_bytes(data[: len(data) - 40])
+    Path(path).write_bytes(data[: offset + nbytes - 40])
+
+
+def _remove(path: str, offset: int, nbytes: int) -> None:
+    os.remove(path)
 
 
 def test_healthy_checkpoint_verifies(saved, cli):
@@ -49,19 +58,31 @@ def test_healthy_checkpoint_verifies(saved, cli):
     assert rc == 0 and "step 5" in out and "OK" in out
 
 
-@pytest.mark.parametrize("damage,kind", [(_flip, "checksum"), (_truncate, "checksum"), (os.remove, "missing-object")])
-def test_damage_is_found_and_named(tmp_path, saved, cli, damage, kind):
+def test_a_flipped_byte_is_found_and_named(tmp_path, saved, cli):
     root, _ = saved
-    copy = _damaged_copy(tmp_path, root, damage.__name__, damage)
+    copy = _damaged_copy(tmp_path, root, "flip", _flip)
     report = cli.json("verify", copy, expect=1)
     (problem,) = report["steps"][0]["problems"]
-    assert problem["fqn"] == W and problem["step"] == 5 and problem["kind"] == kind
+    assert problem["fqn"] == W and problem["step"] == 5 and problem["kind"] == "checksum"
     assert problem["chunk"] == "model/embed/weight/0.0"
     assert W in problem["message"] and "step 5" in problem["message"]
     rc, out, _ = cli("verify", copy)
     assert rc == 1 and "1 PROBLEM(S)" in out and W in out
     # The other tensors of the same step still read: only the damaged one is reported.
     assert cli.json("verify", copy, "--tensors", "optim.*")["ok"]
+
+
+@pytest.mark.parametrize("damage,kind", [(_truncate, "unreadable"), (_remove, "missing-object")])
+def test_a_cut_or_missing_pack_names_every_tensor_it_held(tmp_path, saved, cli, damage, kind):
+    root, state = saved
+    copy = _damaged_copy(tmp_path, root, damage.__name__, damage)
+    report = cli.json("verify", copy, expect=1)
+    problems = report["steps"][0]["problems"]
+    held = ["model.embed.weight", "model.proj.weight", "optim.ids", "optim.step"]  # one writer: one pack
+    assert sorted(p["fqn"] for p in problems) == held  # model.proj.bias is empty: no data to lose
+    for problem in problems:
+        assert problem["step"] == 5 and problem["kind"] == kind, problem
+        assert "pack-r00000-0.zip" in problem["message"] and "step 5" in problem["message"], problem
 
 
 def test_wrong_bytes_under_a_valid_checksum_are_found(tmp_path, saved, cli):
@@ -72,7 +93,18 @@ def test_wrong_bytes_under_a_valid_checksum_are_found(tmp_path, saved, cli):
     root, _ = saved
     other = str(tmp_path / "other")
     Checkpointer(other).save(5, mixed_state(3.0)).wait()
-    copy = _damaged_copy(tmp_path, root, "swapped", lambda path: shutil.copyfile(_shard_object(other, W), path))
+    source, offset, nbytes = _shard_range(other, W)
+    with open(source, "rb") as f:
+        f.seek(offset)
+        theirs = f.read(nbytes)
+
+    def swap(path: str, at: int, length: int) -> None:
+        assert length == nbytes  # the same shapes: the same shard length
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(theirs)
+
+    copy = _damaged_copy(tmp_path, root, "swapped", swap)
     (problem,) = cli.json("verify", copy, expect=1)["steps"][0]["problems"]
     assert problem["fqn"] == W and problem["kind"] == "checksum" and "manifest records" in problem["message"]
 
@@ -90,9 +122,8 @@ def _six_steps_five_damaged(root: str) -> None:
     manifest = os.path.join(root, "step-00000000{}", "manifest.json").format
     with open(manifest(2), "r+") as f:
         f.truncate(20)
-    chunk = os.path.join(root, "step-00000000{}", "attempt-*", "w", "0.0").format
-    _flip(glob.glob(chunk(3))[0])
-    os.remove(glob.glob(chunk(4))[0])
+    _flip(*_shard_range(root, "w", 3))
+    _remove(*_shard_range(root, "w", 4))
     Path(manifest(5)).write_text('{"format": "resilient", "format_version": 1}')
     os.remove(manifest(6))
 
