@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from resilient.trainer import peak
-from resilient.trainer.peak import PEAK_FLOPS, Peak, find_peak, match_device, model_matmul_shapes, peak_flops
+from resilient.trainer.observing import peak
+from resilient.trainer.observing.peak import PEAK_FLOPS, Peak, find_peak, match_device, model_matmul_shapes, peak_flops
 
 
 @pytest.fixture(autouse=True)

@@ -157,7 +157,7 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
 ) -> None:
     # The groups' ranks write to log files; the launcher reads the one claimed error line back.
     from resilient.tools import train as cli
-    from resilient.trainer.quiet import claim_report
+    from resilient.trainer.observing.quiet import claim_report
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
