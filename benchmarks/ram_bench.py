@@ -16,9 +16,10 @@ moments) and measures, side by side:
 - ``replication``: bytes/s of the buddy copy of one snapshot, both ranks copying at once (the
   ``ram_replication`` lines); ``--replication-repeats N`` more snapshots give the median of N copies
   (the ``replication_mib_per_s`` line);
-- ``mac``: the channel's message MAC (GMAC, and the HMAC-SHA256 it replaced) against memcpy, on one
-  core, per frame size (the ``ram_mac`` lines), and the channel alone over loopback, one process, no
-  tier or store (the ``ram_channel`` line);
+- ``mac``: the channel's AES-GCM encryption and decryption (and GMAC alone, what the wire did before
+  it encrypted, and HMAC-SHA256 before that) against memcpy, on one core, per frame size (the
+  ``ram_mac`` lines), and the channel alone over loopback, one process, no tier or store (the
+  ``ram_channel`` line);
 - ``overhead``: the mean step time of a small training loop (an MLP, AdamW) with no snapshots,
   with a RAM snapshot every 5 steps and every step (publish and buddy copy in the background),
   the variants interleaved in blocks of steps, round after round (see ``overhead_bench``).

@@ -306,6 +306,9 @@ def _invariants(
         "steps_lost_within_bound": inv.steps_lost_within_bound(costs, check.max_steps_lost_per_fault),
         "no_orphans": inv.no_orphans(leftovers),
         "storage_faults_absorbed": inv.storage_faults_absorbed(run, [f.kind for f in scenario.faults]),
+        "slowed_rank_named": inv.slowed_rank_named(
+            run, [(f.group, f.rank) for f in scenario.faults if f.kind == "slow_rank"]
+        ),
         "final_step_durable": inv.final_step_durable(run, verify=check.verify),
     }
 

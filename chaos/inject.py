@@ -1,5 +1,5 @@
 """Injecting one fault into a running job: kills by pid, SIGSTOP/SIGCONT, armed fault points,
-flipped bytes, S3 proxy windows, slow spans.
+flipped bytes, S3 proxy windows, slow spans (a SIGSTOP/SIGCONT duty cycle, or a sleep in the rank).
 
 Each fault is a small state machine driven by the harness's poll loop (``advance``): pending until
 its step (or time) comes, then injected, then done; faults that wait for something (a marker file
@@ -26,6 +26,7 @@ from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, slow_path,
 from resilient.chaos.job import JobProcess, job_node_store_dir
 from resilient.chaos.s3_proxy import FaultProxy
 from resilient.chaos.scenario import FAULT_KINDS, FaultSpec
+from resilient.chaos.throttle import DutyCycle
 from resilient.runfiles import lighthouse_pid_path, read_pid
 
 MARKER_TIMEOUT_S = 120.0
@@ -52,6 +53,7 @@ class FaultRecord:
     _marker: str = ""
     _until: float = 0.0
     _armed: bool = False
+    _throttle: DutyCycle | None = None
 
 
 @dataclass(slots=True)
@@ -314,19 +316,53 @@ def _arm_slow_rank(record: FaultRecord, ctx: InjectContext, first_step: int) -> 
     record._armed = True
 
 
+def _throttle_slow_rank(record: FaultRecord, ctx: InjectContext, first_step: int) -> bool:
+    """Start holding the rank stopped ``duty`` of the time (from outside its process); False while
+    the rank is not alive."""
+    spec = record.spec
+    pid = _alive_rank_pid(ctx.job.run_dir, spec.group, spec.rank)
+    if pid is None:
+        return False
+    record._throttle = DutyCycle(pid, spec.duty, seed=spec.index).start()
+    record.extra["slow_steps"] = [first_step, first_step + spec.steps - 1]
+    record.extra["pid"] = pid
+    record._armed = True
+    return True
+
+
 def _prearm_slow_rank(record: FaultRecord, ctx: InjectContext) -> None:
     # The harness sees a step only after it committed, so arming at the fault's step would miss the
     # first steps of the span; the span is written as soon as its first step is known, and the hook
-    # applies it by step number.
-    if record.spec.at_step is not None:
-        _arm_slow_rank(record, ctx, record.spec.at_step)
+    # applies it by step number. A throttle from outside starts once the step before the span
+    # committed (its first stops may still land in that step's tail).
+    spec = record.spec
+    if spec.at_step is None:
+        return
+    if not spec.duty:
+        _arm_slow_rank(record, ctx, spec.at_step)
+    elif ctx.job_step >= spec.at_step - 1:
+        _throttle_slow_rank(record, ctx, spec.at_step)
 
 
 def _start_slow_rank(record: FaultRecord, ctx: InjectContext) -> bool:
-    if not record._armed:  # at_time_s: the span starts at the next step
-        _arm_slow_rank(record, ctx, ctx.job_step + 1)
-    record.state = "done"
+    if not record.spec.duty:
+        if not record._armed:  # at_time_s: the span starts at the next step
+            _arm_slow_rank(record, ctx, ctx.job_step + 1)
+        record.state = "done"
+        return True
+    if not record._armed and not _throttle_slow_rank(record, ctx, ctx.job_step + 1):
+        return False
+    record.state = "injected"  # until the span's last step committed (``_follow``)
     return True
+
+
+def _end_throttle(record: FaultRecord) -> None:
+    throttle = record._throttle
+    if throttle is None:
+        return
+    throttle.stop()
+    record.extra.update(stopped_s=round(throttle.stopped_s, 3), duty_measured=round(throttle.share(), 3))
+    record._throttle = None
 
 
 _PREARMS: dict[str, Callable[[FaultRecord, InjectContext], None]] = {"slow_rank": _prearm_slow_rank}
@@ -366,6 +402,11 @@ def _start(record: FaultRecord, ctx: InjectContext) -> bool:
 def _follow(record: FaultRecord, ctx: InjectContext) -> None:
     """Advance a fault that is waiting for its marker or for the end of its SIGSTOP."""
     spec, now = record.spec, time.time()
+    if spec.kind == "slow_rank":
+        if ctx.job_step >= record.extra["slow_steps"][1]:
+            _end_throttle(record)
+            record.state = "done"
+        return
     if spec.kind == "stop_rank":
         if now >= record._until:
             with contextlib.suppress(ProcessLookupError):
@@ -419,7 +460,10 @@ def advance(record: FaultRecord, ctx: InjectContext, t_first_commit: float | Non
 
 
 def release(record: FaultRecord) -> None:
-    """Undo what must not outlive the harness (a SIGSTOPped rank)."""
+    """Undo what must not outlive the harness (a SIGSTOPped rank, a duty cycle)."""
+    if record.spec.kind == "slow_rank" and record._throttle is not None:
+        _end_throttle(record)
+        record.state = "done"
     if record.spec.kind == "stop_rank" and record.state == "injected":
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.killed[0]["pid"], signal.SIGCONT)

@@ -17,6 +17,8 @@
 - ``storage_faults_absorbed``: when no fault kills or stops a process (only S3 trouble, flipped
   bytes), no group restarted and no save failed: storage faults are retried inside the saves, and
   an ambiguous answer is resolved, never taken for a failure that crashes a group;
+- ``slowed_rank_named``: with ``slow_rank`` faults, each slowed rank is named by a ``straggler``
+  event and no other rank is;
 - ``final_step_durable``: the run's last step is committed to ``checkpoint.url`` and verifies
   (a run that ends, even with exit 0, while its final state lives only in RAM or in a save that
   never committed has lost it).
@@ -194,6 +196,25 @@ def storage_faults_absorbed(run: RunData, fault_kinds: list[str]) -> dict[str, A
         return result(False, f"no fault killed a process, yet {'; '.join(why)} (see logs/ in the run directory)")
     kinds = sorted(set(fault_kinds)) or "none"
     return result(True, f"storage faults {kinds}: no group restarted, every save committed or was skipped")
+
+
+def slowed_rank_named(run: RunData, slowed: list[tuple[int, int]]) -> dict[str, Any]:
+    """Every (group, rank) a ``slow_rank`` fault slowed is named by a ``straggler`` event, and no
+    other rank is (a waiter named beside the one it waits for is the failure this catches); a whole
+    group named (rank None) counts as (group, -1)."""
+    if not slowed:
+        return result(True, "not checked: no slow_rank fault")
+    named = sorted(
+        {(int(e.get("group", 0)), int(e.get("rank", -1) if e.get("rank") is not None else -1))
+         for e in run.events if e.get("event") == "straggler"}
+    )  # fmt: skip
+    missed = sorted(set(slowed) - set(named))
+    wrong = sorted(set(named) - set(slowed))
+    if missed or wrong:
+        why = [f"slowed but not named (group, rank): {missed}"] if missed else []
+        why += [f"named but not slowed: {wrong}"] if wrong else []
+        return result(False, "; ".join(why))
+    return result(True, f"the slowed (group, rank) {sorted(set(slowed))} and only they were named stragglers")
 
 
 def exactly_once(run: RunData, num_samples: int, twin: RunData | None) -> dict[str, Any]:

@@ -61,8 +61,9 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "kill_lighthouse": (set(), set()),
     # Test-only: perturbs one parameter of a group, so replicas_identical and twin_match must fail.
     "corrupt_replica": ({"group"}, set()),
-    # A straggler: one rank's forward takes delay_s longer in each of `steps` steps from at_step on.
-    "slow_rank": ({"group", "rank"}, {"steps", "delay_s"}),
+    # A straggler for `steps` steps from at_step on: stopped from outside `duty` of the time
+    # (SIGSTOP/SIGCONT), or, with delay_s instead, sleeping delay_s at the start of each step's compute.
+    "slow_rank": ({"group", "rank"}, {"steps", "duty", "delay_s"}),
 }
 """Every fault kind, with the keys it needs and the keys it may take."""
 
@@ -80,6 +81,8 @@ recovery time of their own; a restart or a failed save after one of them alone i
 PROCESS_KINDS = set(FAULT_KINDS) - NO_DOWNTIME_KINDS
 """Fault kinds that kill or stop a process: a restart or a failed save may follow from them."""
 
+DEFAULT_DUTY = 0.4
+"""slow_rank without duty or delay_s: stopped 40% of the time."""
 _TIMING_KEYS = {"kind", "at_step", "at_time_s", "random", "count", "min_step", "max_step"}
 _GROUP_DOWN_KINDS = {"kill_rank", "kill_node", "kill_group", "kill_during_persist", "kill_during_heal"}
 _DEFAULT_SECONDS = {
@@ -181,7 +184,11 @@ class FaultSpec:
     seconds: float = 0.0
     rate: float = 1.0
     delay_s: float = 0.5
-    """s3_latency: added to each request; slow_rank: added to each slowed step's forward."""
+    """s3_latency: added to each request; slow_rank (when given instead of duty): slept at the start
+    of each slowed step's compute, inside the rank's own code."""
+    duty: float = 0.0
+    """slow_rank: the share of the time the rank's process is held stopped from outside (a
+    SIGSTOP/SIGCONT duty cycle, as a throttled host); 0 with delay_s."""
     steps: int = 10
     """slow_rank: how many consecutive steps, from at_step on, the rank is slow (cut at the run's end)."""
     target: str = "oldest"
@@ -202,6 +209,8 @@ class FaultSpec:
 
     def describe(self) -> dict[str, Any]:
         keys = {"kind", "at_step", "at_time_s", "drawn", *FAULT_KINDS[self.kind][0], *FAULT_KINDS[self.kind][1]}
+        if self.kind == "slow_rank":
+            keys.discard("delay_s" if self.duty else "duty")
         return {k: v for k, v in asdict(self).items() if k in keys and v is not None}
 
 
@@ -331,6 +340,12 @@ def _expand(i: int, table: dict[str, Any], job: JobSpec, rng: random.Random) -> 
     out = []
     for step in steps:
         values = {k: table[k] for k in required | optional if k in table}
+        if kind == "slow_rank" and "delay_s" not in values:
+            values.setdefault("duty", DEFAULT_DUTY)
+        elif kind == "slow_rank" and "duty" in values:
+            raise ConfigError(
+                f"{where}: give duty (stopped from outside) or delay_s (a sleep in its own compute), not both"
+            )
         if is_random:
             values.setdefault("group", rng.randrange(job.replica_groups))
             values.setdefault("rank", rng.randrange(job.nproc_per_group))
@@ -385,7 +400,10 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
 
 def _validate_slow_rank(where: str, fault: FaultSpec, job: JobSpec) -> None:
     _int(f"{where}.steps", fault.steps, 1, job.steps)
-    if fault.delay_s <= 0:
+    if fault.duty:
+        if isinstance(fault.duty, bool) or not isinstance(fault.duty, (int, float)) or not 0.05 <= fault.duty <= 0.9:
+            raise ConfigError(f"{where}.duty={fault.duty!r} must be a share of the time in [0.05, 0.9]")
+    elif fault.delay_s <= 0:
         raise ConfigError(
             f"{where}.delay_s={fault.delay_s} must be > 0 seconds (a slow rank with no delay is no fault)"
         )

@@ -17,24 +17,27 @@ with real gradients, and the state callbacks never race the training thread.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torchft.manager import Manager, WorldSizeMode
+from torchft.manager import REPLICA_ID_KEY, Manager, WorldSizeMode
 from torchft.process_group import ProcessGroupGloo, ReduceOp
 
+from resilient import dist as rdist
 from resilient.errors import QuorumError, QuorumTimeout, ResilientError
 from resilient.recovery.config import ReplicaConfig, check_rows_divisible
 from resilient.recovery.heal_codec import adopt_shards, has_shards
+from resilient.recovery.quorum_auth import MemberCheck, member_id
 from resilient.recovery.transport import HealTransport
 
 __all__ = ["ReplicaConfig", "QuorumInfo", "ReplicaGroupSync", "check_rows_divisible", "replica_name"]
@@ -64,6 +67,9 @@ class QuorumInfo:
     heal_bytes: int = 0
     heal_s: float = 0.0
     quorum_s: float = 0.0
+    unproven: dict[str, str] = field(default_factory=dict)
+    """Members that could not prove they hold the job secret, and why (``quorum_auth``): while any
+    is in the quorum this group sends nothing across groups and does not commit."""
 
 
 class _QuorumClient:
@@ -158,6 +164,9 @@ class ReplicaGroupSync:
         self._load_user_state = load_state_dict
         # Heals travel over the authenticated channel, never torchft's pickle-over-HTTP (``transport``).
         self.transport = HealTransport(secret, rank=rank, host=host, timeout=timedelta(seconds=config.timeout_s))
+        self._members = MemberCheck(secret, rank=rank, timeout_s=config.connect_timeout_s)
+        self._checked: list[str] | None = None
+        self._unproven: dict[str, str] = {}
         self._healed_now = False
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
@@ -165,7 +174,7 @@ class ReplicaGroupSync:
             state_dict=state_dict,
             min_replica_size=config.min_replica_size,
             use_async_quorum=False,
-            replica_id=replica_name(group),
+            replica_id=member_id(group, *self.transport.address),
             rank=rank,
             world_size=world_size,
             lighthouse_addr=config.lighthouse_url(),
@@ -179,6 +188,9 @@ class ReplicaGroupSync:
         )
         self._client = _QuorumClient(self._manager._client)
         self._manager._client = self._client
+        # The full id (torchft appended a uuid) that this group's heal server answers with.
+        self.replica_id = self._manager._store.get(REPLICA_ID_KEY).decode()
+        self.transport.replica_id = self.replica_id
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -194,10 +206,11 @@ class ReplicaGroupSync:
                 f"{self.config.lighthouse_url()} within replica.quorum_timeout_s={self.config.quorum_timeout_s}: "
                 "is it running and reachable?"
             ) from e
+        quorum = self._client.last_quorum
+        self._check_members(sorted(quorum.replica_ids) if quorum is not None else [])
         self._check_configured()
         prank = self._manager.participating_rank()
         npart = self._manager.num_participants()
-        quorum = self._client.last_quorum
         return QuorumInfo(
             step=self._manager.current_step(),
             # Sync mode: every group in the quorum participates (None only under async/spares).
@@ -209,7 +222,31 @@ class ReplicaGroupSync:
             heal_bytes=self.transport.last_recv_bytes if self._healed_now else 0,
             heal_s=self.transport.last_recv_s if self._healed_now else 0.0,
             quorum_s=time.perf_counter() - start,
+            unproven=dict(self._unproven),
         )
+
+    def _check_members(self, members: list[str]) -> None:
+        """After a quorum with other members than the last: rank 0 asks each to prove it holds the
+        job secret (``quorum_auth``) and the group agrees on the outcome. While one cannot, this
+        group's step fails here: nothing crosses groups, and its vote is not to commit."""
+        if members != self._checked or self._unproven:  # a member that failed is asked again
+            self._checked = members
+            check = functools.partial(self._members.unproven, members, self.replica_id)
+            self._unproven = rdist.agree(check, src=0, what="quorum members' proof of the job secret")
+            for member, reason in self._unproven.items():
+                log.error(
+                    "[group %d rank %d] quorum member %s cannot prove it belongs to this job (%s): not committing "
+                    "alongside it",
+                    self.group,
+                    self.rank,
+                    member,
+                    reason,
+                    extra={"event": "quorum_unproven", "member": member, "reason": reason},
+                )
+        if self._unproven and self._manager.errored() is None:  # an earlier error names the cause
+            self._manager.report_error(
+                QuorumError(f"quorum member(s) {sorted(self._unproven)} cannot prove they hold the job secret")
+            )
 
     def _check_configured(self) -> None:
         """torchft records a quorum's id BEFORE it builds that quorum's process group, so a build
@@ -241,6 +278,8 @@ class ReplicaGroupSync:
         that gradients must be SUMMED over every data-parallel rank (dp_shard x groups). After the
         first failure in a step every later call is a no-op: the step is discarded by should_commit.
         """
+        if self._unproven:  # a stranger is in the quorum: it gets none of this group's values
+            return False
         return bool(self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait())
 
     def allreduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> bool:

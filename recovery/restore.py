@@ -19,17 +19,21 @@ with the same recipe goes on in that timeline instead of rewinding again.
 
 Damaged steps: when the newest committed step does not load on some rank (an ``IntegrityError``:
 checksum mismatch, a damaged manifest, a missing chunk), every rank learns it through one
-collective and the group falls back to the next older committed step, recording
-``restore_fallback`` in ``events.jsonl``; an older step's strict load writes every tensor and value
+collective. First the tensor it names is re-read, every crc32c checked, on another rank
+(``restore_recheck`` event): intact there, the step is loaded once more (a bad read on one node
+must not set a good step aside for everyone; failing again, it is that node's fault, raised). Else
+the group falls back to the next older committed step, recording ``restore_fallback`` in
+``events.jsonl``; an older step's strict load writes every tensor and value
 of the state again, so what the failed attempt wrote is overwritten. Once an older state has loaded,
 the damaged steps passed are set aside (their manifest renamed), because the run saves those step
 numbers again. Any other error (storage
 unreachable, a state that does not match) is raised on every rank: an older step would not help.
 
-Timelines: every restore that does not come from RAM (persistent, fresh, ``checkpoint.resume``
-off) starts a new timeline of the run, so RAM snapshots of the history it left are never restored
-again; so does a peer heal (the live group may have rewound since this group's snapshots were
-taken). A RAM restore to step S continues the current one, without its snapshots after S.
+Timelines: every restore starts a new timeline of the run (``ram.timeline``). One that does not come
+from RAM (persistent, fresh, ``checkpoint.resume`` off, a peer heal: the live group may have rewound
+since this group's snapshots were taken) keeps no RAM snapshot of the history it left eligible. A
+RAM restore to step S branches: the parent's snapshots up to S stay eligible, none after S (a node
+absent during the restore still holds them).
 
 The group decides together before any rank loads, and falls back together (the model is Orbax's
 emergency checkpoint manager: decide globally, try the fast tier, fall back through one collective):
@@ -49,7 +53,9 @@ bytes, seconds, storage_reads, excluded, run_id, timeline_incarnation, timeline)
 from __future__ import annotations
 
 import functools
+import glob
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +69,8 @@ from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.ram.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
+from resilient.storage.offline.catalog import open_checkpoint
+from resilient.storage.offline.verify import verify_step
 from resilient.storage.retention import SET_ASIDE_MANIFEST, set_aside
 
 log = logging.getLogger(__name__)
@@ -136,7 +144,7 @@ def restore(
         result = RestoreResult(peer.step, "peer", peer.bytes, peer.seconds)
         # A heal is a restore not from RAM: a new timeline (``timelines.healed``), without storage
         # when the RAM tier is off (nothing is tagged with it then).
-        heal = functools.partial(timelines.healed, load_step=load_step, storage=ram is not None)
+        heal = functools.partial(timelines.healed, load_step=load_step, storage=ram is not None, step=peer.step)
         result.timeline = _shared_timeline(heal, checkpointer, run_dir, ram)
     elif not resume:
         # A fresh start leaves whatever RAM holds behind for good, as a persistent restore does.
@@ -179,7 +187,8 @@ def _from_tiers(
     steps, listing_error = _committed_or_error(checkpointer, ram_may_restore=ram is not None)
     # Rank 0 reads the run's identity and timeline for everyone: which RAM snapshots may restore,
     # and whether checkpoint.load_step was applied already.
-    current = _shared_timeline(timelines.current, checkpointer, run_dir, ram)
+    records = rdist.agree(ram.node_record, what="RAM timeline records") if ram is not None else []
+    current = _shared_timeline(functools.partial(timelines.current, records=records), checkpointer, run_dir, ram)
     rewind = _rewind_to(load_step, current, steps, listing_error, checkpointer.url)
     persistent = rewind if rewind is not None else (steps[-1] if steps else None)
     reads_before = checkpointer.storage_reads
@@ -200,8 +209,13 @@ def _from_tiers(
     if result.source not in ("own", "buddy") or rewind is not None:
         # Not from RAM, or back to a chosen step: every snapshot taken so far belongs to a history
         # the run left. A new timeline, recorded before training goes on.
-        begin = functools.partial(timelines.start, load_step=load_step)
+        begin = functools.partial(timelines.start, load_step=load_step, step=result.step)
         result.timeline = _shared_timeline(begin, checkpointer, run_dir, ram)
+    else:
+        # From RAM: a branch at the restored step. Snapshots after it, on a node absent now, must
+        # never restore later beside the steps retrained here (``ram.timeline``).
+        branch = functools.partial(timelines.branch, parent=current, step=result.step)
+        result.timeline = _shared_timeline(branch, checkpointer, run_dir, ram)
     if result.loaded:
         apply(state)
     result.seconds = time.perf_counter() - start
@@ -271,7 +285,12 @@ def _from_persistent(
     for i, step in enumerate(candidates):
         older = candidates[i + 1] if i + 1 < len(candidates) else None
         try:
-            _load_committed(result, state, checkpointer, step)
+            try:
+                _load_committed(result, state, checkpointer, step)
+            except IntegrityError as e:
+                if not _intact_elsewhere(checkpointer, step, e, run_dir):
+                    raise
+                _load_again(result, state, checkpointer, step, e)
             _set_aside(checkpointer, passed)
             return
         except IntegrityError as e:
@@ -293,6 +312,51 @@ def _from_persistent(
         f"{'; '.join(damaged)}. Check them with `resilient-ckpt verify --all {checkpointer.url}`, or set "
         f"checkpoint.resume=false to start afresh"
     )
+
+
+_FAILED_ON = re.compile(r"\[rank (\d+)")
+_TENSOR = re.compile(r"tensor '([^']+)'")
+
+
+def _intact_elsewhere(checkpointer: Checkpointer, step: int, error: IntegrityError, run_dir: str) -> bool:
+    """Collective: whether the tensor ``error`` names reads back intact, every crc32c matching, on
+    another rank than the one that failed (a bad read on one node, not a damaged step: falling back
+    would set a good step aside for everyone). False when the error names no tensor, or on one rank."""
+    text = str(error)
+    tensor, failed = _TENSOR.search(text), _FAILED_ON.search(text)
+    world = rdist.get_world_size()
+    if tensor is None:
+        return False
+    other = (int(failed.group(1)) + 1) % world if failed is not None else 0
+
+    def recheck() -> list[str]:
+        ref = open_checkpoint(checkpointer.url, step)
+        return [p.message for p in verify_step(ref, patterns=[glob.escape(tensor.group(1))]).problems]
+
+    try:
+        problems = rdist.agree(recheck, src=other, what=f"re-reading tensor {tensor.group(1)!r} of step {step}")
+    except ResilientError as e:  # could not re-read: the step counts as damaged, as before
+        problems = [str(e)]
+    if rdist.get_rank() == 0:
+        write_event(run_dir, "restore_recheck", group=group_id(), step=step, rank=other, intact=not problems)
+    return not problems
+
+
+def _load_again(
+    result: RestoreResult, state: dict[str, Any], checkpointer: Checkpointer, step: int, first: Exception
+) -> None:
+    """The step verified intact elsewhere: load it once more (a transient bad read passes); a
+    second failure is that node's, never a reason to set a good step aside: raised on every rank."""
+    log.warning(
+        "[rank %d] step %d verifies intact on another rank: loading it again (%s)", rdist.get_rank(), step, first
+    )
+    try:
+        _load_committed(result, state, checkpointer, step)
+    except IntegrityError as again:
+        raise RestoreError(
+            f"step {step} under {checkpointer.url} verifies intact on another rank, but {again}; the node of that "
+            f"rank reads storage wrongly (memory, disk cache, network): check it, or run without it"
+        ) from again
 
 
 def _manifest_bytes(checkpointer: Checkpointer, step: int) -> bytes | None:

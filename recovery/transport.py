@@ -29,6 +29,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from resilient.errors import ResilientError
 from resilient.recovery.heal_codec import decode_state, encode_state
+from resilient.recovery.quorum_auth import PROOF_KEY
 from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class _HealHandler:
         self._step: int | None = None
         self._payload: bytearray | None = None
         self._closing = False
+        self.replica_id = ""
+        """This group's full replica id, answered to ``PROOF_KEY`` (``quorum_auth``)."""
 
     def stage(self, step: int, payload: bytearray) -> None:
         with self._ready:
@@ -67,6 +70,8 @@ class _HealHandler:
         raise ResilientError(f"the heal server of rank {self._rank} accepts no uploads (key {key!r})")
 
     def get(self, requester_rank: int, key: str) -> tuple[dict, bytearray] | None:
+        if key == PROOF_KEY:  # to any rank of any group: the handshake proved it holds the secret
+            return {"replica_id": self.replica_id}, bytearray()
         if requester_rank != self._rank:
             raise ResilientError(f"rank {self._rank} serves heals to group rank {self._rank}, not {requester_rank}")
         with self._ready:
@@ -104,6 +109,18 @@ class HealTransport(CheckpointTransport[dict]):
     def rejected(self) -> list[str]:
         """Why connections to this rank's heal server were refused (never containing the secret)."""
         return self._server.rejected
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.address
+
+    @property
+    def replica_id(self) -> str:
+        return self._handler.replica_id
+
+    @replica_id.setter
+    def replica_id(self, value: str) -> None:
+        self._handler.replica_id = value
 
     def metadata(self) -> str:
         host, port = self._server.address

@@ -8,14 +8,15 @@ deadlock), checks that every shard of every array is covered exactly once, and o
 previous step as it was. The other ranks (``wait_for_commit``) count their save as done once the
 manifest names their attempt, and give up early when a failure marker says it never will.
 
-The outcome of a save is decided once, by the coordinator, and every rank learns that decision
-(issue 13 item 4): the manifest naming the attempt means committed, the coordinator's decision
+The outcome of a save is decided once, by the coordinator, and every rank learns that decision:
+the manifest naming the attempt means committed, the coordinator's decision
 marker (``COMMIT_RANK``) means failed, and nothing else does: not another rank's failure marker
 (its receipt may have landed although its PUT raised), not ``latest`` (an advisory pointer, DESIGN
 §5). A rank whose own part failed still waits for that decision. Every rank measures the commit
-timeout from the same agreed deadline (``PersistJob.deadline``): the coordinator never commits
-after it, the others give up only ``decision_grace_s`` later, so no rank can give up on a step
-that another rank then reports committed.
+timeout from the same agreed deadline (``PersistJob.deadline``): the coordinator starts no commit
+after it, and the others wait for its decision, giving up only ``decision_grace_s`` later (a
+separate bound, far longer than the coordinator can take), so no rank decides before the
+coordinator can.
 """
 
 from __future__ import annotations
@@ -92,12 +93,22 @@ def poll_cap_s(scheme: str, world_size: int, configured: float | None = None) ->
     return min(5.0, 0.5 * max(1.0, world_size / 256))
 
 
+DECISION_WAIT_S = 600.0
+"""At least this long after the agreed deadline a waiting rank waits for the coordinator's decision."""
+
+
 def decision_grace_s(timeout_s: float, scheme: str = "file") -> float:
-    """How long after the agreed deadline a waiting rank still expects the coordinator's decision
+    """How long after the agreed deadline a waiting rank still waits for the coordinator's decision
     (the coordinator starts no manifest write after the deadline, then writes it or its marker).
-    On S3 at least the longest manifest write (``s3.COMMIT_WRITE_BOUND_S``) plus a margin: a
-    slower one could commit a step after the others gave up on it."""
-    grace = min(60.0, max(5.0, 0.1 * timeout_s))
+
+    The coordinator's decision is the truth, so this is a bound of its own, far longer than any
+    healthy coordinator takes: a waiting rank that gave up first would report "not committed" (and
+    restart the run) for a step the coordinator then commits, if its writer thread was starved on a
+    saturated host, a write stalled in fsync, or the two nodes' clocks differ. At least
+    ``DECISION_WAIT_S`` and the commit timeout itself; on S3 also the longest manifest write
+    (``s3.COMMIT_WRITE_BOUND_S``) plus a margin. A coordinator that is gone for good takes its group
+    down with it (torchrun), so the bound only matters for a hung one."""
+    grace = max(DECISION_WAIT_S, timeout_s)
     return max(grace, COMMIT_WRITE_BOUND_S + 15.0) if scheme == "s3" else grace  # + DNS, scheduling
 
 
@@ -303,7 +314,10 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
         extra={"event": "commit", "step": job.step},
     )
     try:
-        apply_retention(store, KeepLast(job.keep_last))
+        # Another replica group may be persisting this very step (both restored it): its attempt,
+        # younger than a commit can take, is left alone.
+        young_s = job.commit_timeout_s + decision_grace_s(job.commit_timeout_s, store.location.scheme)
+        apply_retention(store, KeepLast(job.keep_last), young_s=young_s)
     except Exception as e:  # noqa: BLE001 - the step is committed: cleanup is retried after the next commit and never decides the save
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
+import time
 from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
@@ -73,8 +75,8 @@ def _remember(key: tuple[str, int, bytes], attempt: str) -> None:
 
 def remember_committed(store: ObjectStore, step: int, data: bytes, attempt: str) -> None:
     """The coordinator just wrote these manifest bytes: the retention that follows its commit needs
-    not parse them back (measured: ``json.loads`` of the kept manifests was 12-14% of the writer's
-    samples in a 1 GiB, 4-rank save, each manifest parsed once, right after its own commit)."""
+    not parse them back (parsing the kept manifests showed up in the writer's profile of a 1 GiB,
+    4-rank save; benchmarks/README.md, "Choices in the code")."""
     _remember(_attempt_key(store, step, data), attempt)
 
 
@@ -103,14 +105,42 @@ def _parse_attempt(data: bytes, where: str) -> str:
     return attempt
 
 
-def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | None = None) -> list[str]:
+def new_attempt() -> str:
+    """A fresh attempt name, ``attempt-<creation ms, hex>-<random>``: its age can be read back
+    (``attempt_age_s``) without a request per object."""
+    return f"attempt-{int(time.time() * 1000):011x}-{secrets.token_hex(4)}"
+
+
+def attempt_age_s(name: str, now: float | None = None) -> float | None:
+    """How long ago attempt ``name`` was created (None: a name without its time, an older format)."""
+    parts = name.split("-")
+    if len(parts) != 3 or len(parts[1]) != 11:
+        return None
+    try:
+        return (time.time() if now is None else now) - int(parts[1], 16) / 1000
+    except ValueError:
+        return None
+
+
+def _in_flight(name: str, young_s: float) -> bool:
+    """Whether attempt ``name`` may still be another writer's save in progress (two replica groups
+    both persisting a restored step): younger than ``young_s``. Deleting it would fail that save."""
+    age = attempt_age_s(name)
+    return young_s > 0 and age is not None and age < young_s
+
+
+def plan_retention(
+    store: ObjectStore, policy: KeepLast, damaged: list[int] | None = None, *, young_s: float = 0.0
+) -> list[str]:
     """Keys (relative to the root) that retention would delete: whole steps oldest first, then
     the stray attempts of kept steps.
 
     ``keep_last`` counts steps that load: a step whose manifest is damaged is kept but not counted
     (its step number goes to ``damaged``), so damaged steps never crowd out the good steps a
     restore falls back to, and one bad old step never makes retention (and with it every later
-    commit) fail. Which attempt of a damaged step is real cannot be known: its attempts stay."""
+    commit) fail. Which attempt of a damaged step is real cannot be known: its attempts stay.
+    Attempts younger than ``young_s`` that no manifest names (another writer's save in flight)
+    stay too, and so does an uncommitted step that holds one."""
     listing = list_steps(store)
     if not listing.committed:
         return []
@@ -133,15 +163,22 @@ def plan_retention(store: ObjectStore, policy: KeepLast, damaged: list[int] | No
         good += 1
         keep = {attempt, _set_aside_attempt(store, step)}  # a damaged step's data stays for inspection
         for name in store.list_children(step_dir(step)):
-            if name.startswith("attempt-") and name not in keep:
+            if name.startswith("attempt-") and name not in keep and not _in_flight(name, young_s):
                 doomed.append(f"{step_dir(step)}/{name}")
     kept = [step for step in listing.committed if step_dir(step) not in doomed]
     for step in listing.uncommitted:
         if step >= newest:
             continue  # a newer uncommitted step may be a save still in flight
-        if _set_aside_attempt(store, step) is not None and step > kept[0]:
+        aside = _set_aside_attempt(store, step)
+        if aside is not None and step > kept[0]:
             continue  # set aside by a restore that fell back past it: kept for inspection, as a step is
-        doomed.append(step_dir(step))
+        names = [n for n in store.list_children(step_dir(step)) if n != aside] if young_s > 0 else []
+        if any(_in_flight(name, young_s) for name in names):
+            stale = [n for n in names if n.startswith("attempt-") and not _in_flight(n, young_s)]
+            stale += [aside] if aside is not None else []
+            doomed += [f"{step_dir(step)}/{n}" for n in stale]
+        else:
+            doomed.append(step_dir(step))
     return sorted(doomed, key=_step_of_key)
 
 
@@ -201,7 +238,7 @@ def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:
         log.info("retention deleted %s/%s", store.location.url, key)
 
 
-def apply_retention(store: ObjectStore, policy: KeepLast) -> list[str]:
-    doomed = plan_retention(store, policy)
+def apply_retention(store: ObjectStore, policy: KeepLast, *, young_s: float = 0.0) -> list[str]:
+    doomed = plan_retention(store, policy, young_s=young_s)
     delete_step_keys(store, doomed)
     return doomed

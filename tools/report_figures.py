@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # before pyplot: no display, no GUI backend probing
 import matplotlib.pyplot as plt  # noqa: E402
 
 from resilient.tools.report_data import RunData  # noqa: E402
-from resilient.tools.report_summary import RANK_PHASES, rank_means  # noqa: E402
+from resilient.tools.report_summary import RANK_PHASES, rank_lateness, rank_means  # noqa: E402
 
 DPI = 100
 _PHASE_COLOURS = dict(
@@ -90,6 +90,45 @@ def rank_breakdown(run: RunData) -> bytes | None:
     return _png(fig)
 
 
+def rank_lateness_plot(run: RunData, summary: dict[str, Any]) -> bytes | None:
+    """Per rank and window: its stalled time (held from outside) as a share of the step, and its
+    arrival lateness at the window's sync point; straggler episodes shaded. None without them."""
+    series = [(g, rank, rows) for g in run.groups.values() for rank, rows in rank_lateness(g).items()]
+    if not series:
+        return None
+    step_s = {
+        (g.group, int(w["step"])): max(float(r.get("step_s", 0.0)) for r in w.get("ranks", [{}]))
+        for g in run.groups.values()
+        for w in g.ranks
+    }
+    fig, (held, late) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
+    for index, (group, rank, rows) in enumerate(series):
+        steps = [step for step, _, _ in rows]
+        shares = [100 * stalled / max(step_s.get((group.group, step), 0.0), 1e-9) for step, stalled, _ in rows]
+        label = f"g{group.group} r{rank}"
+        held.plot(steps, shares, "-o", ms=3, color=f"C{index}", label=label)
+        late.plot(steps, [1e3 * lateness for _, _, lateness in rows], "-o", ms=3, color=f"C{index}", label=label)
+    for s in summary["stragglers"]:
+        end = (
+            s["cleared_step"]
+            if s.get("cleared_step") is not None
+            else max(max(st for st, _, _ in r) for *_, r in series)
+        )
+        for ax in (held, late):
+            ax.axvspan(s["step"], end, color="tab:orange", alpha=0.15)
+        who = f"g{s['group']}" + ("" if s["rank"] is None else f" r{s['rank']}")
+        held.annotate(f"{who} {s['phase']}", (s["step"], 1.0), xycoords=("data", "axes fraction"),
+                      va="top", fontsize=7)  # fmt: skip
+    held.set_ylabel("stalled, % of step")
+    late.set_ylabel("late at sync, ms")
+    late.set_xlabel("step (end of each ranks.jsonl window; shaded: a straggler episode)")
+    held.set_title("per-rank stalled time and lateness (ranks.jsonl)", fontsize=10)
+    held.legend(fontsize=8, ncols=min(len(series), 8), loc="upper right")
+    for ax in (held, late):
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
 def _save_times(run: RunData) -> list[tuple[float, float, str]]:
     """Each save as (start, seconds, outcome): its ``t`` when recorded (the record is written when
     the save ends), else its step's commit time (older runs)."""
@@ -126,7 +165,8 @@ def timeline(run: RunData, summary: dict[str, Any]) -> bytes:
     for e in run.events:
         if e.get("event") == "straggler" and "t" in e:
             ax.plot(e["t"] - t0, 3, "v", color="tab:orange", ms=7)
-            ax.annotate(f"r{e.get('rank')}", (e["t"] - t0, 3.2), fontsize=7, ha="center")
+            who = f"g{e.get('group')}" if e.get("rank") is None else f"r{e.get('rank')}"
+            ax.annotate(who, (e["t"] - t0, 3.2), fontsize=7, ha="center")
         elif e.get("event") == "hang" and "t" in e:
             ax.plot(e["t"] - t0, 4, "X", color="tab:red", ms=8)
             ax.annotate(f"r{e.get('rank')}", (e["t"] - t0, 4.2), fontsize=7, ha="center")

@@ -70,10 +70,7 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
     breakdown = figures.rank_breakdown(run)
     parts.append(_img(breakdown, "per-rank step breakdown") if breakdown else "<p>no ranks.jsonl in this run</p>")
     parts += [
-        _table(
-            ["group", "rank", "phase", "ratio", "source"],
-            [[s["group"], s["rank"], s["phase"], s["ratio"], s.get("source")] for s in summary["stragglers"]],
-        ),
+        *_stragglers(run, summary),
         "<h2>Timeline: saves, restores, stragglers, hangs</h2>",
         _img(figures.timeline(run, summary), "timeline"),
         cadence_html(run, summary.get("cadence"), figures.t0_of(run)),
@@ -84,6 +81,30 @@ def render(run: RunData, summary: dict[str, Any]) -> str:
         f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>resilient-report '
         f"{html.escape(str(summary['run_id']))}</title><style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n"
     )
+
+
+def _stragglers(run: RunData, summary: dict[str, Any]) -> list[str]:
+    """The per-rank stalled time and lateness plot, and one row per straggler episode."""
+    lateness = figures.rank_lateness_plot(run, summary)
+    headers = ["group", "rank", "reason", "ratio", "from step", "to step", "steps", "ms a step", "peers ms"]
+    headers += ["stalled ms", "peers stalled ms", "late ms", "peers late ms"]
+    return [
+        "<h2>Stragglers</h2>",
+        _img(lateness, "per-rank stalled time and lateness") if lateness else "",
+        _table(headers, [_straggler_row(s) for s in summary["stragglers"]]),
+    ]
+
+
+def _straggler_row(s: dict[str, Any]) -> list[Any]:
+    def ms(key: str) -> float | None:
+        return None if s.get(key) is None else 1e3 * float(s[key])
+
+    cleared = s.get("cleared_step")
+    return [
+        s["group"], s["rank"], s["phase"], s["ratio"], s["step"], "end" if cleared is None else cleared,
+        s.get("duration_steps"), ms("value_s"), ms("median_s"), ms("stalled_s"), ms("median_stalled_s"),
+        ms("late_s"), ms("median_late_s"),
+    ]  # fmt: skip
 
 
 def _run_tables(summary: dict[str, Any]) -> list[str]:

@@ -118,19 +118,60 @@ def rank_means(group: GroupRun) -> dict[int, dict[str, float]]:
     return {r: {p: v / weights[r] for p, v in acc.items()} for r, acc in sorted(sums.items())}
 
 
+EVIDENCE = ("value_s", "median_s", "share", "stalled_s", "median_stalled_s", "late_s", "median_late_s", "step_s")
+"""What a ``straggler`` event says about why (older events have none of it)."""
+
+
 def stragglers(run: RunData) -> list[dict[str, Any]]:
-    """The trainer's ``straggler`` events, the highest ratio per group, rank and phase. Only those:
-    the trainer runs the one detector (``trainer/timing.StragglerWatch``: factor, consecutive
-    windows, a share of the step) on the very windows it writes to ``ranks.jsonl``; a second,
-    looser rule here flagged millisecond noise in clean runs."""
-    found: dict[tuple[int, int, str], dict[str, Any]] = {}
+    """One entry per straggler episode, in order: the trainer's ``straggler`` event (group, rank,
+    phase, ratio, step, its evidence) paired with the ``straggler_cleared`` event that ended it
+    (``cleared_step``, ``duration_steps``, ``duration_s``; None while it lasted to the run's end).
+    Only the trainer's events: it runs the one detector (``trainer/straggler.StragglerWatch``) on
+    the very windows it writes to ``ranks.jsonl``; a second, looser rule here flagged noise."""
+    out: list[dict[str, Any]] = []
+    open_: dict[tuple[int, int], dict[str, Any]] = {}
     for e in run.events:
-        if e.get("event") == "straggler":
-            key = (int(e.get("group", 0)), int(e["rank"]), str(e.get("phase", "step_s")))
-            if key not in found or e.get("ratio", 0) > found[key]["ratio"]:
-                found[key] = {"group": key[0], "rank": key[1], "phase": key[2], "ratio": float(e.get("ratio", 0))}
-                found[key].update(step=e.get("step"), source="event")
-    return sorted(found.values(), key=lambda s: -s["ratio"])
+        kind = e.get("event")
+        if kind not in ("straggler", "straggler_cleared"):
+            continue
+        rank = e.get("rank")  # None: the whole group, against the other groups
+        key = (int(e.get("group", 0)), None if rank is None else int(rank))
+        if kind == "straggler":
+            entry = {"group": key[0], "rank": key[1], "phase": str(e.get("phase", "step_s"))}
+            entry.update(ratio=float(e.get("ratio", 0)), step=e.get("step"), t=e.get("t"), source="event")
+            entry.update({k: e[k] for k in EVIDENCE if k in e})
+            entry.update(cleared_step=None, duration_steps=None, duration_s=None)
+            out.append(entry)
+            open_[key] = entry
+        elif key in open_:
+            entry = open_.pop(key)
+            entry.update(cleared_step=e.get("step"), duration_steps=e.get("duration_steps"))
+            entry["duration_s"] = e.get("duration_s")
+    return out
+
+
+def rank_lateness(group: GroupRun) -> dict[int, list[tuple[int, float, float]]]:
+    """rank -> [(step, stalled seconds per step, arrival lateness in seconds)] over the windows of
+    ``ranks.jsonl`` that carry them (runs before the stall clock: empty)."""
+    out: dict[int, list[tuple[int, float, float]]] = {}
+    for window in group.ranks:
+        for entry in window.get("ranks", []):
+            if "stalled_s" in entry:
+                row = (int(window["step"]), float(entry["stalled_s"]), float(entry.get("late_s", 0.0)))
+                out.setdefault(int(entry["rank"]), []).append(row)
+    return dict(sorted(out.items()))
+
+
+def _straggler_why(s: dict[str, Any]) -> str:
+    until = f"to step {s['cleared_step']}" if s.get("cleared_step") is not None else "to the end"
+    if "value_s" not in s:  # an event from before the evidence fields
+        return f"in {s['phase']} ({s['ratio']:.1f}x the median) from step {s['step']}"
+    ms = f"{s['value_s'] * 1e3:.0f} ms a step against its peers' {s['median_s'] * 1e3:.0f} ms"
+    if s["phase"] == "stalled_s":
+        why = f"held from outside {s['share']:.0%} of the step (stalled {ms})"
+    else:
+        why = f"in {s['phase']} ({s['ratio']:.1f}x the median: {ms})"
+    return f"{why} from step {s['step']} {until}"
 
 
 def hangs(run: RunData) -> list[dict[str, Any]]:
@@ -210,7 +251,8 @@ def diagnoses(summary: dict[str, Any]) -> list[str]:
     several = len(summary["groups"]) > 1
     for s in summary["stragglers"]:
         of = f" of group {s['group']}" if several else ""
-        out.append(f"rank {s['rank']}{of} is a straggler in {s['phase']} ({s['ratio']:.1f}x the median)")
+        who = f"group {s['group']} as a whole" if s["rank"] is None else f"rank {s['rank']}{of}"
+        out.append(f"{who} is a straggler {_straggler_why(s)}")
     for h in summary["hangs"]:
         out.append(
             f"rank {h['rank']} of group {h['group']} hung at step {h['step']} "

@@ -93,13 +93,16 @@ class RunConfig:
 class MetricsConfig:
     """What the trainer measures beyond ``metrics.jsonl`` (docs/observability.md)."""
 
-    rank_every: int = 10
-    """Every this many steps rank 0 gathers each rank's step time by phase into
-    ``group<G>/ranks.jsonl`` (one small all-gather); 0: never (no straggler detection either)."""
+    rank_every: int = 5
+    """Every this many steps rank 0 gathers each rank's step time by phase, stalled time and arrival
+    time into ``group<G>/ranks.jsonl`` (one small all-gather); 0: never (no straggler detection
+    either, and no stall clock)."""
     straggler_factor: float = 1.5
     """A rank is slow in a phase when its time there is this many times the median of its peers."""
-    straggler_windows: int = 3
-    """... for this many consecutive ``rank_every`` windows: then a ``straggler`` event and a warning."""
+    straggler_windows: int = 2
+    """... for this many consecutive ``rank_every`` windows: then a ``straggler`` event and one
+    warning; as many windows slow in nothing end the episode (``straggler_cleared``). With the
+    defaults a rank held from outside is named within 10 steps."""
     tensorboard: bool = False
     """Also write each step's metrics as TensorBoard scalars under ``group<G>/tensorboard/``
     (``metrics.jsonl`` stays the source of truth)."""

@@ -258,6 +258,7 @@ def slurm_script(spec: EmitSpec) -> str:
         f'export RDZV_ENDPOINT="$RDZV_HOST:{spec.rdzv_port}"',
         "# The same on every node, new for each (re)queued run of the job.",
         'export RDZV_ID="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+        *_slurm_job_secret(),
         "",
         "# The RAM tier keeps its snapshots in /dev/shm, a tmpfs SLURM does not size: it is the node's",
         "# (by default half its RAM) and counts against the job's memory. Each node warns if its",
@@ -302,6 +303,35 @@ def _meeting_point(spec: EmitSpec) -> str:
     return "job's torchft lighthouse" if spec.replica_groups else "c10d rendezvous store"
 
 
+# -- the job's secret (recovery.job_secret; README "Security") --------------------------------
+
+
+def _slurm_job_secret() -> list[str]:
+    """Every node's ranks share one secret (srun passes the environment on), made once per run of
+    the script unless the operator exported one: else each node would make its own job.key."""
+    return [
+        "# One job secret for every node (it keys buddy copies, heals and quorum membership).",
+        'export RESILIENT_JOB_SECRET="${RESILIENT_JOB_SECRET:-$(od -An -N32 -tx1 /dev/urandom | tr -d " \\n")}"',
+    ]
+
+
+def _k8s_job_secret(spec: EmitSpec) -> list[str]:
+    """Every pod takes the job secret from one Secret (a pod without it would make its own
+    job.key, and heals across pods would be refused); a pod does not start until it exists."""
+    name = f"{spec.job_name}-job-secret"
+    return [
+        f"              # Create once: kubectl create secret generic {name} \\",
+        "              #   --from-literal=secret=$(openssl rand -hex 32)",
+        "              - name: RESILIENT_JOB_SECRET",
+        "                valueFrom:",
+        "                  secretKeyRef:",
+        f"                    name: {name}",
+        "                    key: secret",
+        "              - name: RESILIENT_JOB_ID  # a restarted set is the same job (recovery.ownership)",
+        f"                value: {_q(spec.job_name)}",
+    ]
+
+
 # -- Kubernetes (JobSet) ---------------------------------------------------------------------
 
 
@@ -334,6 +364,7 @@ def _k8s_container(spec: EmitSpec, endpoint: str) -> list[str]:
         f"                value: {_q(spec.job_name + '-$(RESTART_ATTEMPT)')}",
         "              - name: PYTHONUNBUFFERED",
         '                value: "1"',
+        *_k8s_job_secret(spec),
         "              volumeMounts:",
         "              - name: dshm",
         "                mountPath: /dev/shm",

@@ -47,6 +47,7 @@ from typing import IO
 
 from resilient.errors import ConfigError
 from resilient.recovery.config import LIGHTHOUSE_ENV
+from resilient.recovery.ownership import JOB_ID_ENV, launch_job_id
 from resilient.runfiles import (
     GROUP_ENV,
     EventLog,
@@ -95,7 +96,7 @@ class ReplicaLaunch:
     node_rank: int = 0
     lighthouse_at: str = ""
     """HOST:PORT of the job's lighthouse when the groups span nodes: node 0 starts it there (bound to
-    every interface) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
+    the interface HOST resolves to) unless ``lighthouse`` names a running one. Empty: 127.0.0.1 and a free port."""
     torchrun_flags: list[str] = field(default_factory=list)
     """Extra torchrun flags of every group (``preempt_flags``: the shutdown timeout, the signals)."""
 
@@ -263,6 +264,7 @@ class ReplicaJob:
         self.launch = launch
         self.run_dir = os.path.abspath(launch.run_dir)
         self.log_dir = logs_dir(self.run_dir)
+        launch.env.setdefault(JOB_ID_ENV, launch_job_id(launch.lighthouse_at or launch.lighthouse or launch.launch_id))
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_url = launch.lighthouse
         self.lighthouse_port = 0
@@ -325,7 +327,7 @@ class ReplicaJob:
             self._log("lighthouse.log"),
             join_timeout_ms=self.launch.join_timeout_ms,
             heartbeat_timeout_ms=self.launch.heartbeat_timeout_ms,
-            bind="0.0.0.0" if self.launch.lighthouse_at else "127.0.0.1",  # other nodes' groups reach it
+            endpoint=self.launch.lighthouse_at,  # other nodes' groups reach it there, nobody else
             min_replicas=min_replicas,
         )
         self.lighthouse_min_replicas = min_replicas

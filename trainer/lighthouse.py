@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import os
 import shutil
 import signal
@@ -57,15 +58,18 @@ def start_lighthouse(
     heartbeat_timeout_ms: int,
     bind: str = "127.0.0.1",
     min_replicas: int = 1,
+    endpoint: str = "",
 ) -> subprocess.Popen:
     """A lighthouse on bind:port, listening when this returns. ``min_replicas`` 1: a group trains
     alone while the others are down (that is the point); the lighthouse's majority rule
     (participants > half of the heartbeating groups) keeps two disjoint quorums from forming, as
-    long as it has heard every live group. A restarted lighthouse has not (``ReplicaJob``)."""
+    long as it has heard every live group. A restarted lighthouse has not (``ReplicaJob``).
+    ``endpoint`` (``HOST:PORT`` of a job across nodes): bind where HOST resolves instead."""
+    bind = interface_of(endpoint) if endpoint else bind
     command = [
         lighthouse_binary(),
         "--bind",
-        f"{bind}:{port}",
+        f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}",
         "--min_replicas",
         str(min_replicas),
         "--join_timeout_ms",
@@ -80,12 +84,29 @@ def start_lighthouse(
         start_new_session=True,
         preexec_fn=die_with_parent(signal.SIGKILL),
     )
+    reach = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind.strip("[]")
     try:
-        wait_for_port("127.0.0.1", port, LIGHTHOUSE_START_TIMEOUT_S, proc)
+        wait_for_port(reach, port, LIGHTHOUSE_START_TIMEOUT_S, proc)
     except BaseException:
         kill_group(proc)
         raise
     return proc
+
+
+def interface_of(endpoint: str) -> str:
+    """The local address the job's lighthouse binds to for ``HOST:PORT`` (``--rdzv-endpoint``):
+    HOST's, so that it listens on the job's interface only, never on every interface (torchft's
+    lighthouse has no authentication: ``recovery.quorum_auth``). ConfigError when HOST does not
+    resolve."""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot resolve {host!r} to bind the lighthouse to ({e})") from e
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

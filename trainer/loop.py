@@ -194,7 +194,8 @@ class Trainer:
         def record(event: str, **fields: Any) -> None:
             if self.outputs.enabled:
                 write_event(self.config.run.dir, event, group=group_id(), **fields)
-            self.outputs.message(f"preempted: step {self.step} is committed; exiting {PREEMPTED_EXIT} to be resumed")
+            where = "is committed" if fields["committed"] else "is not committed here (a peer group writes it)"
+            self.outputs.message(f"preempted: step {self.step} {where}; exiting {PREEMPTED_EXIT} to be resumed")
 
         with self.observer.paused():  # the save may take long: not a hang
             return stop_preempted(self.step, signum, save=save, committed=self._committed_steps, record=record)

@@ -14,9 +14,18 @@ from typing import Any
 
 from resilient import dist as rdist
 from resilient.incarnations import startup_cause
-from resilient.runfiles import RANKS_FILE, append_jsonl, group_id, read_events, stamp_records, write_event
+from resilient.runfiles import (
+    RANKS_FILE,
+    append_jsonl,
+    group_file,
+    group_id,
+    read_events,
+    stamp_records,
+    write_event,
+)
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.timing import StartupClock, StepPhases, StragglerWatch, gather_window
+from resilient.trainer.straggler import GroupWatch, StallClock, StragglerWatch
+from resilient.trainer.timing import StartupClock, StepPhases, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,13 @@ class RunObserver:
         self.layout = {"world": world, "pp": p.pp, "dp_shard": p.dp_shard, "tp": p.tp, "groups": config.replica.groups}
         m = config.metrics
         self._stragglers = StragglerWatch(m.straggler_factor, m.straggler_windows)
+        self._stall = StallClock().start() if m.rank_every else None
+        self._groups = None
+        r = config.replica
+        if m.rank_every and r.enabled and r.groups > 1 and self.rank == 0:
+            paths = {g: group_file(config.run.dir, RANKS_FILE, g) for g in range(r.groups)}
+            self._groups = GroupWatch(self.group, paths, m.straggler_windows, m.rank_every)
+        self._held_at_window = 0.0
         self._started = False
         self.restore_sources: list[str] = []
         """Every rank's restore source of this start (set by the trainer): evidence of the cause."""
@@ -111,24 +127,50 @@ class RunObserver:
 
     def _window(self, step: int) -> None:
         steps = self.phases.steps
-        ranks = gather_window(self.phases)
+        held = None
+        if self._stall is not None:
+            now = self._stall.held_s()
+            held, self._held_at_window = now - self._held_at_window, now
+        ranks = gather_window(self.phases, held)
         if ranks is None:
             return
         try:
             append_jsonl(os.path.join(self.directory, RANKS_FILE), {"step": step, "steps": steps, "ranks": ranks})
         except OSError as e:  # rank 0 alone: raising would leave its peers in the next collective
             log.warning("cannot write %s in %s (%s); training goes on", RANKS_FILE, self.directory, e)
-        for slow in self._stragglers.check(ranks):
-            write_event(self.config.run.dir, "straggler", group=self.group, step=step, **slow)
+        changes = self._stragglers.check(ranks, step)
+        if self._groups is not None:
+            changes += self._groups.check(ranks, step, steps)
+        for change in changes:
+            write_event(self.config.run.dir, group=self.group, step=step, **change)
+            self._say(change)
+
+    def _say(self, change: dict[str, Any]) -> None:
+        """One line when an episode starts, one when it ends: not one per window."""
+        who = "the whole group" if change["rank"] is None else f"rank {change['rank']}"
+        if change["event"] == "straggler_cleared":
             log.warning(
-                "[group %d] rank %d is a straggler: %s is %.2fx the median of its peers for %d windows of %d steps",
+                "[group %d] %s is no longer a straggler (%s, for %d steps)",
                 self.group,
-                slow["rank"],
-                slow["phase"],
-                slow["ratio"],
-                self.config.metrics.straggler_windows,
-                self.config.metrics.rank_every,
+                who,
+                change["phase"],
+                change["duration_steps"],
             )
+            return
+        late = f", {change['late_s'] * 1e3:.0f} ms late at the sync" if "late_s" in change else ""
+        log.warning(
+            "[group %d] %s is a straggler: %s is %.3f s a step against its peers' %.3f s "
+            "(%.0f%% of the step) for %d windows of %d steps%s",
+            self.group,
+            who,
+            change["phase"],
+            change["value_s"],
+            change["median_s"],
+            100 * change["share"],
+            self.config.metrics.straggler_windows,
+            self.config.metrics.rank_every,
+            late,
+        )
 
     # -- end ---------------------------------------------------------------------------------
 
@@ -139,6 +181,9 @@ class RunObserver:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     def close(self) -> None:
+        if self._stall is not None:
+            self._stall.stop()
+            self._stall = None
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None

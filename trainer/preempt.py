@@ -110,15 +110,20 @@ def stop_preempted(
 ) -> Preempted:
     """Make ``step`` durable and say so: ``save`` saves and waits for its commit (collective; it
     raises on every rank alike when the save fails), ``committed`` lists the committed steps
-    (collective), ``record`` writes the event (rank 0). Returns the error to raise."""
+    (collective), ``record(event, **fields)`` writes the event (rank 0) and says whether the step
+    is committed (``committed``). Returns the error to raise."""
     start = time.monotonic()
-    if step > 0 and step not in committed():
+    durable = step == 0 or step in committed()
+    if not durable:
         save()
+        # Another replica group may be the one that writes this step (and may not have yet).
+        durable = step in committed()
     record(
         PREEMPTED_EVENT,
         step=step,
         signal=signal.Signals(signum).name,
         seconds=round(time.monotonic() - start, 3),
+        committed=durable,
     )
     return Preempted(step, signum)
 

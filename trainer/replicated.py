@@ -57,6 +57,7 @@ class ReplicatedTrainer(Trainer):
         self._joined: QuorumInfo | None = None
         """A quorum already joined for the next step attempt (the run's first, see ``run``)."""
         self.heals: list[dict[str, Any]] = []
+        self._unproven: dict[str, str] = {}
         # get_state_dict() on an optimizer without state runs a zero-lr step to create it (Adam's
         # step becomes 1). A group serving a heal does that; do it in EVERY group up front so the
         # numerics never depend on who served whom (a storage restore overwrites it anyway).
@@ -155,6 +156,11 @@ class ReplicatedTrainer(Trainer):
         start = time.perf_counter()
         quorum, self._joined = self._joined or self.sync.start_step(), None
         self.last_quorum = quorum
+        if quorum.unproven and quorum.unproven != self._unproven:
+            # A member that cannot prove it holds the job secret: this group does not commit (nor
+            # send anything across groups) while it is in the quorum (``recovery.quorum_auth``).
+            self.events.write("quorum_unproven", group=self.group, step=quorum.step + 1, members=quorum.unproven)
+        self._unproven = quorum.unproven
         if quorum.step != self.step:
             raise ResilientError(
                 f"[group {self.group} rank {self.rank}] torchft is at step {quorum.step} but the trainer at "
@@ -200,7 +206,8 @@ class ReplicatedTrainer(Trainer):
         """One group writes each persistent checkpoint: the group of participating rank 0, and not
         a step some other group already committed to storage (a group finishing alone after its
         peers may reach a step they saved)."""
-        assert self.last_quorum is not None
+        if self.last_quorum is None:
+            return False  # no step trained yet (a preemption at start): the state came from a peer or storage
         return self.last_quorum.participating_rank == 0 and self.step not in self._committed_steps()
 
     # -- end of run --------------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""Where each rank's step time goes, where a start's time goes, and which rank is slow.
+"""Where each rank's step time goes and where a start's time goes.
 
 - ``StepPhases``: per rank, the seconds of each phase of a step (data wait, forward + backward,
   gradient sync, optimizer, checkpoint stall, RAM snapshot), summed over a window of committed
-  steps. ``gather_window`` brings every rank's means to rank 0 in ONE small all-gather (7 floats a
-  rank) every ``metrics.rank_every`` steps, at the same step on every rank.
-- ``StragglerWatch``: on rank 0, a rank whose phase time exceeds the median of its peers by
-  ``metrics.straggler_factor`` for ``metrics.straggler_windows`` consecutive windows is reported,
-  once per episode.
+  steps. ``gather_window`` brings every rank's means (and the per-step medians of data wait and
+  compute) to rank 0 in ONE small all-gather (a dozen floats a rank) every ``metrics.rank_every``
+  steps, at the same step on every rank.
+  With a stall clock, each rank's stalled seconds per step and its arrival time at that
+  all-gather travel with them (``resilient.trainer.straggler`` names the slow rank from them).
 - ``StartupClock``: the phases of a start (process start -> imports -> process group -> model
   built -> restored -> first step), recorded once per incarnation.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +26,9 @@ import torch.distributed as dist
 
 PHASES = ("step_s", "data_wait_s", "compute_s", "grad_sync_s", "optimizer_s", "ckpt_stall_s", "snapshot_s")
 """``step_s`` is the whole step; the others are its parts (the rest is bookkeeping)."""
+TYPICAL = ("data_wait_s", "compute_s")
+"""Phases whose per-step median over the window travels beside the mean (``<phase>_p50``): a rank
+slow in most steps, not in one step that a busy host delayed."""
 
 
 class StepPhases:
@@ -35,6 +37,7 @@ class StepPhases:
     def __init__(self) -> None:
         self._sums = dict.fromkeys(PHASES, 0.0)
         self._attempt = dict.fromkeys(PHASES, 0.0)
+        self._typical: list[list[float]] = [[] for _ in TYPICAL]
         self.steps = 0
 
     @contextmanager
@@ -53,6 +56,8 @@ class StepPhases:
         self._attempt["step_s"] = step_s
         for phase in PHASES:
             self._sums[phase] += self._attempt[phase]
+        for values, phase in zip(self._typical, TYPICAL, strict=True):
+            values.append(self._attempt[phase])
         self.steps += 1
         self.discard()
 
@@ -62,15 +67,26 @@ class StepPhases:
     def means(self) -> list[float]:
         return [self._sums[p] / max(self.steps, 1) for p in PHASES]
 
+    def medians(self) -> list[float]:
+        """The per-step median of each ``TYPICAL`` phase over the window (0 for an empty window)."""
+        return [statistics.median(values) if values else 0.0 for values in self._typical]
+
     def reset(self) -> None:
         self._sums = dict.fromkeys(PHASES, 0.0)
+        self._typical = [[] for _ in TYPICAL]
         self.steps = 0
 
 
-def gather_window(phases: StepPhases, group: Any = None) -> list[dict[str, float]] | None:
+def gather_window(phases: StepPhases, held_s: float | None = None, group: Any = None) -> list[dict[str, Any]] | None:
     """Every rank's mean phase times over the window (collective: every rank calls it at the same
-    step); the list on rank 0, None elsewhere. The window restarts."""
-    mine = torch.tensor(phases.means(), dtype=torch.float64)
+    step); the list on rank 0, None elsewhere. The window restarts. ``held_s``: this rank's stalled
+    seconds over the window (a ``StallClock``'s difference): then each entry also has ``stalled_s``
+    (per step) and ``late_s``, its arrival here after the earliest rank's (same-host clocks, or
+    clocks kept within milliseconds by NTP)."""
+    row = phases.means() + phases.medians()
+    if held_s is not None:
+        row += [held_s / max(phases.steps, 1), time.time()]
+    mine = torch.tensor(row, dtype=torch.float64)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     gathered = [torch.empty_like(mine) for _ in range(world)]
     if world > 1:
@@ -80,52 +96,18 @@ def gather_window(phases: StepPhases, group: Any = None) -> list[dict[str, float
     phases.reset()
     if dist.is_initialized() and dist.get_rank(group) != 0:
         return None
-    return [
-        {"rank": rank, **{p: round(v, 6) for p, v in zip(PHASES, row.tolist(), strict=True)}}
-        for rank, row in enumerate(gathered)
-    ]
-
-
-WATCHED = ("compute_s", "data_wait_s", "ckpt_stall_s")
-"""Phases a rank spends on its own work. Not step_s (the collectives make it the same on every
-rank) nor grad_sync_s (long there means waiting FOR a straggler, the victim's side)."""
-
-
-@dataclass
-class StragglerWatch:
-    factor: float
-    windows: int
-    _streak: dict[tuple[int, str], int] = field(default_factory=dict)
-
-    def check(self, ranks: list[dict[str, float]]) -> list[dict[str, Any]]:
-        """Stragglers that just reached ``windows`` consecutive slow windows: [{rank, ratio, phase}]."""
-        found = []
-        step_s = statistics.median(r["step_s"] for r in ranks)
-        for phase in WATCHED:
-            for entry in ranks:
-                peers = [r[phase] for r in ranks if r["rank"] != entry["rank"]]
-                median = statistics.median(peers) if peers else entry[phase]
-                ratio = _ratio(entry[phase], median)
-                key = (entry["rank"], phase)
-                # Slow by the factor AND by a share of the step that matters (2 ms against 1 ms of
-                # data wait is a ratio of 2, and nothing anyone should act on).
-                slow = ratio >= self.factor and entry[phase] - median >= MIN_STEP_SHARE * step_s
-                self._streak[key] = self._streak.get(key, 0) + 1 if slow else 0
-                if slow and self._streak[key] == self.windows:
-                    found.append({"rank": entry["rank"], "ratio": round(ratio, 3), "phase": phase})
-        return found
-
-
-MIN_PHASE_S = 1e-3
-"""Below a millisecond a phase is noise: ratios of such times flag nobody."""
-MIN_STEP_SHARE = 0.05
-"""A straggler's excess over its peers' median is at least this share of the step time."""
-
-
-def _ratio(value: float, median: float) -> float:
-    if value < MIN_PHASE_S:
-        return 1.0
-    return value / max(median, MIN_PHASE_S)
+    rows = [r.tolist() for r in gathered]
+    first = min(r[-1] for r in rows)
+    out = []
+    for rank, values in enumerate(rows):
+        entry: dict[str, Any] = {"rank": rank, **{p: round(v, 6) for p, v in zip(PHASES, values, strict=False)}}
+        typical = values[len(PHASES) : len(PHASES) + len(TYPICAL)]
+        entry.update({f"{p}_p50": round(v, 6) for p, v in zip(TYPICAL, typical, strict=True)})
+        if held_s is not None:
+            entry["stalled_s"] = round(values[len(PHASES) + len(TYPICAL)], 6)
+            entry["late_s"] = round(values[-1] - first, 6)
+        out.append(entry)
+    return out
 
 
 class StartupClock:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from resilient.dist import agree, free_port
 from resilient.errors import ConfigError
+from resilient.recovery.ownership import claim_run_dir, job_identity
 from resilient.recovery.ram.tier import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
 from resilient.storage.shared import check_shared_root
@@ -185,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
         group_id()
+        # Every rank checks (the same outcome on each), rank 0 keeps the record's heartbeat fresh.
+        claim = claim_run_dir(config.run.dir, job_identity(), write=rank == 0)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         dist.destroy_process_group()
+        claim.close()
     return 0
 
 

@@ -11,8 +11,8 @@ holds the two ends that speak it: ``ReplicationServer`` (stores into and serves 
 ``missing`` | ``error``.
 
 No bounce buffers: a put's payload is sent from the caller's memory (e.g. the mapped snapshot slot),
-MACed chunk by chunk as it goes out; a handler with ``reserve_put`` has it received straight into its
-own memory (e.g. a buddy store slot), MACed chunk by chunk as it lands, and ``get(key, into=...)``
+encrypted chunk by chunk as it goes out; a handler with ``reserve_put`` has it decrypted straight into
+its own memory (e.g. a buddy store slot), chunk by chunk as it lands, and ``get(key, into=...)``
 does the same for the client (into one buffer, or scattered over several: the training tensors).
 The wire MAC covers every payload byte, so nothing here re-checksums.
 
@@ -20,7 +20,9 @@ A protocol violation closes the connection and its reason goes to
 ``ReplicationServer.rejected``; a handler exception becomes an ``error`` reply and the connection
 stays up.
 
-Timeouts: the handshake must finish within ``timeout_s``; after it, every read or write of a message
+Timeouts: the handshake must finish within ``HANDSHAKE_S`` (or ``timeout_s`` if shorter), and at
+most ``MAX_UNAUTHENTICATED`` connections may be in it at once (more are closed at once); a failed
+accept (no descriptor left) is retried, never the end of the server; after it, every read or write of a message
 must make progress within ``timeout_s`` (a per-progress bound, so a throttled multi-GB copy is fine but
 a peer that stalls mid-message is dropped). An authenticated connection may sit idle between requests
 (the buddy pushes one snapshot every few steps); ``close()`` ends it.
@@ -60,6 +62,12 @@ log = logging.getLogger(__name__)
 
 _MAX_KEY_CHARS = 4096
 _POLL_S = 0.25  # how often idle waits look at the closing flag
+MAX_UNAUTHENTICATED = 16
+"""Connections that have not finished the handshake, at most: more are closed at once, so that
+idle strangers cannot take every file descriptor (nor thread) of the process."""
+HANDSHAKE_S = 5.0
+"""The handshake's deadline (a peer of the job answers in milliseconds), shorter than ``timeout_s``."""
+_ACCEPT_BACKOFF_S = (0.01, 1.0)
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -129,6 +137,8 @@ class ReplicationServer:
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._connections: dict[threading.Thread, socket.socket] = {}
+        self._unauthenticated = 0
+        self.handshake_s = min(HANDSHAKE_S, timeout_s)
         self._errors: list[BaseException] = []
 
     def __repr__(self) -> str:
@@ -180,17 +190,33 @@ class ReplicationServer:
             raise ChannelError(f"replication server {self.address} hit an internal error") from self._errors[0]
 
     def _accept_loop(self) -> None:
+        """Accept until ``close``. An accept that fails (no file descriptor left, a connection reset
+        before it was taken) is transient: wait a little, longer each time, and go on, so that the
+        buddy copies and heals of this process never stop for good."""
         assert self._listener is not None
+        backoff = _ACCEPT_BACKOFF_S[0]
         while not self._closing.is_set():
             try:
                 sock, peer_address = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError as e:
-                if not self._closing.is_set():
-                    self._record_error(e)
-                return
+                if self._closing.is_set():
+                    return
+                log.warning("[channel %s:%d] accept failed (%s): retrying in %.2f s", *self.address, e, backoff)
+                self._closing.wait(backoff)
+                backoff = min(backoff * 2, _ACCEPT_BACKOFF_S[1])
+                continue
+            backoff = _ACCEPT_BACKOFF_S[0]
             peer = f"{peer_address[0]}:{peer_address[1]}"
+            with self._lock:
+                crowded = self._unauthenticated >= MAX_UNAUTHENTICATED
+                if not crowded:
+                    self._unauthenticated += 1
+            if crowded:
+                sock.close()
+                self._refuse(peer, f"{MAX_UNAUTHENTICATED} connections are already in their handshake: closed")
+                continue
             thread = threading.Thread(
                 target=self._serve_connection, args=(sock, peer), name=f"resilient-channel-{peer}", daemon=True
             )
@@ -200,10 +226,13 @@ class ReplicationServer:
 
     def _serve_connection(self, sock: socket.socket, peer: str) -> None:
         lower_thread_priority(self._thread_nice)
+        pending = [True]  # counted among the unauthenticated until the handshake ends
         try:
-            sock.settimeout(self.timeout_s)
+            sock.settimeout(self.handshake_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session, rank = server_handshake(sock, self._secret, self.max_message_bytes, self.timeout_s)
+            session, rank = server_handshake(sock, self._secret, self.max_message_bytes, self.handshake_s)
+            self._authenticated(pending)
+            sock.settimeout(self.timeout_s)
             peer = f"{peer} (rank {rank})"
             log.debug("[channel %s:%d] %s connected", *self.address, peer)
             self._serve_requests(session, rank)
@@ -213,9 +242,17 @@ class ReplicationServer:
         except Exception as e:  # a bug here must not vanish with the daemon thread: close() re-raises it
             self._record_error(e)
         finally:
+            self._authenticated(pending)
             sock.close()
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
+
+    def _authenticated(self, pending: list[bool]) -> None:
+        """The connection left its handshake (done or failed): one fewer unauthenticated."""
+        if pending[0]:
+            pending[0] = False
+            with self._lock:
+                self._unauthenticated -= 1
 
     def _serve_requests(self, session: Session, rank: int) -> None:
         while self._wait_for_request(session.sock):

@@ -180,7 +180,7 @@ class _Decision:
     def ineligible(self, index: SnapshotIndex) -> str | None:
         """Why ``index`` may not restore now whatever its contents: another run or timeline, or a
         step after the one asked for (None: it may)."""
-        reason = self.tier.timeline.why_not(index.run_id, index.timeline)
+        reason = self.tier.timeline.why_not(index.run_id, index.timeline, index.step)
         if reason is None and self.newest is not None and index.step > self.newest:
             reason = f"newer than the step asked for (checkpoint.load_step={self.newest})"
         return reason

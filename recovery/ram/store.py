@@ -2,8 +2,8 @@
 
 Paths (the contract tools and ``resilient-chaos`` rely on)::
 
-    <store_dir>/group<G>/node<N>/           simulated node N of replica group G (one machine)
-    <store_dir>/group<G>/node-<identity>/    the real node of that identity (``ram.node_id``)
+    <store>/group<G>/node<N>/               simulated node N of replica group G (one machine)
+    <store>/group<G>/node-<identity>/        the real node of that identity (``ram.node_id``)
         own/rank<R>/step-<S>.json            index of rank R's snapshot of step S (visible = complete)
         own/rank<R>/slot<K>.bin              the bytes, in a reused slot file
         buddy/rank<R>/...                    copies this node keeps for rank R of its buddy node
@@ -14,9 +14,10 @@ mesh, so its shard); after a renumbering, a directory may hold a rank that now r
 every index records the rank, node identity and local rank it was taken on, so the restore finds a
 rank's snapshot by what it is, not by where it lies (``ram.restore``).
 
-``store_dir`` (``recovery.store_dir``) defaults to ``/dev/shm/resilient/<key>``, key a hash of the
-absolute run.dir, so a restarted worker of the same run finds it and two runs on one machine never
-share it. The path is only a place: which snapshots may restore is decided by the run identity and
+The store is ``<store_dir>/<key>``, ``store_dir`` being ``recovery.store_dir`` or ``/dev/shm/resilient``
+and key a hash of the absolute run.dir, so a restarted worker of the same run finds it and two runs
+on one machine never share it; the job's ranks hold it (``recovery.ownership``) while they run.
+The path is only a place: which snapshots may restore is decided by the run identity and
 timeline every index carries (``ram.timeline``), so a new run in an old place never resumes the old
 run's snapshots, and retention drops those first.
 
@@ -58,8 +59,9 @@ from torch.distributed.tensor import DTensor
 from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
 from resilient.recovery.config import RamTierConfig
+from resilient.recovery.ownership import held
 from resilient.recovery.ram.node_id import sanitize
-from resilient.recovery.ram.timeline import incarnation_of
+from resilient.recovery.ram.timeline import Timeline, incarnation_of
 from resilient.state import Leaf, held_elsewhere
 
 log = logging.getLogger(__name__)
@@ -249,10 +251,10 @@ class _Slot:
 class RankStore:
     """The snapshots of one rank in one directory, newest ``keep`` visible."""
 
-    def __init__(self, directory: str, keep: int, current: Callable[[], tuple[str, str]] | None = None) -> None:
+    def __init__(self, directory: str, keep: int, current: Callable[[], Timeline] | None = None) -> None:
         self.directory, self.keep = directory, keep
         self.current = current
-        """The ``(run_id, timeline)`` the run's record names now (the tier's ``timeline``); None: unknown."""
+        """The timeline the run's record names now (the tier's ``timeline``); None: unknown."""
         self._slots: dict[str, _Slot] = {}
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -310,6 +312,16 @@ class RankStore:
             self._leases[name] = self._leases.get(name, 0) + 1
         return name, self._slot(name, nbytes).data
 
+    def warm(self, nbytes: int, count: int) -> None:
+        """Create and map the missing slots 0..``count``-1 of ``nbytes`` (background thread): else
+        ``reserve`` makes one (fallocated, faulted in) on the training thread when it needs it."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name in (f"slot{k}.bin" for k in range(count)):
+            with self._lock:
+                ready = name in self._slots and self._slots[name].nbytes == nbytes
+            if not ready:
+                self._slot(name, nbytes)
+
     def publish(self, index: SnapshotIndex) -> None:
         """Make ``index`` visible (atomic rename), then drop the snapshots known abandoned and
         ``index``'s timeline's beyond ``keep``."""
@@ -327,26 +339,35 @@ class RankStore:
     def _evict(self, keep: int, published: tuple[str, str]) -> None:
         # A snapshot known abandoned can never restore again: it goes first, whatever its step
         # (ranking by step alone let an old run's step 40 evict a new run's step 2 on every publish).
-        # Known abandoned: another run's, or one of an older incarnation than the current timeline,
-        # or, when what was published is of the timeline the run's record names now, any other
-        # (records only move forward). Never a newer timeline's: a late publish tagged with an older
-        # one (a snapshot or copy in flight across a restore) must not wipe the current snapshots.
-        current = self.current() if self.current is not None else published
-        recorded = self.current is not None and published == current
+        # Known abandoned: another run's, or one of an older incarnation than the current timeline
+        # that is not an eligible ancestor's, or, when what was published is of the timeline the
+        # run's record names now, any other not eligible (records only move forward). Never a newer
+        # timeline's: a late publish tagged with an older one (a snapshot or copy in flight across a
+        # restore) must not wipe the current snapshots. ``keep`` counts the snapshots of what was
+        # published and, when that is the current timeline, its eligible ancestors' with it.
+        current = self.current() if self.current is not None else Timeline(published[0], 0, published[1])
+        recorded = self.current is not None and published == (current.run_id, current.timeline)
         indexes = self.indexes()
-        abandoned = [s for s, i in indexes.items() if _abandoned((i.run_id, i.timeline), current, recorded=recorded)]
+        abandoned = [s for s, i in indexes.items() if _abandoned(i, current, recorded=recorded)]
         for step in abandoned:
             self.remove(step)
-        steps = sorted(s for s, i in indexes.items() if (i.run_id, i.timeline) == published and s not in abandoned)
+
+        def counted(index: SnapshotIndex) -> bool:
+            if (index.run_id, index.timeline) == published:
+                return True
+            return recorded and current.eligible(index.run_id, index.timeline, index.step)
+
+        steps = sorted(s for s, i in indexes.items() if counted(i) and s not in abandoned)
         for step in steps[: max(0, len(steps) - keep)]:
             self.remove(step)
 
-    def drop_abandoned(self, current: tuple[str, str]) -> None:
-        """Remove every snapshot not of ``current``, the timeline the run's record names now (known
-        abandoned, as ``_evict`` decides after a publish of it), then the slots they used. For a
-        store nothing publishes into any more (``RamTier.left_here``), which ``_evict`` never visits."""
+    def drop_abandoned(self, current: Timeline) -> None:
+        """Remove every snapshot ``current`` (the timeline the run's record names now) does not
+        keep eligible (known abandoned, as ``_evict`` decides after a publish of it), then the
+        slots they used. For a store nothing publishes into any more (``RamTier.left_here``), which
+        ``_evict`` never visits."""
         for step, index in self.indexes().items():
-            if _abandoned((index.run_id, index.timeline), current, recorded=True):
+            if _abandoned(index, current, recorded=True):
                 self.remove(step)
         self.drop_spare_slots()
 
@@ -376,20 +397,23 @@ class RankStore:
             return 0
 
     def _slot(self, name: str, nbytes: int) -> _Slot:
-        slot = self._slots.get(name)
+        with self._lock:
+            slot = self._slots.get(name)
         if slot is None or slot.nbytes != nbytes:
-            slot = self._slots[name] = _Slot(os.path.join(self.directory, name), nbytes)
+            slot = _Slot(os.path.join(self.directory, name), nbytes)
+            with self._lock:
+                self._slots[name] = slot
         return slot
 
 
-def _abandoned(tags: tuple[str, str], current: tuple[str, str], *, recorded: bool) -> bool:
-    """Whether a snapshot tagged ``tags`` is known never to restore again (see ``RankStore._evict``;
+def _abandoned(index: SnapshotIndex, current: Timeline, *, recorded: bool) -> bool:
+    """Whether ``index``'s snapshot is known never to restore again (see ``RankStore._evict``;
     ``recorded``: ``current`` is the timeline the run's record names now)."""
-    if tags == current:
+    if current.eligible(index.run_id, index.timeline, index.step):
         return False
-    if tags[0] != current[0] or recorded:
+    if index.run_id != current.run_id or recorded:
         return True
-    mine, theirs = incarnation_of(current[1]), incarnation_of(tags[1])
+    mine, theirs = incarnation_of(current.timeline), incarnation_of(index.timeline)
     return mine is not None and theirs is not None and theirs < mine
 
 
@@ -406,7 +430,7 @@ def check_private_dir(path: str) -> None:
 
 
 def mark_store(root: str) -> None:
-    """Create (or touch) ``<root>/store.json``: marks a directory this code owns and when it was last used."""
+    """Create (or touch) ``<root>/store.json``: a directory this code owns, and when it was last used."""
     os.makedirs(root, mode=0o700, exist_ok=True)
     path = os.path.join(root, STORE_MARKER)
     if os.path.exists(path):
@@ -434,7 +458,7 @@ def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> lis
             age = time.time() - os.stat(marker).st_mtime
         except FileNotFoundError:
             continue  # not ours: never touched
-        if age > stale_after_s:
+        if age > stale_after_s and not held(entry.path):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
             log.info("removed the RAM store of a dead run: %s (unused for %.0f s)", entry.path, age)
@@ -451,10 +475,10 @@ def run_dir_key(run_dir: str) -> str:
 
 
 def store_root(config: RamTierConfig, run_dir: str) -> str:
-    """``<store_dir>``: the configured one, else ``/dev/shm/resilient/<run-dir-key>``."""
-    if config.store_dir:
-        return os.path.abspath(config.store_dir)
-    return os.path.join(DEFAULT_STORE_ROOT, run_dir_key(run_dir))
+    """``<store_dir>/<run-dir-key>``, ``store_dir`` the configured one or ``/dev/shm/resilient``:
+    keyed by run under any ``store_dir``, so two runs configured with one never share a store."""
+    parent = os.path.abspath(config.store_dir) if config.store_dir else DEFAULT_STORE_ROOT
+    return os.path.join(parent, run_dir_key(run_dir))
 
 
 def node_store_dir(config: RamTierConfig, run_dir: str, group: int, node: int | str) -> str:

@@ -32,6 +32,7 @@ from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
 from resilient.recovery.config import RamTierConfig
+from resilient.recovery.ownership import StoreInUse, StoreLock, hold_store, job_identity
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
 from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
@@ -39,7 +40,6 @@ from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import RamRestore, restore_from_ram
 from resilient.recovery.ram.store import (
-    DEFAULT_STORE_ROOT,
     RankStore,
     SnapshotIndex,
     check_private_dir,
@@ -55,6 +55,7 @@ from resilient.recovery.ram.store import (
     tensor_view,
 )
 from resilient.recovery.ram.timeline import UNTRACKED, Timeline
+from resilient.runfiles import TIMELINE_FILE, read_json, write_json
 from resilient.state import flatten_state
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,32 @@ class RamTier:
         self._pruned = False
         # Simulated nodes until ``start`` learns every rank's machine (``_place``).
         self._place(Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains)))
+        self._lock: StoreLock | None = None
         self._server: ReplicationServer | None = None
         self._client: ReplicationClient | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.timeline: Timeline = UNTRACKED
+        self._timeline: Timeline = UNTRACKED
+
+    @property
+    def timeline(self) -> Timeline:
         """Set by the restore policy before the decision (what may restore) and after it (what new
         snapshots are tagged with)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: Timeline) -> None:
+        self._timeline = value
+        if value.run_id and value.timeline:
+            # Kept next to the data it governs, on every node: a restore needs neither the run
+            # directory (lost with a pod) nor storage to know which snapshots may restore.
+            with contextlib.suppress(OSError):
+                write_json(os.path.join(self.node_dir, TIMELINE_FILE), value.to_json())
+
+    def node_record(self) -> dict[str, Any] | None:
+        """The timeline this node's store last recorded (``timeline``), for the restore policy."""
+        return read_json(os.path.join(self.node_dir, TIMELINE_FILE))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -159,6 +178,8 @@ class RamTier:
         except Exception:
             if self._server is not None:
                 self._server.close()
+            if self._lock is not None:
+                self._lock.close()
             raise
         buddy = self.pairing.buddy_of(self.rank)
         if buddy is not None and self.config.replication:
@@ -184,6 +205,8 @@ class RamTier:
                 thread_nice=self.config.background_nice,
             )
             self._server.start()
+        except StoreInUse:
+            raise  # another run holds this store: its own line names it
         except Exception as e:
             hint = "set recovery.store_dir to a writable local directory, or checkpoint.memory_every=0"
             raise StorageError(
@@ -192,14 +215,12 @@ class RamTier:
         return list(self._server.address)
 
     def _open_store(self) -> None:
-        check_private_dir(os.path.dirname(self.root) if self._default_root else self.root)
+        check_private_dir(os.path.dirname(self.root))
+        # Held for the tier's life: another job's ranks on this store are refused (``ownership``).
+        self._lock = hold_store(self.root, job_identity(), self.run_dir)
         mark_store(self.root)
-        if self.rank == 0 and self._default_root:
-            clean_stale_stores(DEFAULT_STORE_ROOT, self.root, self.config.stale_after_s)
-
-    @property
-    def _default_root(self) -> bool:
-        return os.path.dirname(self.root) == DEFAULT_STORE_ROOT
+        if self.rank == 0:
+            clean_stale_stores(os.path.dirname(self.root), self.root, self.config.stale_after_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the snapshot in flight (published and replicated), stop the channel; bounded."""
@@ -218,6 +239,9 @@ class RamTier:
             self._client.close()
         if self._server is not None:
             self._server.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def buddy_store(self, rank: int) -> RankStore:
         with self._stores_lock:  # server threads and the restore path share one store per rank
@@ -261,9 +285,9 @@ class RamTier:
             for store in self.copies_of(rank):
                 store.drop_abandoned(current)
 
-    def _current(self) -> tuple[str, str]:
+    def _current(self) -> Timeline:
         """What the stores evict against: this run's timeline now (a publish of another one is late)."""
-        return self.timeline.run_id, self.timeline.timeline
+        return self.timeline
 
     def connect_to(self, rank: int) -> ReplicationClient:
         """A new channel client to ``rank``'s server (the restore fetches its buddy copy with it)."""
@@ -384,7 +408,8 @@ class RamTier:
             entry.crc32c = checksum(data, entry)
         self.own.publish(index)
         mark_store(self.root)
-        if not self._pruned and (index.run_id, index.timeline) == self._current():
+        current = self._current()
+        if not self._pruned and (index.run_id, index.timeline) == (current.run_id, current.timeline):
             self._pruned = True
             self._drop_abandoned_left_here()
         record = {
@@ -401,6 +426,18 @@ class RamTier:
         finally:
             self.own.release(index.slot)
             self.stats.write(record)
+        self._warm_slots(index.nbytes)
+
+    def _warm_slots(self, nbytes: int) -> None:
+        """Have every slot the store can need ready (``keep`` visible, one in replication, one for
+        the next copy), made here rather than on the training thread; within the store budget."""
+        limit, count = self.config.max_store_bytes, self.keep + 2
+        if limit and self.own.bytes_used() + nbytes > limit:
+            return
+        try:
+            self.own.warm(nbytes, count)
+        except OSError as e:  # a full tmpfs: the copy that needs the slot reports it
+            log.warning("[rank %d] cannot prepare RAM snapshot slots ahead: %s", self.rank, e)
 
     def _replicate(self, index: SnapshotIndex, data: torch.Tensor) -> dict[str, Any]:
         buddy = self.pairing.buddy_of(self.rank)

@@ -1,7 +1,7 @@
 """Which RAM snapshots belong to the state being restored: the run's identity and its timeline.
 
 A snapshot in a node store is only as good as the history it came from. Two things make one wrong
-for a restart although its step number looks right (issue 13):
+for a restart although its step number looks right:
 
 - another run: the run directory was deleted or ``checkpoint.url`` points elsewhere, and the node
   store (its path a hash of run.dir, or a configured ``recovery.store_dir``) still holds the old
@@ -17,14 +17,27 @@ eligible:
 ``run_id``     random, minted once per checkpoint root as ``<root>/run.json`` (created if absent
                through the storage objects API: atomic on every backend, the first creator wins).
                The checkpoints and the RAM snapshots of one run share it; a new root is a new run.
-``timeline``   ``"<incarnation>-<random>"``, a new one after every restore that does not come
-               from RAM; ``incarnation`` counts them within a run (0: its first).
+``timeline``   ``"<incarnation>-<random>"``, a new one after every restore; ``incarnation``
+               counts them within a run (0: its first).
+
+Every restore branches: the new timeline names its ``parent`` and the ``branch_step`` it began at.
+A restore that does not come from RAM keeps nothing of its parent eligible (it rewound the run or
+joined another group's history). A RAM restore to step S keeps its parent's snapshots at or before
+S eligible (they are the history the new branch grew from), never one after S: a node that was
+absent during the restore still holds the parent's steps after S, and when it comes back its ranks
+must not restore them next to the other ranks' snapshots of the same step numbers retrained on the
+new branch (two trajectories, every crc passing). ``ancestors`` lists each eligible ancestor with
+the newest step of it that may restore (the smallest branch step on the way down to the current
+timeline).
 
 The current timeline is recorded in ``<run.dir>/group<G>/timeline.json`` (path from ``runfiles``),
-one per replica group, written by the group's rank 0 before the group trains on it. Why there and
-not in the checkpoint root: the RAM tier must restore while storage is unreachable (its reason to
+one per replica group, written by the group's rank 0 before the group trains on it, and a copy in
+every node's RAM store (``RamTier.timeline``: each rank writes the agreed timeline next to its
+snapshots), so that a run directory lost with a pod (Kubernetes) does not make every snapshot
+ineligible: the newest node copy of this root stands in for it (``current``). Why not in the
+checkpoint root: the RAM tier must restore while storage is unreachable (its reason to
 exist), and each replica group has its own stores and rewinds on its own (a per-group object in
-the root would be one more storage write on every restart). Losing the file is safe: with no
+the root would be one more storage write on every restart). Losing every copy is safe: with no
 record of this run nothing in RAM is eligible, and the next timeline's random part is new, so a
 deleted run dir can never bring an abandoned timeline back (a bare counter restarting at 0 could).
 The record names its checkpoint root: with storage unreachable it is trusted for that root only.
@@ -36,6 +49,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -62,31 +76,60 @@ class Timeline:
     load_step: int | None = None
     """The ``checkpoint.load_step`` in force when this timeline began: a restart with the same
     value goes on in this history instead of rewinding to that step again."""
+    parent: str = ""
+    """The timeline this one branched from ("" for the run's first)."""
+    branch_step: int | None = None
+    """The step this timeline began at (the restored step; None for the run's first)."""
+    ancestors: tuple[tuple[str, int], ...] = ()
+    """``(timeline, newest eligible step)`` of each ancestor whose snapshots may still restore,
+    nearest first (only along RAM restores; a restore not from RAM starts with none)."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        body["ancestors"] = [list(a) for a in self.ancestors]
+        return body
 
     @classmethod
     def from_json(cls, raw: Any) -> Timeline | None:
         """The timeline ``raw`` describes; None for anything else (a damaged record is no record)."""
         if not isinstance(raw, dict):
             return None
-        fields = {k: raw.get(k) for k in ("run_id", "incarnation", "timeline", "root", "load_step")}
-        if not all(isinstance(fields[k], str) for k in ("run_id", "timeline", "root")):
+        names = ("run_id", "incarnation", "timeline", "root", "load_step", "parent", "branch_step")
+        fields = {k: raw.get(k) for k in names}
+        fields["parent"] = fields["parent"] or ""
+        if not all(isinstance(fields[k], str) for k in ("run_id", "timeline", "root", "parent")):
             return None
-        if not all(_is_int(fields[k]) for k in ("incarnation", "load_step") if fields[k] is not None):
+        if not all(_is_int(fields[k]) for k in ("incarnation", "load_step", "branch_step") if fields[k] is not None):
             return None
-        return cls(**fields) if fields["incarnation"] is not None else None
+        ancestors = raw.get("ancestors") or []
+        if not isinstance(ancestors, list) or not all(
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and _is_int(a[1]) for a in ancestors
+        ):
+            return None
+        if fields["incarnation"] is None:
+            return None
+        return cls(**fields, ancestors=tuple((a[0], a[1]) for a in ancestors))
 
-    def why_not(self, run_id: str, timeline: str) -> str | None:
-        """Why a snapshot tagged ``(run_id, timeline)`` may not restore now (None: it may)."""
+    def why_not(self, run_id: str, timeline: str, step: int) -> str | None:
+        """Why a snapshot of ``step`` tagged ``(run_id, timeline)`` may not restore now (None: it may)."""
         if run_id != self.run_id:
             return f"taken by run {run_id or '(none)'!r}, not by run {self.run_id!r} of the checkpoint root"
         if not self.timeline:
             return f"no current timeline of run {self.run_id!r} is recorded in the run directory"
-        if timeline != self.timeline:
+        if timeline == self.timeline:
+            return None
+        newest = dict(self.ancestors).get(timeline)
+        if newest is None:
             return f"timeline {timeline!r} was abandoned: a restore not from RAM or a load_step began {self.timeline!r}"
+        if step > newest:
+            return (
+                f"step {step} of timeline {timeline!r} comes after step {newest}, where the current "
+                f"timeline {self.timeline!r} branched off it"
+            )
         return None
+
+    def eligible(self, run_id: str, timeline: str, step: int) -> bool:
+        return self.why_not(run_id, timeline, step) is None
 
 
 def _is_int(value: Any) -> bool:
@@ -127,10 +170,12 @@ def root_run_id(store: ObjectStore) -> str:
     return run_id
 
 
-def current(store: ObjectStore, run_dir: str, group: int) -> Timeline:
-    """Rank 0's side: the timeline whose snapshots may restore now (``timeline == ""``: none may)."""
-    record = read_record(run_dir, group)
+def current(store: ObjectStore, run_dir: str, group: int, records: Sequence[Any] = ()) -> Timeline:
+    """Rank 0's side: the timeline whose snapshots may restore now (``timeline == ""``: none may).
+    ``records``: what every rank's node store recorded (``RamTier.node_record``); the newest of this
+    root stands in for the run directory's record when that is gone (a pod restarted with it)."""
     url = store.location.url
+    record = read_record(run_dir, group) or newest(records, url)
     try:
         run_id = root_run_id(store)
     except StorageError:
@@ -143,22 +188,83 @@ def current(store: ObjectStore, run_dir: str, group: int) -> Timeline:
     return Timeline(run_id=run_id, incarnation=0, timeline="", root=url)
 
 
-def start(store: ObjectStore, run_dir: str, group: int, load_step: int | None = None) -> Timeline:
-    """Rank 0's side: begin a new timeline of the root's run, recorded before it is returned."""
+def newest(records: Sequence[Any], root: str) -> Timeline | None:
+    """The newest (highest incarnation) of ``records`` naming ``root``; None when none does."""
+    found = [t for t in map(Timeline.from_json, records) if t is not None and t.root == root and t.timeline]
+    return max(found, key=lambda t: t.incarnation, default=None)
+
+
+def start(
+    store: ObjectStore, run_dir: str, group: int, load_step: int | None = None, *, step: int | None = None
+) -> Timeline:
+    """Rank 0's side: begin a new timeline of the root's run at ``step`` (the step restored, not
+    from RAM), recorded before it is returned; nothing of its parent stays eligible."""
     run_id = root_run_id(store)
     previous = read_record(run_dir, group)
     incarnation = previous.incarnation + 1 if previous is not None and previous.run_id == run_id else 0
-    return _begin(run_dir, group, run_id, incarnation, store.location.url, load_step)
+    return _begin(run_dir, group, run_id, incarnation, store.location.url, load_step, parent=previous, branch_step=step)
 
 
-def _begin(run_dir: str, group: int, run_id: str, incarnation: int, root: str, load_step: int | None) -> Timeline:
-    timeline = Timeline(run_id, incarnation, f"{incarnation}-{secrets.token_hex(4)}", root, load_step)
+def _begin(
+    run_dir: str,
+    group: int,
+    run_id: str,
+    incarnation: int,
+    root: str,
+    load_step: int | None,
+    *,
+    parent: Timeline | None = None,
+    branch_step: int | None = None,
+    ancestors: tuple[tuple[str, int], ...] = (),
+) -> Timeline:
+    timeline = Timeline(
+        run_id,
+        incarnation,
+        f"{incarnation}-{secrets.token_hex(4)}",
+        root,
+        load_step,
+        parent=parent.timeline if parent is not None and parent.run_id == run_id else "",
+        branch_step=branch_step,
+        ancestors=ancestors,
+    )
     write_json(record_path(run_dir, group), timeline.to_json())
     return timeline
 
 
+MAX_ANCESTORS = 32
+"""Eligible ancestors kept in a record: a snapshot of an older one has long been evicted (a store
+keeps a few steps), and the record must not grow with every restart of a long run."""
+
+
+def branch(store: ObjectStore, run_dir: str, group: int, *, parent: Timeline, step: int) -> Timeline:
+    """Rank 0's side after a RAM restore of ``step`` in ``parent``: a child timeline, recorded
+    before it is returned, in which ``parent``'s snapshots at or before ``step`` stay eligible (and
+    its ancestors' up to the smaller of their bound and ``step``). Needs no storage (``store`` is
+    unused: the RAM tier restores while storage is unreachable)."""
+    del store
+    inherited = [(name, min(newest, step)) for name, newest in parent.ancestors]
+    ancestors = ((parent.timeline, step), *inherited)[:MAX_ANCESTORS] if parent.timeline else ()
+    return _begin(
+        run_dir,
+        group,
+        parent.run_id,
+        parent.incarnation + 1,
+        parent.root,
+        parent.load_step,
+        parent=parent,
+        branch_step=step,
+        ancestors=ancestors,
+    )
+
+
 def healed(
-    store: ObjectStore, run_dir: str, group: int, load_step: int | None = None, *, storage: bool = True
+    store: ObjectStore,
+    run_dir: str,
+    group: int,
+    load_step: int | None = None,
+    *,
+    storage: bool = True,
+    step: int | None = None,
 ) -> Timeline:
     """Rank 0's side after a heal from a live replica group: a new timeline, recorded.
 
@@ -175,10 +281,11 @@ def healed(
     record = read_record(run_dir, group)
     url = store.location.url
     if record is not None and record.root == url:
-        return _begin(run_dir, group, record.run_id, record.incarnation + 1, url, load_step)
+        incarnation = record.incarnation + 1
+        return _begin(run_dir, group, record.run_id, incarnation, url, load_step, parent=record, branch_step=step)
     if storage:
         try:
-            return start(store, run_dir, group, load_step)
+            return start(store, run_dir, group, load_step, step=step)
         except (StorageError, IntegrityError) as e:  # unreachable, or a damaged run.json
             log.warning("after the heal: %s; RAM snapshots of this group cannot restore until its next restore", e)
     return Timeline(run_id="", incarnation=0, timeline="", root=url)

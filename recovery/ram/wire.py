@@ -1,34 +1,35 @@
-"""The replication channel's wire format: framing, message MACs and the mutual handshake.
+"""The replication channel's wire format: framing, message encryption (AES-GCM) and the mutual handshake.
 
-Protocol, version 2 (integers big-endian, ``|`` is concatenation, ``sn``/``cn`` are 32-byte nonces)::
+Protocol, version 3 (integers big-endian, ``|`` is concatenation, ``sn``/``cn`` are 32-byte nonces)::
 
     S -> C  MAGIC(8) | sn
-    C -> S  rank(i64) | cn | HMAC(secret, "resilient/channel/v2/client" | sn | cn | rank)
-    S -> C  max_message_bytes(u64) | HMAC(secret, "resilient/channel/v2/server" | sn | cn | rank | max)
+    C -> S  rank(i64) | cn | HMAC(secret, "resilient/channel/v3/client" | sn | cn | rank)
+    S -> C  max_message_bytes(u64) | HMAC(secret, "resilient/channel/v3/server" | sn | cn | rank | max)
     then messages both ways:
-            prefix | header | head_tag(16) | payload | tag(16)
+            prefix | E(header) | head_tag(16) | E(payload) | tag(16)
             prefix   = header_len(u32) | payload_len(u64); header = JSON {"op","key","meta"}
-            head_tag = GMAC(K, nonce(direction, 2 seq),     prefix | header)
-            tag      = GMAC(K, nonce(direction, 2 seq + 1), prefix | header | payload)
-            K        = HMAC(secret, "resilient/channel/v2/session" | sn | cn | rank)   (AES-256 key)
+            E(header), head_tag = AES-GCM(K, nonce(direction, 2 seq),     aad=prefix,          header)
+            E(payload), tag     = AES-GCM(K, nonce(direction, 2 seq + 1), aad=prefix | header, payload)
+            K        = HMAC(secret, "resilient/channel/v3/session" | sn | cn | rank)   (AES-256 key)
             nonce(d, n) = d(4) | n(u64)   (the 96-bit GCM IV)
 
 - Both sides pick a fresh nonce, so neither proof can be replayed; distinct domain tags stop a proof
   being reflected back. A bad client proof makes the server close without answering; the client
   checks the server's proof before it sends any data, so it never hands a snapshot to an impostor.
-- Messages are authenticated, not encrypted (a snapshot's confidentiality is the network's job, as
-  for the training collectives). GMAC is AES-GCM with only associated data (NIST SP 800-38D): with
-  AES-NI and carry-less multiply it runs at 10-16 GB/s per core here, faster than memcpy and ~10x
-  HMAC-SHA256 (``benchmarks/ram_bench.py`` prints the ``ram_mac`` line; Poly1305 keyed per frame was
-  ~10 GB/s, so it lost). GMAC must never reuse an IV under one key: K is fresh per connection and
+- Messages are authenticated and encrypted (AES-256-GCM, NIST SP 800-38D, through ``cryptography``):
+  a stranger on the network can neither read nor change a snapshot, a heal or their headers (the
+  snapshot index carries the data cursor and RNG state). With AES-NI and carry-less multiply GCM
+  costs about the pass its authentication alone (GMAC) cost before (``benchmarks/ram_bench.py``:
+  the ``ram_mac`` lines). GCM must never reuse an IV under one key: K is fresh per connection and
   the IV is (direction, per-direction counter), so every IV is used once.
 - ``direction`` is ``c2s`` or ``s2c``; ``seq`` counts messages per direction from 0 and is NOT sent:
   the receiver uses the number it expects, so a replayed, dropped or reordered message fails its MAC,
   and the per-connection key K makes a message recorded on one connection worthless on another.
 - The receiver refuses ``header_len`` > 1 MiB or ``payload_len`` > ``max_message_bytes`` before reading
   them, and checks ``head_tag`` before it parses the header. Only then does it choose where the
-  payload lands (``destination``: e.g. straight into a store slot, no bounce buffer), and it MACs each
-  chunk as it arrives (still in cache). A destination may also be a ``Scatter``: views filled one
+  payload lands (``destination``: e.g. a store slot, no bounce buffer), and it decrypts each chunk
+  into its place as it arrives (received into a 1 MiB scratch buffer, still in cache). A
+  destination may also be a ``Scatter``: views filled one
   after another (a buddy's copy received straight into the training tensors), with a hook that sees
   each piece as it lands (to checksum it while in cache). The payload
   counts as the sender's only once ``tag`` verifies: a destination must not publish it before
@@ -52,14 +53,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.ciphers import AEADEncryptionContext, Cipher, algorithms, modes
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import (
+    AEADDecryptionContext,
+    AEADEncryptionContext,
+    Cipher,
+    algorithms,
+    modes,
+)
 
 from resilient.errors import ConfigError, StorageError
 
-MAGIC = b"RSLCHAN2"
+MAGIC = b"RSLCHAN3"
 _NONCE_BYTES = 32
 _MAC_BYTES = 32  # HMAC-SHA256 proofs in the handshake
-TAG_BYTES = 16  # GMAC tags on messages
+TAG_BYTES = 16  # GCM tags on messages
 _MIN_SECRET_BYTES = 16  # an HMAC key shorter than this is guessable; token_bytes(32) is the norm
 GREETING = struct.Struct(f">8s{_NONCE_BYTES}s")
 HELLO = struct.Struct(f">q{_NONCE_BYTES}s{_MAC_BYTES}s")
@@ -71,9 +79,9 @@ _MAX_HEADER_BYTES = 1 << 20
 _CHUNK_BYTES = 1 << 20  # sendall's timeout covers the whole call, so big payloads go out in chunks
 _THROTTLE_SLICE_S = 0.1  # a throttled chunk is ~0.1 s of traffic, so the receiver never waits long
 _MIN_THROTTLE_CHUNK = 4096
-_TAG_CLIENT = b"resilient/channel/v2/client"
-_TAG_SERVER = b"resilient/channel/v2/server"
-_TAG_SESSION = b"resilient/channel/v2/session"
+_TAG_CLIENT = b"resilient/channel/v3/client"
+_TAG_SERVER = b"resilient/channel/v3/server"
+_TAG_SESSION = b"resilient/channel/v3/session"
 _CLIENT_TO_SERVER = b"c2s\0"  # 4 bytes: with the u64 counter, the 12-byte GCM IV
 _SERVER_TO_CLIENT = b"s2c\0"
 EMPTY = memoryview(b"")
@@ -159,17 +167,16 @@ def _recv_struct(sock: socket.socket, layout: struct.Struct, what: str, deadline
 
 
 def _send_payload(
-    sock: socket.socket, payload: memoryview, bytes_per_s: float, mac: Callable[[memoryview], None]
+    sock: socket.socket, payload: memoryview, bytes_per_s: float, encrypt: Callable[[memoryview], memoryview]
 ) -> None:
-    """Send ``payload`` in chunks, MACing each just before it goes out (one pass over memory)."""
+    """Send ``payload`` in chunks, each encrypted just before it goes out (one pass over memory)."""
     chunk = _CHUNK_BYTES
     if bytes_per_s > 0:
         chunk = int(min(_CHUNK_BYTES, max(_MIN_THROTTLE_CHUNK, bytes_per_s * _THROTTLE_SLICE_S)))
     start = time.monotonic()
     for offset in range(0, payload.nbytes, chunk):
         piece = payload[offset : offset + chunk]
-        mac(piece)
-        sock.sendall(piece)
+        sock.sendall(encrypt(piece))
         if bytes_per_s > 0:
             # Sleep until the bytes sent so far fit the budget, so the average rate never exceeds it
             # and the training job's own traffic keeps its share of the NIC.
@@ -205,7 +212,7 @@ def _chunks(view: memoryview) -> list[memoryview]:
 
 
 class Session:
-    """One authenticated connection: its key and the two implicit sequence numbers."""
+    """One authenticated, encrypted connection: its key and the two implicit sequence numbers."""
 
     def __init__(self, sock: socket.socket, key: bytes, *, send_tag: bytes, recv_tag: bytes) -> None:
         self.sock = sock
@@ -216,43 +223,44 @@ class Session:
     def __repr__(self) -> str:  # never the key
         return f"Session(sent={self._send_seq}, received={self._recv_seq})"
 
-    def _mac(self, direction: bytes, counter: int, *parts: bytes | bytearray | memoryview) -> AEADEncryptionContext:
-        """A GMAC over ``parts`` so far: AES-GCM that encrypts nothing and authenticates everything."""
-        mac = Cipher(self._cipher, modes.GCM(direction + _U64.pack(counter))).encryptor()
-        for part in parts:
-            mac.authenticate_additional_data(part)
-        return mac
-
-    @staticmethod
-    def _tag(mac: AEADEncryptionContext) -> bytes:
-        mac.finalize()
-        return mac.tag
+    def _gcm(self, direction: bytes, counter: int, *, encrypt: bool) -> AEADEncryptionContext | AEADDecryptionContext:
+        mode = Cipher(self._cipher, modes.GCM(direction + _U64.pack(counter)))
+        return mode.encryptor() if encrypt else mode.decryptor()
 
     def _open_frame(self, op: str, key: str, meta: dict, payload_bytes: int) -> tuple[bytes, AEADEncryptionContext]:
+        """The frame's head (prefix, encrypted header, its tag) and the payload's encryptor."""
         header = encode_header(op, key, meta)
         prefix = PREFIX.pack(len(header), payload_bytes)
         seq, self._send_seq = self._send_seq, self._send_seq + 1
-        head_tag = self._tag(self._mac(self._send_tag, 2 * seq, prefix, header))
-        return prefix + header + head_tag, self._mac(self._send_tag, 2 * seq + 1, prefix, header)
+        head = self._gcm(self._send_tag, 2 * seq, encrypt=True)
+        head.authenticate_additional_data(prefix)
+        sealed = head.update(header) + head.finalize()
+        body = self._gcm(self._send_tag, 2 * seq + 1, encrypt=True)
+        body.authenticate_additional_data(prefix + header)
+        return prefix + sealed + head.tag, body
 
-    def seal(self, op: str, key: str, meta: dict, payload: memoryview = EMPTY) -> tuple[bytes, bytes]:
-        """Frame one message as (prefix + header + head tag, tag); what goes between is the payload."""
-        head, mac = self._open_frame(op, key, meta, payload.nbytes)
-        for piece in _chunks(payload):
-            mac.authenticate_additional_data(piece)
-        return head, self._tag(mac)
+    def seal(self, op: str, key: str, meta: dict, payload: memoryview = EMPTY) -> tuple[bytes, bytes, bytes]:
+        """Frame one message as (head, encrypted payload, tag): what ``send`` puts on the wire."""
+        head, body = self._open_frame(op, key, meta, payload.nbytes)
+        sealed = body.update(bytes(payload)) + body.finalize()
+        return head, sealed, body.tag
 
     def send(self, op: str, key: str, meta: dict, payload: memoryview = EMPTY, bytes_per_s: float = 0.0) -> None:
-        """Send one message; the payload goes out from its own memory, MACed chunk by chunk."""
-        head, mac = self._open_frame(op, key, meta, payload.nbytes)
+        """Send one message; the payload is encrypted chunk by chunk as it goes out (one pass over it)."""
+        head, body = self._open_frame(op, key, meta, payload.nbytes)
         self.sock.sendall(head)
-        _send_payload(self.sock, payload, bytes_per_s, mac.authenticate_additional_data)
-        self.sock.sendall(self._tag(mac))
+        scratch = memoryview(bytearray(min(payload.nbytes, _CHUNK_BYTES)))
+
+        def encrypt(piece: memoryview) -> memoryview:
+            return scratch[: body.update_into(piece, scratch)]
+
+        _send_payload(self.sock, payload, bytes_per_s, encrypt)
+        body.finalize()
+        self.sock.sendall(body.tag)
 
     def receive(self, max_payload_bytes: int, destination: Destination | None = None) -> Message:
-        """The next message, authenticated; its payload lands where ``destination`` says (see Destination).
-
-        On any error the destination's bytes are unauthenticated garbage: the caller discards them.
+        """The next message, authenticated and decrypted; its payload lands where ``destination``
+        says (see Destination). On any error the destination's bytes are garbage: the caller discards them.
         """
         prefix = bytearray(PREFIX.size)
         _recv_exactly(self.sock, memoryview(prefix), "a message prefix")
@@ -265,59 +273,71 @@ class Session:
                 f"declared payload of {payload_len} bytes exceeds max_message_bytes={max_payload_bytes}"
             )
         seq = self._recv_seq
-        header = bytearray(header_len + TAG_BYTES)
-        _recv_exactly(self.sock, memoryview(header), "a message header")
-        header, head_tag = header[:header_len], bytes(header[header_len:])
-        self._check(self._tag(self._mac(self._recv_tag, 2 * seq, prefix, header)), head_tag)
+        sealed = bytearray(header_len + TAG_BYTES)
+        _recv_exactly(self.sock, memoryview(sealed), "a message header")
+        head = self._gcm(self._recv_tag, 2 * seq, encrypt=False)
+        head.authenticate_additional_data(prefix)
+        header = head.update(bytes(sealed[:header_len]))
+        self._finish(head, bytes(sealed[header_len:]))
         op, key, meta = _decode_header(header)
         view = destination(op, key, meta, payload_len) if destination is not None else None
         payload = fresh_buffer(payload_len) if view is None else view
-        mac = self._mac(self._recv_tag, 2 * seq + 1, prefix, header)
+        body = self._gcm(self._recv_tag, 2 * seq + 1, encrypt=False)
+        body.authenticate_additional_data(prefix + header)
+        scratch = memoryview(bytearray(min(payload_len, _CHUNK_BYTES)))
         if view is DISCARD:
-            self._recv_discarding(payload_len, mac)
+            self._recv_discarding(payload_len, body, scratch)
         else:
             scatter = payload if isinstance(payload, Scatter) else Scatter([memoryview(payload)])
             if sum(view.nbytes for view in scatter.views) != payload_len:
                 raise ChannelError(f"destination for key {key!r} is not {payload_len} bytes long")
             for i, view in enumerate(scatter.views):
                 landed = functools.partial(scatter.landed, i) if scatter.landed is not None else None
-                self._recv_hashing(view, mac, landed)
+                self._recv_decrypting(view, body, scratch, landed)
         tag = bytearray(TAG_BYTES)
         _recv_exactly(self.sock, memoryview(tag), "a message MAC")
-        self._check(self._tag(mac), bytes(tag))
+        self._finish(body, bytes(tag))
         self._recv_seq += 1
         return Message(op, key, meta, payload)
 
-    def _check(self, expected: bytes, received: bytes) -> None:
-        if not hmac.compare_digest(expected, received):
-            raise ChannelError(f"message #{self._recv_seq} failed its MAC check (tampered, replayed or reordered)")
+    def _finish(self, context: AEADDecryptionContext, tag: bytes) -> None:
+        try:
+            context.finalize_with_tag(tag)
+        except InvalidTag:
+            raise ChannelError(
+                f"message #{self._recv_seq} failed its MAC check (tampered, replayed or reordered)"
+            ) from None
 
-    def _recv_hashing(
-        self, view: memoryview, mac: AEADEncryptionContext, landed: Callable[[memoryview], None] | None = None
+    def _recv_decrypting(
+        self,
+        view: memoryview,
+        body: AEADDecryptionContext,
+        scratch: memoryview,
+        landed: Callable[[memoryview], None] | None = None,
     ) -> None:
-        # Hash each chunk as it lands, while it is still in cache, instead of a second pass at the end.
+        # Each chunk lands in a small scratch buffer (in cache) and is decrypted into its place.
         for offset in range(0, view.nbytes, _CHUNK_BYTES):
             piece = view[offset : offset + _CHUNK_BYTES]
-            _recv_exactly(self.sock, piece, f"a payload (its chunk at byte {offset} of {view.nbytes})")
-            mac.authenticate_additional_data(piece)
+            cipher = scratch[: piece.nbytes]
+            _recv_exactly(self.sock, cipher, f"a payload (its chunk at byte {offset} of {view.nbytes})")
+            body.update_into(cipher, piece)
             if landed is not None:
                 landed(piece)
 
-    def _recv_discarding(self, nbytes: int, mac: AEADEncryptionContext) -> None:
-        scratch = memoryview(bytearray(min(nbytes, _CHUNK_BYTES)))
+    def _recv_discarding(self, nbytes: int, body: AEADDecryptionContext, scratch: memoryview) -> None:
+        plain = memoryview(bytearray(scratch.nbytes))
         for offset in range(0, nbytes, _CHUNK_BYTES):
             piece = scratch[: min(_CHUNK_BYTES, nbytes - offset)]
             _recv_exactly(self.sock, piece, f"a payload (its chunk at byte {offset} of {nbytes})")
-            mac.authenticate_additional_data(piece)
+            body.update_into(piece, plain[: piece.nbytes])
 
 
 MAPPED_BUFFER_MIN_BYTES = 8 << 20
 """From this size on a received payload lands in a fresh anonymous mapping faulted in whole by the
 kernel (``MAP_POPULATE``) instead of a ``bytearray``, which Python zero-fills page fault by page
-fault. Measured here for a 256 MiB snapshot fetched from a buddy at restore, in the restoring rank:
-0.23-0.28 s against 0.31-0.32 s (``ram_bench``'s ``ram_buddy_s``: 0.34 s before, 0.22 s after).
-Transparent huge pages (``MADV_HUGEPAGE``) were faster alone (0.08 s) and slower in a rank holding
-its training state (0.64-0.74 s: direct compaction), so no."""
+fault: faster for a buddy's snapshot fetched at restore (``ram_bench``'s ``ram_buddy_s``).
+Transparent huge pages (``MADV_HUGEPAGE``) are not used: faster alone, slower in a rank holding its
+training state (direct compaction). Figures: benchmarks/README.md, "Choices in the code"."""
 
 
 def fresh_buffer(nbytes: int) -> bytearray | memoryview:

@@ -17,6 +17,7 @@ from resilient.chaos.inject import FaultRecord, InjectContext, advance
 from resilient.chaos.job import job_node_store_dir, job_store_root
 from resilient.chaos.scenario import REPO_ROOT, FaultSpec
 from resilient.recovery.config import RamTierConfig
+from resilient.recovery.ram.store import run_dir_key
 from resilient.runfiles import pid_path
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -98,10 +99,11 @@ def test_a_relative_store_dir_resolves_against_the_repo_like_the_job(tmp_path: P
     """The job runs with cwd = the repo root; the harness may run anywhere."""
     monkeypatch.chdir(tmp_path)
     config = SimpleNamespace(recovery=RamTierConfig(store_dir="runs/ram"))
-    assert job_store_root(config, "/r") == str(REPO_ROOT / "runs" / "ram")
-    assert job_node_store_dir(config, "/r", 1, 2) == str(REPO_ROOT / "runs" / "ram" / "group1" / "node2")
+    key = run_dir_key("/r")  # stores are keyed by run under any store_dir
+    assert job_store_root(config, "/r") == str(REPO_ROOT / "runs" / "ram" / key)
+    assert job_node_store_dir(config, "/r", 1, 2) == str(REPO_ROOT / "runs" / "ram" / key / "group1" / "node2")
     absolute = SimpleNamespace(recovery=RamTierConfig(store_dir=str(tmp_path / "ram")))
-    assert job_store_root(absolute, "/r") == str(tmp_path / "ram")
+    assert job_store_root(absolute, "/r") == str(tmp_path / "ram" / key)
 
 
 def test_corrupt_chunk_flips_a_shard_object_of_the_committed_attempt_only(tmp_path: Path) -> None:
@@ -123,5 +125,6 @@ def test_corrupt_chunk_flips_a_shard_object_of_the_committed_attempt_only(tmp_pa
     (attempt,) = [
         p.name for p in Path(root, "step-000000001").iterdir() if p.name not in ("manifest.json", "attempt-orphan")
     ]
-    assert record.extra["file"] == f"step-000000001/{attempt}/w/0", record.extra
+    # Format v3: the rank's shards live in its pack object under the committed attempt.
+    assert record.extra["file"].startswith(f"step-000000001/{attempt}/pack-r00000-"), record.extra
     assert (orphan / "0").read_bytes() == b"x" * 1_000_000

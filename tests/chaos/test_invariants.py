@@ -1,4 +1,4 @@
-"""Each of the nine invariants can fail: judged on the smallest fake run data (no job is run).
+"""Each of the ten invariants can fail: judged on the smallest fake run data (no job is run).
 
 A check that cannot fail proves nothing; these pin down what each one catches.
 """
@@ -242,3 +242,18 @@ def test_no_orphans_fails_on_a_leftover_process() -> None:
     assert inv.no_orphans([])["ok"]
     verdict = inv.no_orphans([{"pid": 4242, "cmdline": "python -m resilient.trainer"}])
     assert not verdict["ok"] and "1 process(es) of the job still alive" in verdict["reason"]
+
+
+def test_slowed_rank_named_fails_on_a_missed_or_a_wrong_rank(tmp_path: Path) -> None:
+    def named(*ranks: tuple[int, int]) -> inv.RunData:
+        events = [{"event": "straggler", "group": g, "rank": r, "step": 10} for g, r in ranks]
+        return _run(tmp_path, events=[*events, {"event": "straggler_cleared", "group": 0, "rank": 0, "step": 20}])
+
+    assert inv.slowed_rank_named(named(), [])["ok"]  # no slow_rank fault: nothing to check
+    assert inv.slowed_rank_named(named((1, 1)), [(1, 1)])["ok"]
+    missed = inv.slowed_rank_named(named(), [(1, 1)])
+    assert not missed["ok"] and "slowed but not named (group, rank): [(1, 1)]" in missed["reason"]
+    waiter = inv.slowed_rank_named(named((1, 1), (1, 0)), [(1, 1)])
+    assert not waiter["ok"] and waiter["reason"] == "named but not slowed: [(1, 0)]"
+    whole = _run(tmp_path, events=[{"event": "straggler", "group": 1, "rank": None, "step": 10}])
+    assert inv.slowed_rank_named(whole, [(1, 1)])["reason"].endswith("named but not slowed: [(1, -1)]")

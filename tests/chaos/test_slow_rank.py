@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,7 +61,15 @@ def test_slow_rank_parses_with_its_span() -> None:
         "delay_s": 0.25,
     }
     defaults = parse_scenario(_fault(steps=None, delay_s=None)).faults[0]
-    assert (defaults.steps, defaults.delay_s) == (10, 0.5)
+    assert (defaults.steps, defaults.duty) == (10, 0.4)  # held from outside unless delay_s is given
+    assert defaults.describe()["duty"] == 0.4 and "delay_s" not in defaults.describe()
+    throttled = parse_scenario(_fault(delay_s=None, duty=0.3)).faults[0]
+    assert (throttled.duty, throttled.steps) == (0.3, 4)
+    for duty in (0.01, 0.95, True, "half"):
+        with pytest.raises(
+            ConfigError, match=r"fault\[0\] \(slow_rank\).duty=.* must be a share of the time in \[0.05, 0.9\]"
+        ):
+            parse_scenario(_fault(delay_s=None, duty=duty))
     assert "slow_rank" in NO_DOWNTIME_KINDS and "slow_rank" not in PROCESS_KINDS
 
 
@@ -75,7 +85,11 @@ def test_slow_rank_parses_with_its_span() -> None:
         ({"rank": 2}, r"fault\[0\] \(slow_rank\).rank=2 must be an integer \[0, 1\]"),
         ({"group": None}, r"fault\[0\] \(slow_rank\): missing key\(s\) \['group'\]"),
         ({"at_step": 18}, r"steps 18..21 \(at_step=18, steps=4\) run past job.steps=20"),
-        ({"seconds": 3}, r"unknown key\(s\) \['seconds'\]; slow_rank takes \['delay_s', 'group', 'rank', 'steps'\]"),
+        (
+            {"seconds": 3},
+            r"unknown key\(s\) \['seconds'\]; slow_rank takes \['delay_s', 'duty', 'group', 'rank', 'steps'\]",
+        ),
+        ({"duty": 0.95}, r"fault\[0\] \(slow_rank\): give duty \(stopped from outside\) or delay_s"),
     ],
 )
 def test_bad_values_are_one_line_errors(changes: dict, message: str) -> None:
@@ -95,7 +109,7 @@ def test_drawn_slow_rank_may_run_past_the_end() -> None:
 def test_shipped_straggler_scenario() -> None:
     scenario = load_scenario("straggler")
     [fault] = scenario.faults
-    assert (fault.kind, fault.at_step, fault.steps, fault.delay_s) == ("slow_rank", 8, 12, 0.3)
+    assert (fault.kind, fault.at_step, fault.steps, fault.duty) == ("slow_rank", 6, 20, 0.4)
     assert fault.at_step + fault.steps - 1 <= scenario.job.steps
 
 
@@ -188,3 +202,43 @@ def test_a_span_armed_mid_run_is_picked_up_after_the_next_step(tmp_path: Path, m
     for before in trainer.before_compute:  # step 2's compute
         before(2)
     assert time.perf_counter() - start >= DELAY_S
+
+
+@pytest.mark.timeout(60)
+def test_duty_mode_holds_the_rank_stopped_from_outside_over_its_span(tmp_path: Path) -> None:
+    from resilient.runfiles import pid_path, write_pid_file
+
+    child = (
+        "import sys, time; sys.path.insert(0, '.');"
+        "from resilient.trainer.straggler import StallClock;"
+        "c = StallClock().start(); print('ready', flush=True); sys.stdin.readline(); print(c.held_s(), flush=True)"
+    )
+    # "resilient.trainer" in its command line: the harness takes it for a rank.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, "resilient.trainer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        run_dir = str(tmp_path / "run")
+        write_pid_file(pid_path(run_dir, 1, 1), pid=proc.pid)
+        spec = parse_scenario(_fault(delay_s=None, duty=0.4)).faults[0]
+        record = FaultRecord(spec=spec)
+        ctx = _ctx(tmp_path, job_step=2)
+        ctx.job.run_dir = run_dir
+        advance(record, ctx, t_first_commit=time.time())
+        assert record.state == "pending" and record._throttle is None  # step 4 (the one before 5) not yet committed
+        ctx.job_step = 4
+        advance(record, ctx, t_first_commit=time.time())
+        assert record._throttle is not None and record.extra["slow_steps"] == [5, 8]
+        ctx.job_step = 5
+        advance(record, ctx, t_first_commit=time.time())
+        assert record.state == "injected" and not os.path.exists(slow_path(ctx.job.chaos_dir, 1))
+        time.sleep(1.0)
+        ctx.job_step = 8
+        advance(record, ctx, t_first_commit=time.time())
+        assert record.state == "done" and record._throttle is None
+        assert 0.25 <= record.extra["duty_measured"] <= 0.55 and record.extra["stopped_s"] > 0.2
+        out, _ = proc.communicate("\n", timeout=20)  # continued: it answers
+        assert float(out) >= 0.6 * record.extra["stopped_s"]
+    finally:
+        proc.kill()

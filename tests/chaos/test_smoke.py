@@ -26,6 +26,7 @@ INVARIANTS = {
     "steps_lost_within_bound",
     "no_orphans",
     "storage_faults_absorbed",
+    "slowed_rank_named",
     "final_step_durable",
 }
 GOODPUT = {"total_s", "productive_s", "detect_s", "reconfigure_s", "reload_s", "replay_s"}

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import node_store_dir
+from resilient.recovery.ram.store import node_store_dir, store_root
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import communicate_or_fail
 from tests.trainer.e2e_runs import load_tensors
@@ -190,7 +190,9 @@ def test_other_world_size_restores_from_storage(tmp_path: Path, twin: Path) -> N
     run_dir = tmp_path / "run"
     shutil.copytree(twin, run_dir)
     store = tmp_path / "store"
-    shutil.copytree(twin.parent / "store", store)
+    # The store is keyed by run.dir: the twin's, moved under this run's key.
+    twin_store = store_root(RamTierConfig(store_dir=str(twin.parent / "store")), str(twin))
+    shutil.copytree(twin_store, store_root(RamTierConfig(store_dir=str(store)), str(run_dir)))
     out = _finish(_start(_command(run_dir, store, 1, f"run.steps={STEPS + 2}")))
     restored = _restores(run_dir)[-1]
     assert (restored["source"], restored["step"]) == ("persistent", STEPS), out[-2000:]

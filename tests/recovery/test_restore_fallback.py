@@ -120,7 +120,9 @@ def test_load_step_goes_back_once_and_later_ram_snapshots_never_come_back(tmp_pa
         assert all("was abandoned: a restore not from RAM or a load_step began" in e["reason"] for e in again.excluded)
         snapshot(ram, 5)  # the rewound run's own step 5
         third, caller, _ = restore_with(run, ckpt, ram, load_step=4)
-        assert (third.source, third.step, third.timeline) == ("own", 5, again.timeline)
+        assert (third.source, third.step) == ("own", 5)
+        assert third.timeline is not None and again.timeline is not None
+        assert (third.timeline.parent, third.timeline.load_step) == (again.timeline.timeline, 4)
         assert caller.applied is not None and _values(caller.applied)[0] == 1005.0
     finally:
         ram.close()
@@ -209,3 +211,41 @@ def test_a_newer_format_version_is_not_damage_and_is_never_set_aside(tmp_path, c
     with pytest.raises(ConfigError, match="format version 99.*upgrade resilient"):
         restore_with(tmp_path / "run", ckpt)
     assert ckpt.steps() == [2, 4] and not (root / step_dir(4) / "manifest.damaged.json").exists()
+
+
+def _bad_read_once_on_rank_1(rank: int, world: int, root: str, run_dir: str) -> dict[str, Any]:
+    """Rank 1's first read of step 4 fails its checksum (a flaky NIC or DIMM on its node); the
+    stored bytes are intact."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from resilient.dist import barrier
+    from resilient.recovery.restore import restore
+
+    mesh = init_device_mesh("cpu", (world,))
+    with Checkpointer(root) as ckpt:
+        for step in (2, 4):
+            ckpt.save(step, _sharded(step, mesh)).wait()
+        barrier()
+        real, failures = ckpt._load_local, []
+
+        def flaky(state, chosen, manifest, strict):
+            if rank == 1 and chosen == 4 and not failures:
+                failures.append(chosen)
+                raise IntegrityError(f"checksum mismatch in tensor 'model.w' at step {chosen}, inner chunk {{1, 0}}")
+            return real(state, chosen, manifest, strict)
+
+        ckpt._load_local = flaky
+        loaded: dict[str, Any] = {}
+        result = restore(lambda: _sharded(0, mesh), loaded.update, checkpointer=ckpt, ram=None, run_dir=run_dir)
+        steps = ckpt.steps()
+    return {"source": result.source, "step": result.step, "train": loaded["train"], "steps": steps}
+
+
+@pytest.mark.dist
+def test_one_ranks_bad_read_is_re_read_elsewhere_and_never_sets_a_good_step_aside(tmp_path):
+    # Before: every rank fell back to step 2, and step 4 (intact) was set aside for good.
+    restored = run_world(_bad_read_once_on_rank_1, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), timeout_s=60)
+    assert restored == [{"source": "persistent", "step": 4, "train": {"step": 4}, "steps": [2, 4]}] * 2
+    assert events(tmp_path / "run", "restore_fallback") == []
+    (recheck,) = events(tmp_path / "run", "restore_recheck")
+    assert (recheck["step"], recheck["rank"], recheck["intact"]) == (4, 0, True)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from resilient.recovery.ram.timeline import Timeline
 from resilient.recovery.restore import PeerHeal
 from resilient.storage.checkpointer import Checkpointer
-from tests.recovery.policy import events, restore_with, save, snapshot, start_run, tier
+from tests.recovery.policy import events, restore_with, save, snapshot, start_run, state, tier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +69,10 @@ def test_a_new_run_never_resumes_an_old_runs_snapshots_nor_loses_its_own_to_them
             again, caller, _ = restore_with(run, ckpt, ram)
             assert (again.source, again.step, again.excluded) == ("own", 2, [])
             assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 1002.0
-            assert again.timeline == result.timeline  # a RAM restore goes on in the same timeline
+            # A RAM restore branches off the timeline at the restored step.
+            assert again.timeline is not None and result.timeline is not None
+            assert (again.timeline.parent, again.timeline.branch_step) == (result.timeline.timeline, 2)
+            assert again.timeline.ancestors == ((result.timeline.timeline, 2),)
     finally:
         ram.close()
 
@@ -103,13 +107,16 @@ def test_a_restore_not_from_ram_abandons_every_older_snapshot_for_good(tmp_path)
     try:
         with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
             again, _, _ = restore_with(run, ckpt, restarted)
-        assert (again.source, again.step, again.timeline) == ("own", 3, third)
-        assert [(e["source"], e["timeline_incarnation"]) for e in events(run)] == [("persistent", 2), ("own", 2)]
+        assert (again.source, again.step) == ("own", 3)
+        assert again.timeline is not None and (again.timeline.parent, again.timeline.branch_step) == (third.timeline, 3)
+        assert [(e["source"], e["timeline_incarnation"]) for e in events(run)] == [("persistent", 2), ("own", 3)]
     finally:
         restarted.close()
 
 
-def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
+def test_a_lost_run_dir_record_is_replaced_by_the_node_stores_and_with_both_lost_nothing_is_eligible(tmp_path):
+    # Kubernetes: rank 0's pod restarted and run.dir (inside the container) went with it. Before,
+    # every RAM snapshot was then ineligible (a silent fall back to storage).
     run = tmp_path / "run"
     ram = tier(tmp_path / "store")
     try:
@@ -117,18 +124,22 @@ def test_a_lost_or_damaged_record_makes_nothing_in_ram_eligible(tmp_path):
             start_run(run, ckpt, ram)
             save(ckpt, 2)
             snapshot(ram, 4)
-            (run / "group0").mkdir(parents=True, exist_ok=True)
-            (run / "group0").mkdir(parents=True, exist_ok=True)
-            (run / "group0" / "timeline.json").write_text("{not json")
-            result, _, _ = restore_with(run, ckpt, ram)
-        assert (result.source, result.step) == ("persistent", 2)
+            recorded = _record(run)
+            assert recorded is not None and ram.node_record() == recorded  # kept next to the snapshots
+            (run / "group0" / "timeline.json").write_text("{not json")  # lost or damaged
+            result, caller, _ = restore_with(run, ckpt, ram)
+            assert (result.source, result.step) == ("own", 4)
+            assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 1004.0
+            assert result.timeline is not None and result.timeline.parent == recorded["timeline"]
+            # Both gone: nothing in RAM is eligible.
+            (run / "group0" / "timeline.json").unlink()
+            (Path(ram.node_dir) / "timeline.json").unlink()
+            lost, _, _ = restore_with(run, ckpt, ram)
+        assert (lost.source, lost.step) == ("persistent", 2)
         run_id = _run_id(tmp_path / "ckpt")
-        assert _reasons(result.excluded) == {
-            4: f"no current timeline of run {run_id!r} is recorded in the run directory"
-        }
+        assert _reasons(lost.excluded) == {4: f"no current timeline of run {run_id!r} is recorded in the run directory"}
         record = _record(run)
-        assert record is not None and record["run_id"] == run_id and record["incarnation"] == 0
-        assert record["timeline"].startswith("0-") and result.timeline.to_json() == record
+        assert record is not None and record["run_id"] == run_id and record["timeline"].startswith("0-")
     finally:
         ram.close()
 
@@ -205,7 +216,70 @@ def test_a_ram_restore_to_a_step_drops_the_newer_steps_it_ruled_out(tmp_path):
         assert _reasons(result.excluded) == {50: "crc32c mismatch in tensor 'model.w'"}
         assert sorted(ram.own.indexes()) == [48]
         again, _, _ = restore_with(run, ckpt, ram)
-        assert (again.source, again.step, again.timeline) == ("own", 48, result.timeline)
+        assert (again.source, again.step) == ("own", 48)
+        assert again.timeline is not None and result.timeline is not None
+        assert again.timeline.ancestors[:2] == ((result.timeline.timeline, 48), *result.timeline.ancestors)
     finally:
         ram.close()
         ckpt.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_ram_restore_branches_so_a_returning_nodes_later_steps_never_restore(tmp_path):
+    # Node H holds this rank's snapshots 80 and 90, then is absent while the group restores step
+    # 80 (from the ranks still there) and retrains 81-90. H comes back with its old step 90: before,
+    # it was of the current timeline and restored beside the other ranks' new step 90.
+    run, ckpt = tmp_path / "run", Checkpointer(str(tmp_path / "ckpt"))
+    ram = tier(tmp_path / "store")  # keep=2
+    node_h = tmp_path / "node-h"
+    try:
+        start_run(run, ckpt, ram)
+        snapshot(ram, 80, 90)
+        own = ram.own.directory
+        shutil.copytree(own, node_h)  # what H keeps while it is away
+        ram.own.remove(90)  # the ranks present have no step 90
+        restored, _, _ = restore_with(run, ckpt, ram)
+        assert (restored.source, restored.step) == ("own", 80)
+        branch = restored.timeline
+        assert branch is not None and (branch.branch_step, branch.incarnation) == (80, 1)
+        assert _record(run) == branch.to_json()
+        for step in (85, 90):  # retrained on the branch: other values than the first history's
+            assert ram.snapshot(step, state(step, value=2000.0 + step))
+            ram.wait(30)
+        assert {s: i.timeline for s, i in ram.own.indexes().items()} == {85: branch.timeline, 90: branch.timeline}
+    finally:
+        ram.close()
+    shutil.rmtree(own)
+    shutil.copytree(node_h, own)  # H is back
+    back = tier(tmp_path / "store")
+    try:
+        result, caller, _ = restore_with(run, ckpt, back)
+        # Step 80 of the parent is where the branch began: still eligible; its step 90 is not.
+        assert (result.source, result.step) == ("own", 80)
+        assert caller.applied is not None and float(caller.applied["model"]["w"][0, 0]) == 1080.0
+        assert _reasons(result.excluded) == {
+            90: f"step 90 of timeline {branch.parent!r} comes after step 80, where the current timeline "
+            f"{branch.timeline!r} branched off it"
+        }
+    finally:
+        back.close()
+        ckpt.close()
+
+
+def test_a_branch_keeps_only_its_ancestors_steps_up_to_each_branch_step():
+    root = Timeline(run_id="r", incarnation=0, timeline="0-a")
+    child = Timeline(run_id="r", incarnation=1, timeline="1-b", parent="0-a", branch_step=50, ancestors=(("0-a", 50),))
+    grandchild = Timeline.from_json(
+        {**child.to_json(), "incarnation": 2, "timeline": "2-c", "ancestors": [["1-b", 40], ["0-a", 40]]}
+    )
+    assert grandchild is not None
+    assert [grandchild.eligible("r", t, s) for t, s in [("2-c", 99), ("1-b", 40), ("1-b", 41), ("0-a", 40)]] == [
+        True,
+        True,
+        False,
+        True,
+    ]
+    assert not grandchild.eligible("r", "0-a", 45) and not grandchild.eligible("other", "2-c", 1)
+    began = "a restore not from RAM or a load_step began '0-a'"
+    assert root.why_not("r", "1-b", 1) == f"timeline '1-b' was abandoned: {began}"
+    assert Timeline.from_json({**child.to_json(), "ancestors": [["0-a", "50"]]}) is None  # damaged: no record

@@ -288,3 +288,85 @@ def test_retention_after_a_commit_does_not_parse_the_manifest_it_just_wrote(tmp_
     retention.apply_retention(open_store(parse_url(str(tmp_path))), retention.KeepLast(2))
     retention.apply_retention(open_store(parse_url(str(tmp_path))), retention.KeepLast(2))
     assert len(parsed) == 2
+
+
+class _StallingManifestStore:
+    """A store whose manifest write stalls (an fsync stall, a starved writer thread) after the
+    coordinator checked its deadline."""
+
+    def __init__(self, store, stall_s: float) -> None:
+        self._store, self.stall_s = store, stall_s
+
+    def write_if_absent(self, key: str, data: bytes) -> bool:
+        if key.endswith("manifest.json"):
+            import time
+
+            time.sleep(self.stall_s)
+        return self._store.write_if_absent(key, data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+@pytest.mark.timeout(40)
+def test_a_waiting_rank_never_decides_before_a_stalled_coordinator():
+    # Before: the other ranks gave up max(5, 0.1 x commit_timeout_s) s after the agreed deadline
+    # and reported "not committed" (a restart) for a step the stalled coordinator then committed.
+    import threading
+    import time
+
+    from resilient.storage import commit
+    from resilient.storage.persist import PersistJob
+
+    store = _StallingManifestStore(open_store(parse_url("memory://stalled-coordinator")), stall_s=8.0)
+    jobs = [
+        PersistJob(
+            step=1,
+            attempt="attempt-s",
+            rank=r,
+            world_size=2,
+            plans={},
+            regions=[],
+            commit_timeout_s=1.0,
+            values=[{}, {}],
+        )
+        for r in (0, 1)
+    ]
+    deadline = time.time() + 1.0
+    for job in jobs:
+        job.deadline = deadline
+        commit.write_receipt(store, job.attempt_key, job.rank, {"rank": job.rank, "regions": []})
+    coordinator = threading.Thread(target=commit.commit_step, args=(jobs[0], store))
+    coordinator.start()
+    try:
+        commit.wait_for_commit(jobs[1], store)  # returns: committed, as the coordinator decided
+        assert time.time() > deadline + 5.0  # past the old grace: the old code had given up
+        assert commit.names_attempt(store, jobs[1])
+    finally:
+        coordinator.join(20)
+    assert commit.decision_grace_s(1.0) >= commit.DECISION_WAIT_S
+
+
+@pytest.mark.timeout(30)
+def test_retention_leaves_another_writers_young_attempt_alone():
+    # Two replica groups both persisting a restored step 5: group A commits, and its retention
+    # deleted group B's attempt in flight (B's save then failed with StorageError once).
+    import time
+
+    from resilient.storage.retention import apply_retention, attempt_age_s, new_attempt
+
+    store = open_store(parse_url("memory://retention-in-flight"))
+    mine, theirs = new_attempt(), new_attempt()
+    old = f"attempt-{int((time.time() - 3600) * 1000):011x}-0badc0de"
+    for step, attempt in ((5, mine), (5, theirs), (5, old), (5, "attempt-dead000000000000"), (4, theirs), (3, old)):
+        store.write(f"step-{step:09d}/{attempt}/w/c/0", b"x")
+    commit_manifest(store, Manifest(step=5, attempt=mine, world_size=1, arrays={}, values={}))
+    assert 0 <= attempt_age_s(theirs) < 5 and attempt_age_s("attempt-dead000000000000") is None
+    deleted = apply_retention(store, KeepLast(None), young_s=60.0)
+    # Uncommitted step 3 (nothing young in it), and step 5's old and legacy-named strays.
+    assert sorted(deleted) == sorted(
+        ["step-000000003", "step-000000005/attempt-dead000000000000", f"step-000000005/{old}"]
+    )
+    assert store.read(f"step-000000005/{theirs}/w/c/0") == b"x"  # before: deleted
+    assert store.read(f"step-000000004/{theirs}/w/c/0") == b"x"  # an older step another writer persists
+    assert store.read(f"step-000000005/{mine}/w/c/0") == b"x"

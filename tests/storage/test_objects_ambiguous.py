@@ -200,7 +200,7 @@ def test_the_manifest_write_on_s3_ends_before_the_other_ranks_give_up(s3_endpoin
     assert per_call == s3_module.COMMIT_CALL_S and s3_module.COMMIT_WRITE_BOUND_S < 60
     for timeout_s in (10.0, 600.0, 86400.0):
         assert decision_grace_s(timeout_s, "s3") > s3_module.COMMIT_WRITE_BOUND_S
-        assert decision_grace_s(timeout_s, "file") <= 60.0
+        assert decision_grace_s(timeout_s, "file") >= max(timeout_s, 600.0)
 
 
 def test_s3_manifest_write_rides_out_throttling_within_its_bound(s3_endpoint, s3_bucket) -> None:

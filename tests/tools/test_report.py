@@ -115,8 +115,9 @@ def test_summary_of_a_new_style_run_has_the_worked_out_numbers(tmp_path: Path) -
     ]
     assert incs["list"][1]["first_step"] == 3 and incs["list"][1]["restore_s"] == 3.0
     assert summary["stragglers"] == [
-        {"group": 0, "rank": 3, "phase": "compute_s", "ratio": 1.8, "step": 4, "source": "event"}
-    ]
+        {"group": 0, "rank": 3, "phase": "compute_s", "ratio": 1.8, "step": 4, "t": T0 + 13.2, "source": "event",
+         "cleared_step": None, "duration_steps": None, "duration_s": None}
+    ]  # fmt: skip
     assert summary["hangs"] == [
         {"t": T0 + 15, "group": 0, "rank": 2, "step": 4, "idle_s": 120.0, "path": "group0/hang/rank2-0.txt"}
     ]
@@ -135,7 +136,7 @@ def test_diagnoses_name_the_slow_phases_and_what_to_change(tmp_path: Path) -> No
     assert any(d.startswith("startup is 56% of the run") and "imports_s 8.0 s" in d for d in diagnoses)
     assert any(d.startswith("downtime between incarnations is 15% of the run") for d in diagnoses)
     assert any(d.startswith("restore is 9% of the run") and "checkpoint.memory_every" in d for d in diagnoses)
-    assert "rank 3 is a straggler in compute_s (1.8x the median)" in diagnoses
+    assert "rank 3 is a straggler in compute_s (1.8x the median) from step 4" in diagnoses
     assert any(d.startswith("rank 2 of group 0 hung at step 4") and "rank2-0.txt" in d for d in diagnoses)
     assert not any(d.startswith(("replayed", "shutdown")) for d in diagnoses), "under 5% of the run"
     phases = [p["phase"] for p in summary["phases"]]
@@ -242,3 +243,50 @@ def test_an_old_replica_group_run_takes_its_times_from_the_commit_events(tmp_pat
     assert causes["startup_s"] == pytest.approx(5.0)
     assert causes["quorum_s"] == pytest.approx(0.6)
     assert causes["productive_s"] == pytest.approx(1.4)
+
+
+@pytest.mark.timeout(60)
+def test_straggler_episodes_are_paired_listed_with_evidence_and_plotted(tmp_path: Path) -> None:
+    run = new_style_run(tmp_path, straggler_event=False)
+    windows = []
+    for step, held in ((2, 0.0), (4, 0.4), (6, 0.0)):
+        window = _ranks(step, 10 + step)
+        for entry in window["ranks"]:
+            entry.update(stalled_s=held if entry["rank"] == 1 else 0.0, late_s=0.01 * entry["rank"])
+        windows.append(window)
+    _jsonl(run / "group0" / "ranks.jsonl", windows)
+    evidence = {"value_s": 0.4, "median_s": 0.0, "share": 0.4, "stalled_s": 0.4, "median_stalled_s": 0.0,
+                "late_s": 0.01, "median_late_s": 0.02, "step_s": 1.0}  # fmt: skip
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events += [
+        _event(13.1, "straggler", rank=1, ratio=400.0, phase="stalled_s", step=4, **evidence),
+        _event(33.1, "straggler_cleared", rank=1, phase="stalled_s", step=6, duration_steps=4, duration_s=20.0),
+        _event(33.2, "straggler", rank=2, ratio=2.0, phase="data_wait_s", step=6, value_s=0.2, median_s=0.1,
+               share=0.1, step_s=1.0),
+        _event(33.3, "straggler", rank=None, scope="group", ratio=300.0, phase="stalled_s", step=6, value_s=0.3,
+               median_s=0.0, share=0.3, step_s=1.0),
+    ]  # fmt: skip
+    _jsonl(run / "events.jsonl", events)
+    out = tmp_path / "out"
+    summary = _report(run, out)
+    held, loader, group = summary["stragglers"]
+    assert (held["rank"], held["phase"], held["step"], held["cleared_step"], held["duration_steps"]) == (
+        1,
+        "stalled_s",
+        4,
+        6,
+        4,
+    )
+    assert held["stalled_s"] == 0.4 and held["median_late_s"] == 0.02 and held["duration_s"] == 20.0
+    assert (loader["rank"], loader["cleared_step"]) == (2, None)  # open to the end of the run
+    said = "rank 1 is a straggler held from outside 40% of the step (stalled 400 ms a step against its peers' 0 ms)"
+    assert f"{said} from step 4 to step 6" in summary["diagnoses"]
+    assert any(
+        d.startswith("rank 2 is a straggler in data_wait_s (2.0x the median: 200 ms") and d.endswith("to the end")
+        for d in summary["diagnoses"]
+    )
+    assert group["rank"] is None and group["cleared_step"] is None
+    assert any(d.startswith("group 0 as a whole is a straggler held from outside 30%") for d in summary["diagnoses"])
+    page = (out / "report.html").read_text()
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == 5, "the lateness plot joins the four"
+    assert 'alt="per-rank stalled time and lateness"' in page and "<td>stalled_s</td>" in page

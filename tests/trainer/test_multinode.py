@@ -291,7 +291,8 @@ def _steps_done(run_dir: Path) -> int:
 def _published(store: Path, node: str, kind: str) -> set[int]:
     """Steps with a published (renamed, so complete) snapshot index under ``<node>/<kind>/rank*``
     (one rank per node here: its own snapshots, or the copies it keeps for the other node's rank)."""
-    directory = Path(node_store_dir(RamTierConfig(store_dir=str(store)), "", 0, node))
+    run_dir = str(store.parent / "run")  # the run.dir of ``_node``: the store is keyed by it
+    directory = Path(node_store_dir(RamTierConfig(store_dir=str(store)), run_dir, 0, node))
     return {int(p.stem.split("-")[1]) for p in directory.glob(f"{kind}/rank*/step-*.json")}
 
 
@@ -347,7 +348,7 @@ def test_a_node_lost_with_its_memory_resumes_from_the_buddy_copies(tmp_path: Pat
             assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "no step past the snapshot"
             time.sleep(0.05)
         _kill_node_tree(nodes[1])
-        shutil.rmtree(node_store_dir(RamTierConfig(store_dir=str(store)), "", 0, "host-b"))
+        shutil.rmtree(node_store_dir(RamTierConfig(store_dir=str(store)), str(run_dir), 0, "host-b"))
         persisted, killed_after = _persisted(ckpt), _steps_done(run_dir)
         nodes[1] = _node(1, port, tmp_path, *sets, hooks=(PACE,))
     except BaseException:

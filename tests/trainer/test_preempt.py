@@ -83,7 +83,7 @@ def test_a_preempted_run_commits_its_step_exits_143_and_resumes_there(tmp_path: 
     assert proc.returncode == PREEMPTED_EXIT, stderr[-4000:]
     (event,) = [e for e in read_events(str(run_dir)) if e["event"] == "preempted"]
     stop = event["step"]
-    assert stop >= 3 and event["signal"] == sig and event["group"] == 0
+    assert stop >= 3 and event["signal"] == sig and event["group"] == 0 and event["committed"] is True
     assert Checkpointer(str(run_dir / "ckpt")).steps() == [stop]  # durable: committed to storage
     assert f"preempted: step {stop} is committed" in stdout and "Traceback" not in stderr, stderr[-4000:]
     if sig == "SIGUSR1":

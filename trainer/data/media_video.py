@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import io
 import math
+from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -22,6 +23,10 @@ from resilient.trainer.data.media_stream import (
     seek_pts,
     timeline_origin,
 )
+
+# A keyframe further ahead than this is reached by a seek rather than by reading every packet
+# before it (a few frames' worth: a seek costs about what reading a handful of packets does).
+_SEEK_AHEAD_S = 0.2
 
 
 def decode_video_av(
@@ -45,9 +50,17 @@ def decode_video_av(
             fps=fps, size=size, start_s=start_s, duration_s=duration_s, origin=origin, time_base=stream.time_base
         )
         frame_duration = _fallback_frame_duration(stream)
-        keyframes = _keyframe_times(stream, origin, len(data))
+        keyframes = _Keyframes.listed(stream, origin, len(data))
+        sought: int | None = None
         for packet in packets(container, stream, packet_budget(data)):
-            if sampler.can_jump(packet, keyframes, stream.codec_context.has_b_frames):
+            jump = sampler.jump_to(packet, keyframes.times, stream.codec_context.has_b_frames)
+            if jump is not None:
+                # Far ahead, a seek to the keyframe (exact: to its own index timestamp) costs less
+                # than reading the packets in between; never twice to one keyframe, so a demuxer
+                # that lands short is read through instead of sought again.
+                if keyframes.times[jump] - sampler.packet_time > _SEEK_AHEAD_S and keyframes.stamps[jump] != sought:
+                    sought = keyframes.stamps[jump]
+                    container.seek(sought, stream=stream, backward=True)
                 continue
             # A frame no target shows is only decoded if later frames reference it: at fps=2 from a
             # 25 fps source most non-reference (B) frames are never shown, and skipping them is
@@ -67,17 +80,25 @@ def decode_video_av(
     return np.stack(frames).astype(np.float32) / np.float32(255.0)
 
 
-def _keyframe_times(stream: av.video.stream.VideoStream, origin: float, size: int) -> list[float]:
-    """Seconds (from the origin) of the keyframes the container's index lists, ascending, as far as
-    the bytes at hand reach (a cut file's index names keyframes that never arrive)."""
-    if stream.time_base is None:
-        return []
-    numerator, denominator = stream.time_base.numerator, stream.time_base.denominator
-    return sorted(
-        entry.timestamp * numerator / denominator - origin
-        for entry in stream.index_entries
-        if entry.is_keyframe and entry.pos + entry.size <= size
-    )
+@dataclass(frozen=True, slots=True)
+class _Keyframes:
+    """The keyframes the container's index lists, ascending, as far as the bytes at hand reach (a
+    cut file's index names keyframes that never arrive)."""
+
+    times: list[float]
+    """Seconds from the origin."""
+    stamps: list[int]
+    """The same, as index timestamps in the stream's time base (what a seek lands on exactly)."""
+
+    @classmethod
+    def listed(cls, stream: av.video.stream.VideoStream, origin: float, size: int) -> _Keyframes:
+        if stream.time_base is None:
+            return cls(times=[], stamps=[])
+        numerator, denominator = stream.time_base.numerator, stream.time_base.denominator
+        stamps = sorted(
+            entry.timestamp for entry in stream.index_entries if entry.is_keyframe and entry.pos + entry.size <= size
+        )
+        return cls(times=[stamp * numerator / denominator - origin for stamp in stamps], stamps=stamps)
 
 
 def _fallback_frame_duration(stream: av.video.stream.VideoStream) -> float:
@@ -104,6 +125,7 @@ class _FrameSampler:
         # The packets' time base as integers: one division per packet instead of Fraction arithmetic
         # (integer true division rounds once, exactly as float(Fraction(...)) does).
         self._tick = (time_base.numerator, time_base.denominator) if time_base else None
+        self.packet_time = 0.0  # seconds of the last packet jump_to looked at
         self.in_flight = 0  # packets sent to the decoder whose frames have not come out yet (frame threads)
         self._jumped = False  # packets were left out since the held frame: its successor is not its neighbour
         # Number of targets the requested window allows; the stream's end may cut it shorter.
@@ -123,23 +145,25 @@ class _FrameSampler:
     def _done(self) -> bool:
         return self.limit is not None and len(self.frames) >= self.limit
 
-    def can_jump(self, packet: av.Packet, keyframes: list[float], reordered_frames: int) -> bool:
-        """Whether decoding may leave this packet out and restart at a later keyframe: when frames
+    def jump_to(self, packet: av.Packet, keyframes: list[float], reordered_frames: int) -> int | None:
+        """The keyframe (its index in ``keyframes``) decoding may restart at, leaving this packet
+        out, or None to decode it. It may when frames
         come in display order (no B-frames, pts = dts) and a keyframe lies after this packet, at or
         before the first pending target, every pending target is shown by that keyframe or a frame
         after it, and none of those references this one. A codec without non-reference frames
         (MPEG-4 Part 2 without B-frames) then decodes a few frames per target instead of all."""
         if reordered_frames or not keyframes or packet.pts is None or packet.pts != packet.dts or not self._tick:
-            return False
-        time = packet.pts * self._tick[0] / self._tick[1] - self.origin
+            return None
+        time = self.packet_time = packet.pts * self._tick[0] / self._tick[1] - self.origin
         if self.in_flight == 0 and self.held is not None and time > self.held_time:
             # Frames come in display order and the decoder holds none back: the held frame is on
             # screen until this packet's frame, known now without decoding it.
             self._emit_until(time)
         after = bisect.bisect_right(keyframes, time + 1e-9)
-        jump = after < len(keyframes) and not self._done() and keyframes[after] <= self._target(len(self.frames)) + 1e-9
-        self._jumped |= jump
-        return jump
+        if after < len(keyframes) and not self._done() and keyframes[after] <= self._target(len(self.frames)) + 1e-9:
+            self._jumped = True
+            return after
+        return None
 
     def may_show(self, packet: av.Packet, fallback_duration: float) -> bool:
         """Whether the frame in ``packet`` can be on screen at a pending target: the targets in

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.faults import fault_point
 from resilient.trainer.data.config import DataConfig
 from resilient.trainer.data.loader import PrefetchLoader
 from resilient.trainer.data.state import check_state, fingerprint, make_state
@@ -107,6 +108,7 @@ class OmniPipeline:
 
     def next_batch(self) -> Batch:
         """This share's batch of the step at the cursor; the same batch until commit_step()."""
+        fault_point("data.next_batch")  # tests make one rank's loader slow here
         return self._loader.batch_at(self._cursor)
 
     def commit_step(self) -> None:

@@ -211,18 +211,18 @@ def test_peer_that_stops_during_the_handshake_is_dropped_while_others_are_served
 def test_tampered_message_is_refused_and_nothing_stored(server, secret, handler, where):
     session, _ = _raw_session(server, secret)
     payload = bytearray(secrets.token_bytes(4096))
-    head, mac = session.seal("put", "rank7/step-000000003", {"step": 3}, memoryview(payload))
-    head, mac = bytearray(head), bytearray(mac)
+    head, body, mac = session.seal("put", "rank7/step-000000003", {"step": 3}, memoryview(payload))
+    head, body, mac = bytearray(head), bytearray(body), bytearray(mac)
     # Flip one bit after the MAC was computed, as a man in the middle would.
     if where == "payload":
-        payload[1234] ^= 0x01
+        body[1234] ^= 0x01
     elif where == "header":
-        head[head.index(b"step-000000003") + 13] ^= 0x01  # ...03 -> ...02: another step's key
+        head[wire.PREFIX.size + 20] ^= 0x01  # the header is encrypted: any bit of it
     elif where == "mac":
         mac[0] ^= 0x01
     else:
         head[wire.PREFIX.size - 1] ^= 0x01  # payload_len 4096 -> 4097, then the MAC arrives one byte early
-    session.sock.sendall(head + payload + mac + (b"\0" if where == "prefix" else b""))
+    session.sock.sendall(head + body + mac + (b"\0" if where == "prefix" else b""))
     with session.sock:
         assert _closed_by_server(session.sock)
     _wait_for(lambda: len(server.rejected) == 1)
@@ -234,8 +234,8 @@ def test_tampered_message_is_refused_and_nothing_stored(server, secret, handler,
 
 def test_replayed_message_is_refused_on_the_same_and_a_new_connection(server, secret, handler):
     session, _ = _raw_session(server, secret)
-    head, mac = session.seal("put", "rank7/step-000000005", {"step": 5}, memoryview(b"snapshot"))
-    captured = head + b"snapshot" + mac
+    head, body, mac = session.seal("put", "rank7/step-000000005", {"step": 5}, memoryview(b"snapshot"))
+    captured = head + body + mac
     session.sock.sendall(captured)
     assert session.receive(1 << 20).op == "ok"
     assert server.stored == 1
@@ -303,8 +303,8 @@ def test_secret_appears_in_no_log_exception_or_repr(server, secret, handler, cap
             impostor.put("rank9/step-000000001", {}, b"x")
         errors.append(str(info.value) + repr(info.value.__cause__))
     session, _ = _raw_session(server, secret)
-    head, mac = session.seal("put", "rank7/step-000000001", {}, memoryview(b"abc"))
-    session.sock.sendall(head + b"abd" + mac)
+    head, body, mac = session.seal("put", "rank7/step-000000001", {}, memoryview(b"abc"))
+    session.sock.sendall(head + bytes([body[0], body[1], body[2] ^ 0x07]) + mac)
     with session.sock:
         assert _closed_by_server(session.sock)
     _wait_for(lambda: len(server.rejected) == 2)
@@ -332,7 +332,7 @@ def test_bytes_per_s_throttles_sending(server, secret, handler):
 def test_stalled_peer_is_dropped_after_timeout_while_others_are_served(secret, handler):
     with ReplicationServer(secret, handler, host="127.0.0.1", timeout_s=1.0) as server:
         session, _ = _raw_session(server, secret)
-        head, mac = session.seal("put", "rank7/step-000000001", {}, memoryview(bytes(100_000)))
+        head, _, _ = session.seal("put", "rank7/step-000000001", {}, memoryview(bytes(100_000)))
         session.sock.sendall(head + bytes(50_000))  # half the payload, then silence
         _assert_good_client_works(server, secret, handler)
         with session.sock:

@@ -87,10 +87,11 @@ def test_tampered_put_is_aborted_never_committed(secret):
     with ReplicationServer(secret, handler, host="127.0.0.1", timeout_s=10.0) as server:
         sock = socket.create_connection(server.address, timeout=10.0)
         session, _ = wire.client_handshake(sock, secret, 5, timeout_s=10.0)
-        head, tag = session.seal("put", "rank5/step-000000001", {}, memoryview(payload))
-        payload[len(payload) // 2] ^= 0x04  # a man in the middle, after the MAC
+        head, body, tag = session.seal("put", "rank5/step-000000001", {}, memoryview(payload))
+        body = bytearray(body)
+        body[len(body) // 2] ^= 0x04  # a man in the middle, after the MAC
         with sock:
-            sock.sendall(head + payload + tag)
+            sock.sendall(head + body + tag)
             _wait_for(lambda: len(server.rejected) == 1)
         assert "failed its MAC check" in server.rejected[0]
     assert handler.aborted == ["rank5/step-000000001"]

@@ -16,6 +16,7 @@ from resilient.recovery.ram import node_id
 from resilient.recovery.ram.node_id import resolve_node_id, sanitize
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import choose_step
+from resilient.recovery.ram.store import run_dir_key
 from tests.dist import run_world
 from tests.recovery.ram import node_workers
 
@@ -102,7 +103,8 @@ def test_restore_after_the_two_nodes_swapped_rank_numbers(tmp_path):
     assert [t["node_id"] for t in taken] == ["alpha", "beta"] and [t["buddy"] for t in taken] == [1, 0]
     assert all(t["copies"] == ["copied", "copied"] for t in taken)
     alpha, beta = taken[0]["node_dir"], taken[1]["node_dir"]
-    assert alpha == os.path.join(base, "alpha", "group0", "node-alpha")  # keyed by identity, not index
+    key = run_dir_key(os.path.join(base, "run"))  # stores are keyed by run under any store_dir
+    assert alpha == os.path.join(base, "alpha", key, "group0", "node-alpha")  # keyed by identity, not index
     own = _index(alpha, "own", 0, 4)
     assert (own["rank"], own["node_id"], own["local_rank"], own["step"]) == (0, "alpha", 0, 4)
     assert _index(beta, "buddy", 0, 4)["node_id"] == "alpha"  # the copy says whose it is
@@ -143,14 +145,17 @@ def _files(directory: str) -> list[str]:
 def test_stores_a_swap_left_behind_drop_their_abandoned_snapshots(tmp_path):
     base = str(tmp_path)
     run_world(node_workers.snapshot_on, 2, base, ["alpha", "beta"], [2, 4], "0-old", timeout_s=120)
-    beta = os.path.join(base, "beta", "group0", "node-beta")
-    assert _files(os.path.join(beta, "own", "rank1")) == ["slot0.bin", "slot1.bin"] + [
+    key = run_dir_key(os.path.join(base, "run"))
+    beta = os.path.join(base, "beta", key, "group0", "node-beta")
+    # keep=2: two visible, and the tier readies two more slots (one for a copy overlapping the
+    # previous one's replication) off the training thread.
+    assert _files(os.path.join(beta, "own", "rank1")) == [f"slot{k}.bin" for k in range(4)] + [
         f"step-{s:09d}.json" for s in (2, 4)
     ]
     # Swapped, and the run went on in a new timeline (e.g. restored from storage): nothing will
     # ever publish into beta's own/rank1 or buddy/rank0 again, and their snapshots can never restore.
     run_world(node_workers.snapshot_on, 2, base, ["beta", "alpha"], [6], "1-new", timeout_s=120)
-    alpha = os.path.join(base, "alpha", "group0", "node-alpha")
+    alpha = os.path.join(base, "alpha", key, "group0", "node-alpha")
     for left in (os.path.join(beta, "own", "rank1"), os.path.join(beta, "buddy", "rank0")):
         assert _files(left) == [], left
     for left in (os.path.join(alpha, "own", "rank0"), os.path.join(alpha, "buddy", "rank1")):
@@ -159,7 +164,8 @@ def test_stores_a_swap_left_behind_drop_their_abandoned_snapshots(tmp_path):
     for node, rank, kind in ((beta, 0, "own"), (alpha, 1, "own"), (alpha, 0, "buddy"), (beta, 1, "buddy")):
         index = _index(node, kind, rank, 6)
         assert (index["rank"], index["timeline"], index["step"]) == (rank, "1-new", 6)
-        assert _files(os.path.join(node, kind, f"rank{rank}")) == ["slot0.bin", "step-000000006.json"]
+        slots = [f"slot{k}.bin" for k in range(4 if kind == "own" else 1)]  # own: readied ahead
+        assert _files(os.path.join(node, kind, f"rank{rank}")) == [*slots, "step-000000006.json"]
 
 
 @pytest.mark.dist

@@ -16,6 +16,7 @@ from resilient.recovery.ram.store import (
     mark_store,
     tensor_view,
 )
+from resilient.recovery.ram.timeline import Timeline
 from tests.recovery.ram.workers import write_snapshot
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,7 +105,7 @@ def test_a_late_publish_of_an_older_timeline_never_evicts_the_current_one(tmp_pa
     # Where the current timeline is known (the tier's), a late publish is itself dropped at once;
     # publishes of the current one drop every other timeline (a lost record restarts the
     # incarnation count, so a higher one can be of an abandoned history too).
-    store.current = lambda: new
+    store.current = lambda: Timeline(run_id="run", incarnation=1, timeline="1-bb")
     write_snapshot(store, 52, 52.0, tags=old)
     assert sorted(store.indexes()) == [4, 6]
     write_snapshot(store, 60, 60.0, tags=("run", "7-dd"))

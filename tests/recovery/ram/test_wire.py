@@ -99,12 +99,12 @@ def test_fresh_buffers_are_bytearrays_when_small_and_populated_mappings_when_big
 def test_tampered_frame_is_rejected(pair, where):
     client, server = pair
     payload = bytearray(secrets.token_bytes(3 * 1024 * 1024))
-    head, tag = client.seal("put", "rank0/step-000000002", {"step": 2}, memoryview(payload))
-    head, tag = bytearray(head), bytearray(tag)
+    head, body, tag = client.seal("put", "rank0/step-000000002", {"step": 2}, memoryview(payload))
+    head, body, tag = bytearray(head), bytearray(body), bytearray(tag)
     if where == "payload":
-        payload[-1] ^= 0x80
+        body[-1] ^= 0x80
     elif where == "header":
-        head[head.index(b"step-000000002") + 13] ^= 0x01
+        head[wire.PREFIX.size + 20] ^= 0x01  # encrypted: any bit of it
     elif where == "head_tag":
         head[-1] ^= 0x01
     elif where == "tag":
@@ -113,7 +113,7 @@ def test_tampered_frame_is_rejected(pair, where):
         head[wire.PREFIX.size - 1] ^= 0x01  # payload_len + 1
     landed = bytearray(len(payload) + 1)
     # In the background: the frame outgrows the socket buffers, and a header failure stops reading early.
-    _in_background(lambda: client.sock.sendall(head + payload + tag + b"\0"))
+    _in_background(lambda: client.sock.sendall(head + body + tag + b"\0"))
     with pytest.raises(wire.ChannelError, match=r"message #0 failed its MAC check"):
         server.receive(1 << 30, lambda op, key, meta, n: memoryview(landed)[:n])
 
@@ -124,36 +124,37 @@ def test_a_scattered_payload_is_authenticated_across_its_views(pair):
     # every piece (what it computed is dropped with the frame).
     client, server = pair
     payload = bytearray(secrets.token_bytes(3 * 1024 * 1024 + 5))
-    head, tag = client.seal("value", "rank0/step-000000002", {}, memoryview(payload))
+    head, body, tag = client.seal("value", "rank0/step-000000002", {}, memoryview(payload))
     sizes = [1024 * 1024 + 3, 7, len(payload) - 1024 * 1024 - 10]
     views = [memoryview(bytearray(n)) for n in sizes]
     seen: list[int] = []
     scatter = wire.Scatter(views, lambda i, piece: seen.append(i))
-    _in_background(lambda: client.sock.sendall(head + payload + tag))
+    _in_background(lambda: client.sock.sendall(head + body + tag))
     message = server.receive(1 << 30, lambda op, key, meta, n: scatter)
     assert message.payload is scatter and b"".join(bytes(v) for v in views) == bytes(payload)
     assert seen == [0, 0, 1, 2, 2]  # 1 MiB pieces within each view
-    head, tag = client.seal("value", "rank0/step-000000004", {}, memoryview(payload))
-    payload[sizes[0]] ^= 0x01  # the first byte of the second view, in flight
-    _in_background(lambda: client.sock.sendall(head + payload + tag))
+    head, body, tag = client.seal("value", "rank0/step-000000004", {}, memoryview(payload))
+    body = bytearray(body)
+    body[sizes[0]] ^= 0x01  # the first byte of the second view, in flight
+    _in_background(lambda: client.sock.sendall(head + body + tag))
     with pytest.raises(wire.ChannelError, match=r"message #1 failed its MAC check"):
         server.receive(1 << 30, lambda op, key, meta, n: wire.Scatter([memoryview(bytearray(n))]))
 
 
 def test_replayed_and_reordered_frames_are_rejected(pair):
     client, server = pair
-    first = client.seal("put", "k", {"n": 0}, memoryview(b"zero"))
-    client.sock.sendall(first[0] + b"zero" + first[1])
+    first = b"".join(client.seal("put", "k", {"n": 0}, memoryview(b"zero")))
+    client.sock.sendall(first)
     assert server.receive(1 << 20).meta == {"n": 0}
-    client.sock.sendall(first[0] + b"zero" + first[1])  # replay: the server expects #1 now
+    client.sock.sendall(first)  # replay: the server expects #1 now
     with pytest.raises(wire.ChannelError, match=r"message #1 failed its MAC check"):
         server.receive(1 << 20)
 
     client2, server2 = _fresh_pair()
-    a = client2.seal("put", "k", {"n": 0}, memoryview(b"zero"))
-    b = client2.seal("put", "k", {"n": 1}, memoryview(b"one"))
+    a = b"".join(client2.seal("put", "k", {"n": 0}, memoryview(b"zero")))
+    b = b"".join(client2.seal("put", "k", {"n": 1}, memoryview(b"one")))
     with client2.sock, server2.sock:
-        client2.sock.sendall(b[0] + b"one" + b[1] + a[0] + b"zero" + a[1])  # reordered
+        client2.sock.sendall(b + a)  # reordered
         with pytest.raises(wire.ChannelError, match=r"message #0 failed its MAC check"):
             server2.receive(1 << 20)
 
@@ -161,8 +162,7 @@ def test_replayed_and_reordered_frames_are_rejected(pair):
 def test_frame_reflected_back_to_its_sender_is_rejected(pair):
     """The direction is in the IV: a client's own frame echoed to it does not verify."""
     client, server = pair
-    head, tag = client.seal("ok", "k", {}, memoryview(b"x"))
-    server.sock.sendall(head + b"x" + tag)
+    server.sock.sendall(b"".join(client.seal("ok", "k", {}, memoryview(b"x"))))
     with pytest.raises(wire.ChannelError, match="failed its MAC check"):
         client.receive(1 << 20)
 
@@ -186,9 +186,10 @@ def test_tags_differ_per_sequence_number_and_direction():
     frames = [one.seal("put", "k", {}, memoryview(b"same")) for _ in range(3)] + [
         other.seal("put", "k", {}, memoryview(b"same"))
     ]
-    assert len({head for head, _ in frames}) == 4  # head tags differ (the header bytes do not)
-    assert len({tag for _, tag in frames}) == 4
-    assert all(len(tag) == wire.TAG_BYTES for _, tag in frames)
+    assert len({head for head, _, _ in frames}) == 4  # the encrypted headers and their tags differ
+    assert len({body for _, body, _ in frames}) == 4  # so do the encrypted payloads of one plaintext
+    assert len({tag for _, _, tag in frames}) == 4
+    assert all(len(tag) == wire.TAG_BYTES for _, _, tag in frames)
 
 
 def test_discarded_payload_is_authenticated_and_the_stream_stays_in_step(pair):

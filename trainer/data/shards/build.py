@@ -143,6 +143,9 @@ def build(config: BuildConfig) -> BuildSummary:
         samples.sort(key=lambda s: s.key)
         tokenizer = train_tokenizer((t for s in samples for t in all_strings(s.text)), config.vocab_size)
         shards = _write_shards(destination, _cut(samples, config.shard_size), tokenizer, config.progress)
+        gone = {skip.key for shard in shards for skip in shard.skipped}
+        skipped += [skip.skip for shard in shards for skip in shard.skipped]
+        samples = [s for s in samples if s.key not in gone]
         manifest = _finish(destination, shards, samples, skipped, tokenizer)
     finally:
         destination.cleanup()
@@ -185,12 +188,21 @@ def _cut(samples: list[ProbedSample], shard_size: int) -> list[list[ProbedSample
 
 
 @dataclass(slots=True)
+class _Dropped:
+    """A sample left out while its shard was written (its file changed since it was probed)."""
+
+    key: str
+    skip: Skip
+
+
+@dataclass(slots=True)
 class _WrittenShard:
     tar: str
     index: str
     index_bytes: bytes
     samples: int
     bytes: int
+    skipped: list[_Dropped] = field(default_factory=list)
 
 
 def _write_shards(destination, shards, tokenizer, progress: bool) -> list[_WrittenShard]:
@@ -202,14 +214,14 @@ def _write_shards(destination, shards, tokenizer, progress: bool) -> list[_Writt
         for number, shard in enumerate(shards):
             tar_name, index_name = fmt.shard_tar_name(number), fmt.shard_index_name(number)
             tar_path = destination.local(tar_name)
-            entries = _write_tar(tar_path, shard, tokenizer, bar.update)
+            entries, dropped = _write_tar(tar_path, shard, tokenizer, bar.update)
             index = {"tar": tar_name, "samples": entries}
             index_bytes = json.dumps(index, separators=(",", ":"), ensure_ascii=False).encode()
             _write_file(destination.local(index_name), index_bytes)
             tar_bytes = os.path.getsize(tar_path)
             destination.publish(tar_name)
             destination.publish(index_name)
-            written.append(_WrittenShard(tar_name, index_name, index_bytes, len(shard), tar_bytes))
+            written.append(_WrittenShard(tar_name, index_name, index_bytes, len(entries), tar_bytes, dropped))
     return written
 
 
@@ -235,25 +247,49 @@ def _add_member(tar: tarfile.TarFile, name: str, fileobj, size: int) -> list[int
     return [tar.offset - _member_bytes(size) + TAR_BLOCK, size]
 
 
-def _write_tar(path: str, samples: list[ProbedSample], tokenizer, advance) -> list[dict]:
-    """Write one shard's tar; its index entries. Members of a sample are adjacent: media, then text."""
-    import io
-
-    entries = []
+def _write_tar(path: str, samples: list[ProbedSample], tokenizer, advance) -> tuple[list[dict], list[_Dropped]]:
+    """Write one shard's tar; its index entries, and the samples left out. Members of a sample are
+    adjacent: media, then text. A sample whose file changed or went away since it was probed is
+    left out (what it wrote of itself cut off again), named in skipped.jsonl: the build goes on."""
+    entries, dropped = [], []
     with open(path, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for sample in samples:
-                members = {}
-                for ext, source, size in sample.files:
-                    with open(source, "rb") as media:
-                        members[ext] = _add_member(tar, f"{sample.key}.{ext}", media, size)
-                text = text_bytes(sample.text)
-                members[fmt.TEXT_EXT] = _add_member(tar, f"{sample.key}.{fmt.TEXT_EXT}", io.BytesIO(text), len(text))
+                start, count = tar.offset, len(tar.members)
+                try:
+                    members = _add_sample(tar, sample)
+                except OSError as e:
+                    f.seek(start)
+                    f.truncate()
+                    tar.offset = start
+                    del tar.members[count:]
+                    where = getattr(e, "filename", None) or sample.files[0][1]
+                    dropped.append(_Dropped(sample.key, Skip(where, f"changed since it was probed: {e}")))
+                    continue
+                finally:
+                    advance(_sample_bytes(sample))
                 entries.append(_index_entry(sample, members, tokenizer))
-                advance(_sample_bytes(sample))
         f.flush()
         os.fsync(f.fileno())
-    return entries
+    return entries, dropped
+
+
+def _add_sample(tar: tarfile.TarFile, sample: ProbedSample) -> dict:
+    """One sample's members; OSError when a file no longer has the size it was probed with."""
+    import io
+
+    members = {}
+    for ext, source, size in sample.files:
+        with open(source, "rb") as media:
+            now = os.fstat(media.fileno()).st_size
+            if now != size:  # a grown file would be cut, a shrunk one end the tar mid-member
+                changed = OSError(f"{size} bytes when probed, {now} now")
+                changed.filename = source
+                raise changed
+            members[ext] = _add_member(tar, f"{sample.key}.{ext}", media, size)
+    text = text_bytes(sample.text)
+    members[fmt.TEXT_EXT] = _add_member(tar, f"{sample.key}.{fmt.TEXT_EXT}", io.BytesIO(text), len(text))
+    return members
 
 
 def _index_entry(sample: ProbedSample, members: dict, tokenizer) -> dict:

@@ -137,6 +137,8 @@ def _from_manifest(src: str) -> tuple[list[Candidate], list[Skip]]:
             candidates.append(_manifest_line(json.loads(line), base, where))
         except (ValueError, TextError) as e:  # json's JSONDecodeError is a ValueError
             skipped.append(Skip(where, str(e)))
+        except RecursionError:  # a line nested deeper than the parser's stack
+            skipped.append(Skip(where, "JSON nested too deeply to parse"))
     return candidates, skipped
 
 

@@ -10,10 +10,14 @@ that may already hold threads (tqdm's monitor, boto3's pools).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 from resilient.trainer.data.shards.discover import Candidate, Skip
 from resilient.trainer.data.shards.probe import MediaInfo, ProbeError, probe
@@ -44,7 +48,18 @@ def _ext(path: str) -> str:
 
 
 def probe_sample(c: Candidate) -> ProbedSample | Skip:
-    """One candidate, probed; a Skip names the file at fault and why."""
+    """One candidate, probed; a Skip names the file at fault and why. Whatever one sample's files
+    raise (a decoder's own error, a caption nested too deeply) skips that sample, never the build;
+    MemoryError is not the sample's fault and is raised."""
+    try:
+        return _probe_sample(c)
+    except MemoryError:
+        raise
+    except Exception as e:
+        return Skip(c.origin, f"probe failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def _probe_sample(c: Candidate) -> ProbedSample | Skip:
     infos: dict[str, MediaInfo] = {}
     for path in filter(None, (c.video_path, c.audio_path)):
         try:
@@ -93,7 +108,7 @@ def probe_all(candidates: list[Candidate], *, workers: int, progress: bool) -> t
 
     samples: list[ProbedSample] = []
     skipped: list[Skip] = []
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resilient-data-probe")
+    pool = _DaemonPool(workers)
     try:
         in_flight = _submitted_in_order(pool, candidates, window=IN_FLIGHT_PER_WORKER * workers)
         for c, future in tqdm(in_flight, total=len(candidates), desc="probe", unit="sample", disable=not progress):
@@ -103,11 +118,51 @@ def probe_all(candidates: list[Candidate], *, workers: int, progress: bool) -> t
                 result = Skip(c.origin, f"probe did not finish within {SAMPLE_TIMEOUT_S:g} s")
             (skipped if isinstance(result, Skip) else samples).append(result)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # a hung probe must not hold the build
+        pool.shutdown()  # a hung probe must not hold the build
     return samples, skipped
 
 
-def _submitted_in_order(pool: ThreadPoolExecutor, candidates: list[Candidate], window: int):
+class _DaemonPool:
+    """A thread pool whose threads are daemons: a probe hung in a read of a dead mount is skipped,
+    and the process still exits (``ThreadPoolExecutor`` joins its threads at interpreter exit, so
+    one hung probe kept a finished build from ever exiting)."""
+
+    def __init__(self, workers: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"resilient-data-probe-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the caller, which decides
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Stop the threads once their current probe returns; never waits for one."""
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _submitted_in_order(pool: _DaemonPool, candidates: list[Candidate], window: int):
     """(candidate, future) in candidate order, with at most ``window`` submitted and not yet
     handed out: a million-file corpus does not become a million pending futures."""
     pending: deque = deque()

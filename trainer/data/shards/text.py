@@ -42,6 +42,8 @@ def read_text_file(path: str) -> dict:
         data = json.loads(raw)
     except ValueError as e:
         raise TextError(f"not JSON: {e}") from e
+    except RecursionError as e:  # nested deeper than the parser's stack: no caption is that deep
+        raise TextError("not a caption: JSON nested too deeply to parse") from e
     if not isinstance(data, dict):
         raise TextError('expected a JSON object {"text": ..., "segments": [...]}')
     return normalize(data.get("text") or "", data.get("segments") or [])

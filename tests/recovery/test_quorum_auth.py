@@ -1,0 +1,129 @@
+"""Only members that hold the job secret contribute to a quorum (``recovery/quorum_auth.py``).
+
+Before: anyone who reached the lighthouse's port could register as a replica group and join the
+cross-group gradient all-reduce (a SUM), or take participating rank 0.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from resilient.dist import free_port
+from resilient.recovery.config import ReplicaConfig
+from resilient.recovery.quorum import ReplicaGroupSync
+from resilient.recovery.quorum_auth import MemberCheck, member_id, proof_address
+from resilient.recovery.transport import HealTransport
+from resilient.trainer.lighthouse import interface_of, kill_group, start_lighthouse
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET, OTHER = b"s" * 32, b"o" * 32
+
+
+def _transport(secret: bytes, replica_id: str) -> HealTransport:
+    transport = HealTransport(secret, rank=0, host="127.0.0.1", timeout=timedelta(seconds=5))
+    transport.replica_id = replica_id
+    return transport
+
+
+@pytest.mark.timeout(30)
+def test_a_member_id_names_where_it_proves_itself():
+    for host in ("127.0.0.1", "::1", "node-7.cluster"):
+        member = f"{member_id(12, host, 4567)}:9f1c-uuid"
+        assert member.split(":")[0] == "group00012" and proof_address(member) == (host, 4567)
+    assert member_id(3, "h", 1).endswith(".g3")  # torchft reads the global rank from trailing digits
+    assert proof_address("group00001:0b6f-uuid") is None and proof_address("group00001:auth.%%.g1:x") is None
+
+
+@pytest.mark.timeout(30)
+def test_only_members_that_hold_the_secret_are_proven():
+    real = _transport(SECRET, "")
+    real.replica_id = f"{member_id(1, *real.address)}:u1"
+    stranger = _transport(OTHER, "")
+    stranger.replica_id = f"{member_id(2, *stranger.address)}:u2"
+    try:
+        check = MemberCheck(SECRET, rank=0, timeout_s=5)
+        posing = f"{member_id(3, *real.address)}:u3"  # names a real group's server as its own
+        own = "group00000:mine"
+        unproven = check.unproven([own, real.replica_id, stranger.replica_id, posing, "group00004:u4"], own)
+        assert sorted(unproven) == sorted([stranger.replica_id, posing, "group00004:u4"])
+        assert "no proof of the job secret from 127.0.0.1" in unproven[stranger.replica_id]
+        assert unproven[posing].endswith(f"proves the job secret for {real.replica_id!r}, not for this member")
+        assert "names no place" in unproven["group00004:u4"]
+        assert stranger.rejected  # the stranger's server saw our handshake fail too
+    finally:
+        real.shutdown()
+        stranger.shutdown()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_stranger_that_joins_the_quorum_gets_nothing_and_nothing_commits(tmp_path, monkeypatch):
+    port = free_port()
+    with open(tmp_path / "lighthouse.log", "w") as log:
+        lighthouse = start_lighthouse(port, log, join_timeout_ms=60000, heartbeat_timeout_ms=5000, min_replicas=2)
+    url = f"http://127.0.0.1:{port}"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    stranger = subprocess.Popen(
+        [sys.executable, "-m", "tests.recovery.quorum_stranger", url, "2"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    sync = None
+    try:
+        config = ReplicaConfig(enabled=True, groups=2, lighthouse=url, quorum_timeout_s=60, timeout_s=10)
+        sync = ReplicaGroupSync(
+            config,
+            group=0,
+            rank=0,
+            world_size=1,
+            state_dict=lambda: {},
+            load_state_dict=lambda state: None,
+            secret=SECRET,
+            host="127.0.0.1",
+        )
+        quorum = sync.start_step()
+        assert quorum.num_participants == 2 and len(quorum.members) == 2
+        ((member, reason),) = quorum.unproven.items()
+        assert member.startswith("group00001:") and "names no place" in reason
+        grad = torch.ones(4)
+        assert sync.allreduce_sum(grad) is False and grad.tolist() == [1.0] * 4  # nothing crossed
+        assert sync.should_commit() is False
+        assert sync.current_step() == 0
+        out, _ = stranger.communicate(timeout=120)
+        assert '"commit": true' not in out, out[-2000:]
+    finally:
+        if sync is not None:
+            sync.shutdown()
+        if stranger.poll() is None:
+            stranger.kill()
+        kill_group(lighthouse)
+
+
+@pytest.mark.timeout(90)
+def test_the_lighthouse_listens_on_the_jobs_interface_only(tmp_path):
+    # Before: across nodes it bound 0.0.0.0, reachable on every interface of node 0.
+    assert interface_of("127.0.0.2:29500") == "127.0.0.2" and interface_of("localhost:1") == "127.0.0.1"
+    assert interface_of("[::1]:29500") == "::1"
+    port = free_port("127.0.0.2")
+    with open(tmp_path / "lighthouse.log", "w") as log:
+        lighthouse = start_lighthouse(
+            port, log, join_timeout_ms=1000, heartbeat_timeout_ms=1000, bind=interface_of(f"127.0.0.2:{port}")
+        )
+    try:
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        kill_group(lighthouse)
