@@ -26,9 +26,9 @@ The shard bytes and their keys are the same in versions 2 and 3."""
 READABLE_VERSIONS = (1, 2, 3)
 # The layout's default chunk sizes, here (torch-free) so that a config can name them without torch.
 DEFAULT_INNER_CHUNK_BYTES = 1 << 20
-"""A resharded load reads whole inner chunks: with 4 MiB ones, ckpt_bench's 4->3 load of FSDP row
-shards (4 MiB each) fetched ~1.5x the bytes it needed, with 1 MiB ones ~1.1x (benchmarks/README.md,
-"packed layout"); a chunk costs 20 bytes of index and crc, and the save writes the same bytes."""
+"""A resharded load reads whole inner chunks: smaller ones fetch fewer bytes it does not need
+(ckpt_bench's ``read_amplification``; benchmarks/README.md, "Choices in the code"); a chunk costs
+20 bytes of index and crc, and the save writes the same bytes."""
 DEFAULT_MAX_SHARD_BYTES = 1 << 30  # S3 PUTs one object whole: stay far below its 5 GiB limit
 MANIFEST = "manifest.json"
 LATEST = "latest"

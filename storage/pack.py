@@ -12,8 +12,9 @@ each shard's (pack, offset, length) and nothing is listed or parsed at load time
 The format's limits are kept below ZIP64's: a pack ends before ``PACK_MAX_BYTES`` of entries or
 ``PACK_MAX_ENTRIES`` entries, and another one starts (a shard is at most ``DEFAULT_MAX_SHARD_BYTES``,
 1 GiB, so each full pack holds more than 2 GiB: at most 3 packs per 4 GiB a rank writes).
-Each entry carries the CRC-32 ZIP requires (ISA-L's, ~10 GiB/s here, when installed); the
-checkpoint's own integrity check stays the crc32c of every inner chunk and shard index.
+Each entry carries the CRC-32 ZIP requires (ISA-L's: as fast as crc32c, where zlib's would slow a
+big save; benchmarks/README.md, "Choices in the code"); the checkpoint's own integrity check
+stays the crc32c of every inner chunk and shard index.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from resilient.storage.parallel import run_parallel
 
-try:  # ISA-L's CRC-32: ~6x zlib's here (benchmarks/README.md, "pack CRC-32")
+try:  # ISA-L's CRC-32, several times zlib's (benchmarks/README.md, "Choices in the code")
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
     from zlib import crc32 as _crc32

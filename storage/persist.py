@@ -166,7 +166,7 @@ def write_rank(job: PersistJob, items: list[RegionData], location: Location, sto
 
 def _spans(items: list[RegionData], cap: int) -> list[range]:
     """Consecutive items in runs of about ``cap`` bytes: a task per tiny tensor costs more in
-    thread hand-offs than encoding it (encoding is crc32c and views, ~10 GiB/s)."""
+    thread hand-offs than encoding it (encoding is crc32c and views)."""
     spans, start, total = [], 0, 0
     for i, item in enumerate(items):
         total += item.data.nbytes

@@ -104,8 +104,8 @@ class SavePlanner:
     def _copy_early(
         self, agreement: dist.Agreement, locals_: dict[str, LocalTensor], busy: bool, copy: Callable
     ) -> Early | None:
-        """Copy this rank's part while the agreement crosses (its latency, ~5-40 ms among 4 ranks
-        on 2 cores, was a third of save()'s stall), by the last plan: valid unless some rank's
+        """Copy this rank's part while the agreement crosses (its latency was a large part of
+        save()'s stall), by the last plan: valid unless some rank's
         layout changed, which the agreement tells; then it is discarded, as when a rank failed.
         Only under if_busy="wait", where no rank can be busy: under "skip", a peer still busy
         would make a ready rank pay for a copy that is thrown away."""

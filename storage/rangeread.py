@@ -11,9 +11,9 @@ crc32c and every index's are verified before a byte lands in a destination. Requ
 through TensorStore's kvstore (its S3 client: credentials, endpoint, retries), all in flight at
 once up to the load's byte budget.
 
-TensorStore's own zarr3-over-``zip`` path (the spec a plain reader uses) opens the pack's ZIP
-directory for every array: 2,000 small tensors took ~100 s to load from the loopback endpoint
-against ~2 s for DCP (benchmarks/README.md, "packed layout"); this path takes them in one pass.
+TensorStore's own zarr3-over-``zip`` path (the spec a plain reader uses) reads the pack's ZIP
+directory again for every array, which made a load of many small tensors many times slower than
+DCP's (benchmarks/README.md, "Choices in the code"); this path takes them in one pass.
 """
 
 from __future__ import annotations

@@ -89,18 +89,14 @@ def test_commits_verify_fails_on_a_bad_step_and_on_an_undetected_corruption(tmp_
 
 
 def _flip_a_chunk_byte(step_dir: str) -> None:
-    chunks = sorted(  # the data objects: format v3's packs, older versions' "0", "1.0", ... (the rest is JSON)
-        (
-            os.path.join(d, f)
-            for d, _, fs in os.walk(step_dir)
-            for f in fs
-            if f.startswith("pack-") or f.replace(".", "").isdigit()
-        ),
-        key=lambda path: -os.path.getsize(path),  # the biggest: its middle is tensor bytes, not a header
-    )
-    data = bytearray(Path(chunks[0]).read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    Path(chunks[0]).write_bytes(bytes(data))
+    """Flip the middle byte of the step's first shard, where the manifest says it lies in its pack."""
+    manifest = json.loads(Path(step_dir, "manifest.json").read_text())
+    entry = next(a for _, a in sorted(manifest["arrays"].items()) if a["shards"])
+    pack, offset, nbytes = next(iter(entry["shards"].values()))
+    path = Path(step_dir, manifest["attempt"], pack)
+    data = bytearray(path.read_bytes())
+    data[offset + nbytes // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_final_step_durable_fails_unless_the_last_step_is_committed_and_verifies(tmp_path: Path) -> None:
