@@ -187,7 +187,9 @@ class Trainer:
 
         def save() -> None:
             self.checkpointer.wait()  # a save still persisting first: if_busy="skip" must not skip this one
-            if self._saved_step != self.step and self._saves_this_step():
+            # Committed, not "saved": a step restored from RAM was never written (resume sets
+            # _saved_step to it), and a save in flight may have been the one that just failed.
+            if self.step not in self._committed_steps() and self._saves_this_step():
                 self.save()
             self.checkpointer.wait()
 
