@@ -186,7 +186,10 @@ class Trainer:
         """Save the current step and wait for its commit (every rank alike), record the event."""
 
         def save() -> None:
-            self.checkpointer.wait()  # a save still persisting first: if_busy="skip" must not skip this one
+            try:  # a save still persisting first: if_busy="skip" must not skip this one
+                self.checkpointer.wait()
+            except CommitError as error:  # that earlier save failed (on every rank alike): save this step anyway
+                log.warning("preempted at step %d: an earlier save failed (%s); saving this step", self.step, error)
             # Committed, not "saved": a step restored from RAM was never written (resume sets
             # _saved_step to it), and a save in flight may have been the one that just failed.
             if self.step not in self._committed_steps() and self._saves_this_step():

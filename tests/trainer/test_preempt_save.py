@@ -68,3 +68,12 @@ def test_a_committed_step_is_not_saved_again() -> None:
     trainer = _trainer(6, checkpointer, saved_step=6)
     assert trainer._stop_preempted(signal.SIGTERM).step == 6
     assert checkpointer.saved == []
+
+
+@pytest.mark.timeout(10)
+def test_an_earlier_failed_save_does_not_stop_the_stop_step_being_saved() -> None:
+    # A background save of step 4 failed; the first wait raises that (stale) error on every rank.
+    checkpointer = FakeCheckpointer(committed=[2], stale=CommitError("step 4: disk full"))
+    trainer = _trainer(5, checkpointer, saved_step=4)
+    assert trainer._stop_preempted(signal.SIGTERM).step == 5
+    assert checkpointer.saved == [5] and checkpointer.committed == [2, 5]
