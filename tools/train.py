@@ -245,12 +245,14 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     code = run_replicated(launch, forwarded_signals(config))
-    if preempted_since(config.run.dir, started):
-        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
+    line = reported_since(config.run.dir, started)
+    # A group stopped for a preemption; 143 (resumable) only if no group failed for a reason of its
+    # own (one that failed writing the stop step says so, and a rerun would not fix it by itself).
+    if preempted_since(config.run.dir, started) and line is None:
+        return PREEMPTED_EXIT
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
-    elif code != 0:
-        line = reported_since(config.run.dir, started)
+    elif code != 0 or line:
         where = f"the groups' logs are in {logs_dir(config.run.dir)}"
         print(f"{line} ({where})" if line else f"error: a replica group exited with {code}; {where}", file=sys.stderr)
         if not line:

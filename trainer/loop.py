@@ -183,9 +183,12 @@ class Trainer:
                 raise
 
     def _stop_preempted(self, signum: int) -> Preempted:
-        """Save the current step and wait for its commit (every rank alike), record the event."""
+        """Save the current step and wait for its commit (every rank alike), record the event. With
+        replica groups one group writes the step: another one says only what it saw."""
+        wrote = False
 
         def save() -> None:
+            nonlocal wrote
             try:  # a save still persisting first: if_busy="skip" must not skip this one
                 self.checkpointer.wait()
             except CommitError as error:  # that earlier save failed (on every rank alike): save this step anyway
@@ -194,12 +197,17 @@ class Trainer:
             # _saved_step to it), and a save in flight may have been the one that just failed.
             if self.step not in self._committed_steps() and self._saves_this_step():
                 self.save()
+                wrote = True
             self.checkpointer.wait()
 
         def record(event: str, **fields: Any) -> None:
+            ours = wrote or isinstance(self.sync, LocalSync)  # a lone group wrote every step it has
             if self.outputs.enabled:
-                write_event(self.config.run.dir, event, group=group_id(), **fields)
-            where = "is committed" if fields["committed"] else "is not committed here (a peer group writes it)"
+                write_event(self.config.run.dir, event, group=group_id(), wrote=wrote, **fields)
+            if not fields["committed"]:
+                where = "is not committed here (a peer group writes it)"
+            else:
+                where = "is committed" if ours else "is committed (by a peer group)"
             self.outputs.message(f"preempted: step {self.step} {where}; exiting {PREEMPTED_EXIT} to be resumed")
 
         with self.observer.paused():  # the save may take long: not a hang

@@ -11,10 +11,16 @@ periodic save would be lost. With it:
    integer over the group): the signal reaches ranks at different moments, the stop step must be
    the same on all of them;
 3. the ranks save that step (unless it is already committed) and wait until it is committed: a RAM
-   snapshot alone would die with the pod, so this is a persistent save, agreed like every save;
-4. rank 0 records a ``preempted`` event (``step``, ``signal``, ``seconds``), and every rank exits
-   143 (128 + SIGTERM): the run is not finished, so neither a launcher nor a scheduler takes it
-   for done, and the next start resumes from the saved step.
+   snapshot alone would die with the pod, so this is a persistent save, agreed like every save.
+   With replica groups only the group that writes the step saves it; the others do not wait for
+   that group, so their step may not be committed yet when they stop (and is lost if that group
+   fails: the next start then resumes from an older committed step);
+4. each group's rank 0 records a ``preempted`` event (``step``, ``signal``, ``seconds``,
+   ``committed``: seen committed when it stopped, ``wrote``: this group wrote it), and every rank
+   exits 143 (128 + SIGTERM): the run is not finished, so neither a launcher nor a scheduler takes
+   it for done, and the next start resumes from the newest committed step. A save that fails is an
+   error like any other (exit 1 or 2, not 143); the replica-group launcher returns 143 only when no
+   group reported an error.
 
 The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``) that covers
 ``run.preempt_grace_s``: torchrun kills its workers that long after passing the signal on.
@@ -108,8 +114,9 @@ def stop_preempted(
     committed: Callable[[], list[int]],
     record: Callable[..., None],
 ) -> Preempted:
-    """Make ``step`` durable and say so: ``save`` saves and waits for its commit (collective; it
-    raises on every rank alike when the save fails), ``committed`` lists the committed steps
+    """Make ``step`` durable if this group writes it, and say what it saw: ``save`` saves (if this
+    group writes the step) and waits for its commit (collective; it raises on every rank alike when
+    the save fails), ``committed`` lists the committed steps
     (collective), ``record(event, **fields)`` writes the event (rank 0) and says whether the step
     is committed (``committed``). Returns the error to raise."""
     start = time.monotonic()

@@ -13,6 +13,7 @@ import pytest
 from resilient.errors import CommitError
 from resilient.trainer.loop import Trainer
 from resilient.trainer.preempt import Preempted
+from resilient.trainer.sync import LocalSync
 
 
 class FakeCheckpointer:
@@ -42,6 +43,7 @@ def _trainer(step: int, checkpointer: FakeCheckpointer, *, saved_step: int | Non
         trainer._saved_step = trainer.step
 
     trainer.step = step
+    trainer.sync = LocalSync()
     trainer._saved_step = saved_step
     trainer.checkpointer = checkpointer
     trainer.save = save
@@ -77,3 +79,14 @@ def test_an_earlier_failed_save_does_not_stop_the_stop_step_being_saved() -> Non
     trainer = _trainer(5, checkpointer, saved_step=4)
     assert trainer._stop_preempted(signal.SIGTERM).step == 5
     assert checkpointer.saved == [5] and checkpointer.committed == [2, 5]
+
+
+@pytest.mark.timeout(10)
+def test_a_replica_group_that_did_not_write_the_step_does_not_say_it_committed_it() -> None:
+    checkpointer = FakeCheckpointer(committed=[6])  # a peer group committed step 6
+    trainer = _trainer(6, checkpointer, saved_step=None)
+    trainer.sync = object()  # not LocalSync: one of several replica groups
+    trainer._saves_this_step = lambda: False
+    trainer._stop_preempted(signal.SIGTERM)
+    assert checkpointer.saved == []
+    assert trainer.outputs.messages == ["preempted: step 6 is committed (by a peer group); exiting 143 to be resumed"]
