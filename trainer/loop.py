@@ -39,7 +39,14 @@ from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, f
 from resilient.trainer.observe import RunObserver
 from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.peak import Peak
-from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted, PreemptWatch, preempt_signals, stop_preempted
+from resilient.trainer.preempt import (
+    Preempted,
+    PreemptWatch,
+    preempt_signals,
+    save_stop_step,
+    stop_line,
+    stop_preempted,
+)
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
 
@@ -183,32 +190,17 @@ class Trainer:
                 raise
 
     def _stop_preempted(self, signum: int) -> Preempted:
-        """Save the current step and wait for its commit (every rank alike), record the event. With
-        replica groups one group writes the step: another one says only what it saw."""
-        wrote = False
+        """Save the current step (if this group writes it), wait for its commit, record the event."""
+        wrote, ckpt, steps, writes = [False], self.checkpointer, self._committed_steps, self._saves_this_step
 
         def save() -> None:
-            nonlocal wrote
-            try:  # a save still persisting first: if_busy="skip" must not skip this one
-                self.checkpointer.wait()
-            except CommitError as error:  # that earlier save failed (on every rank alike): save this step anyway
-                log.warning("preempted at step %d: an earlier save failed (%s); saving this step", self.step, error)
-            # Committed, not "saved": a step restored from RAM was never written (resume sets
-            # _saved_step to it), and a save in flight may have been the one that just failed.
-            if self.step not in self._committed_steps() and self._saves_this_step():
-                self.save()
-                wrote = True
-            self.checkpointer.wait()
+            wrote[0] = save_stop_step(self.step, wait=ckpt.wait, committed=steps, writes=writes, save=self.save)
 
         def record(event: str, **fields: Any) -> None:
-            ours = wrote or isinstance(self.sync, LocalSync)  # a lone group wrote every step it has
             if self.outputs.enabled:
-                write_event(self.config.run.dir, event, group=group_id(), wrote=wrote, **fields)
-            if not fields["committed"]:
-                where = "is not committed here (a peer group writes it)"
-            else:
-                where = "is committed" if ours else "is committed (by a peer group)"
-            self.outputs.message(f"preempted: step {self.step} {where}; exiting {PREEMPTED_EXIT} to be resumed")
+                write_event(self.config.run.dir, event, group=group_id(), wrote=wrote[0], **fields)
+            ours = wrote[0] or isinstance(self.sync, LocalSync)  # a lone group wrote every step it has
+            self.outputs.message(stop_line(self.step, committed=fields["committed"], ours=ours))
 
         with self.observer.paused():  # the save may take long: not a hang
             return stop_preempted(self.step, signum, save=save, committed=self._committed_steps, record=record)

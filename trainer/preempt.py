@@ -28,6 +28,7 @@ The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``)
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -35,10 +36,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from resilient.errors import CommitError
 from resilient.runfiles import read_events
 
 if TYPE_CHECKING:
     from resilient.trainer.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """Exit status of a preempted run, whatever signal asked for it: not finished, resumable."""
@@ -104,6 +108,39 @@ class PreemptWatch:
         flag = torch.tensor([self.received], dtype=torch.int64)  # over gloo, also on a CUDA job
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return int(flag.item())
+
+
+def save_stop_step(
+    step: int,
+    *,
+    wait: Callable[[], None],
+    committed: Callable[[], list[int]],
+    writes: Callable[[], bool],
+    save: Callable[[], None],
+) -> bool:
+    """Save ``step`` unless it is committed or another group writes it (``writes``), and wait for its
+    commit (collective). Whether this group wrote it."""
+    try:  # a save still persisting first: if_busy="skip" must not skip this one
+        wait()
+    except CommitError as error:  # that earlier save failed (on every rank alike): this step still needs its own
+        log.warning("preempted at step %d: an earlier save failed (%s); saving this step", step, error)
+    # Committed, not "saved": a step restored from RAM was never written (the trainer counts it as
+    # saved), and a save in flight may have been the one that just failed.
+    wrote = step not in committed() and writes()
+    if wrote:
+        save()
+    wait()
+    return wrote
+
+
+def stop_line(step: int, *, committed: bool, ours: bool) -> str:
+    """What a group says when it stops: only the group that wrote the step (or a lone group) says it
+    is committed without saying by whom."""
+    if not committed:
+        where = "is not committed here (a peer group writes it)"
+    else:
+        where = "is committed" if ours else "is committed (by a peer group)"
+    return f"preempted: step {step} {where}; exiting {PREEMPTED_EXIT} to be resumed"
 
 
 def stop_preempted(
