@@ -286,8 +286,9 @@ def run_one_group(args: argparse.Namespace) -> int:
         return (waiting(torchrun_pid) if waiting else False) or stop
 
     code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), watch)
-    if final_claim_since(config.run.dir, started):
-        return ERROR_EXIT  # the rank printed the line
+    final = final_claim_since(config.run.dir, started)
+    if final:  # the rank printed the line
+        return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT
     if preempted_since(config.run.dir, started):
         return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:
