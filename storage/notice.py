@@ -16,21 +16,27 @@ import json
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 _PREFIX = "resilient/save-failed/"
+RETRY_CONNECT_S = 60.0
+"""After a failed connect, how long the notices go without a store before connecting again (the
+store may have been restarting with the rendezvous; not every poll pays a connect timeout)."""
 _lock = threading.Lock()
-_client: list[Any] = []  # [] untried; [None] unreachable; [store]
+_client: dict[str, Any] = {"store": None, "retry_at": 0.0}
 
 
 def _store() -> Any:
     with _lock:
-        if not _client:
-            _client.append(_connect())
-        return _client[0]
+        if _client["store"] is None and time.monotonic() >= _client["retry_at"]:
+            _client["store"] = _connect()
+            if _client["store"] is None:
+                _client["retry_at"] = time.monotonic() + RETRY_CONNECT_S
+        return _client["store"]
 
 
 def _connect() -> Any:
@@ -76,3 +82,15 @@ def read(attempt_key: str, who: str) -> dict[str, Any] | None:
         return json.loads(store.get(key))
     except Exception:  # noqa: BLE001 - unreadable is no notice: the storage poll goes on
         return None
+
+
+def clear(attempt_key: str, who: str) -> None:
+    """Delete the notice ``who`` of one attempt once it is decided: the store lives as long as the
+    job, and a notice nobody reads again would stay in it."""
+    if _client["store"] is None:
+        return  # never connected: nothing was posted from here, nor read
+    store = _store()
+    try:
+        store.delete_key(_key(attempt_key, who))
+    except Exception as e:  # noqa: BLE001 - best effort: a stale notice names an attempt nobody polls
+        log.debug("clearing the notice %s of %s: %s", who, attempt_key, e)
