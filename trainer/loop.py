@@ -373,7 +373,7 @@ class Trainer:
     def _mfu(self, step_time: float) -> float:
         achieved = self._flops_per_step / step_time / self.mesh.size()  # per rank, as the peak
         if self.peak is not None:
-            self.peak_flops = self.peak.at_least(achieved, record=self.outputs.enabled)
+            self.peak_flops = self.peak.at_least(achieved)
         return achieved / self.peak_flops
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -487,6 +487,8 @@ class Trainer:
         """Stop the loader's workers and the checkpoint writer, close the output files. Raises a
         background save error that nothing has raised yet."""
         try:
+            if self.peak is not None and self.outputs.enabled:  # one rank writes the cache
+                self.peak.remember()
             self.observer.close()
             self.parts.data.close()
             self.outputs.close()
