@@ -229,7 +229,7 @@ class ReplicaGroupSync:
         """After a quorum with other members than the last: rank 0 asks each to prove it holds the
         job secret (``quorum_auth``) and the group agrees on the outcome. While one cannot, this
         group's step fails here: nothing crosses groups, and its vote is not to commit."""
-        if members != self._checked:
+        if members != self._checked or self._unproven:  # a member that failed is asked again
             self._checked = members
             check = functools.partial(self._members.unproven, members, self.replica_id)
             self._unproven = rdist.agree(check, src=0, what="quorum members' proof of the job secret")
@@ -243,7 +243,7 @@ class ReplicaGroupSync:
                     reason,
                     extra={"event": "quorum_unproven", "member": member, "reason": reason},
                 )
-        if self._unproven:
+        if self._unproven and self._manager.errored() is None:  # an earlier error names the cause
             self._manager.report_error(
                 QuorumError(f"quorum member(s) {sorted(self._unproven)} cannot prove they hold the job secret")
             )

@@ -12,11 +12,12 @@ writes checkpoints). It has no authentication hook, so the check is built around
   mutual HMAC handshake proves the server holds the job secret. Asked ``PROOF_KEY``, it answers with
   its group's full replica id, so a stranger naming a real group's server in its own id gains
   nothing: the answer names another member;
-- after every quorum whose members changed, rank 0 of each group checks each other member once
-  (the answer is cached per member id; a restarted group has a new uuid, so a new id) and the group
-  agrees on the outcome. While any member cannot prove itself, the group sends nothing across
-  groups and votes not to commit: the step is discarded by every real group, and an event names
-  the member. (A stranger that stays only stalls the job: denial of service is out of scope.)
+- after every quorum whose members changed, rank 0 of each group checks each other member (a
+  proof is remembered per member id: a restarted group has a new uuid, so a new id; a member that
+  failed is asked again at the next step) and the group agrees on the outcome. While any member
+  cannot prove itself, the group sends nothing across groups and votes not to commit: the step is
+  discarded by every real group, and an event names the member. (A stranger that stays only
+  stalls the job: denial of service is out of scope.)
 """
 
 from __future__ import annotations
@@ -59,17 +60,21 @@ class MemberCheck:
 
     def __init__(self, secret: bytes, *, rank: int, timeout_s: float) -> None:
         self._secret, self._rank, self._timeout_s = secret, rank, timeout_s
-        self._known: dict[str, str | None] = {}
+        self._proven: set[str] = set()
 
     def unproven(self, members: list[str], own: str) -> dict[str, str]:
         """``{member: why}`` for every member but ``own`` that cannot prove itself (checked in
-        parallel, each at most once)."""
-        todo = [m for m in members if m != own and m not in self._known]
+        parallel; a member that proved itself once is not asked again)."""
+        todo = [m for m in members if m != own and m not in self._proven]
+        unproven: dict[str, str] = {}
         if todo:
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
                 for member, reason in zip(todo, pool.map(self._prove, todo), strict=True):
-                    self._known[member] = reason
-        return {m: reason for m in members if m != own and (reason := self._known.get(m)) is not None}
+                    if reason is None:
+                        self._proven.add(member)
+                    else:  # not remembered: a member whose server was busy may prove itself next time
+                        unproven[member] = reason
+        return unproven
 
     def _prove(self, member: str) -> str | None:
         address = proof_address(member)

@@ -8,8 +8,8 @@ deadlock), checks that every shard of every array is covered exactly once, and o
 previous step as it was. The other ranks (``wait_for_commit``) count their save as done once the
 manifest names their attempt, and give up early when a failure marker says it never will.
 
-The outcome of a save is decided once, by the coordinator, and every rank learns that decision
-(issue 13 item 4): the manifest naming the attempt means committed, the coordinator's decision
+The outcome of a save is decided once, by the coordinator, and every rank learns that decision:
+the manifest naming the attempt means committed, the coordinator's decision
 marker (``COMMIT_RANK``) means failed, and nothing else does: not another rank's failure marker
 (its receipt may have landed although its PUT raised), not ``latest`` (an advisory pointer, DESIGN
 §5). A rank whose own part failed still waits for that decision. Every rank measures the commit

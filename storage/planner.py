@@ -10,7 +10,6 @@ they give) and returns one explicit ``SaveDecision``; the Checkpointer stages an
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from resilient.storage.config import CheckpointerConfig
 from resilient.storage.describe import LayoutCache
 from resilient.storage.objects import ObjectStore
 from resilient.storage.outcomes import SaveOutcomes
+from resilient.storage.retention import new_attempt
 from resilient.storage.snapshot import Snapshot, SnapshotLayout, snapshot_layout
 
 Early = tuple[SnapshotLayout, Snapshot]
@@ -184,7 +184,7 @@ class SavePlanner:
         self.sent_tensors, self._sent_unchanged = described, not changed
         if self.rank == 0 and latched is None:
             self._precheck(step)
-            payload["attempt"] = f"attempt-{uuid.uuid4().hex[:16]}"
+            payload["attempt"] = new_attempt()
         return payload
 
     def _precheck(self, step: int) -> None:

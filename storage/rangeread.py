@@ -1,14 +1,15 @@
 """Load format version 3 from object storage (S3, memory://) with ranged reads into the packs.
 
 The manifest says where each shard lies in its pack, so nothing is listed and no ZIP directory is
-read. A shard of at most ``WHOLE_SHARD_BYTES`` is fetched whole (its index and chunks in one
-request), and whole-shard ranges of one pack that lie close together are merged into one request
-(``MERGE_GAP_BYTES`` of ZIP headers between them is cheaper to fetch than another round trip:
-2,000 small tensors of one rank come back in a few requests, not 2,000). A bigger shard is read
-in two rounds: its index (the shard's last bytes), then only the inner chunks a box overlaps,
-consecutive ones in one request. Every chunk's crc32c and every index's are verified before a
-byte lands in a destination. Requests go out through TensorStore's kvstore (its S3 client:
-credentials, endpoint, retries), all in flight at once up to the load's byte budget.
+read. A shard of at most ``WHOLE_SHARD_BYTES``, or one the load needs at least half of, is fetched
+whole (its index and chunks in one request), and whole-shard ranges of one pack that lie close
+together are merged into one request of up to ``RANGE_CAP_BYTES`` (``MERGE_GAP_BYTES`` of ZIP
+headers between them is cheaper to fetch than another round trip: 2,000 small tensors of one rank
+come back in a few requests, not 2,000). Any other shard is read in two rounds: its index (the
+shard's last bytes), then only the inner chunks a box overlaps, neighbours joined. Every chunk's
+crc32c and every index's are verified before a byte lands in a destination. Requests go out
+through TensorStore's kvstore (its S3 client: credentials, endpoint, retries), all in flight at
+once up to the load's byte budget.
 
 TensorStore's own zarr3-over-``zip`` path (the spec a plain reader uses) opens the pack's ZIP
 directory for every array: 2,000 small tensors took ~100 s to load from the loopback endpoint
@@ -142,9 +143,9 @@ def read_ranged(
         r = _Range(shard.pack, shard.base + shard.nbytes - tail, shard.base + shard.nbytes, [shard])
         reads.add(r, lambda r, data: indexes.__setitem__(id(r.shards[0]), _index(r.shards[0], data, step)))
     reads.drain()
-    for shard in big:  # round 2: the chunks the boxes overlap
-        for r in _chunk_ranges(shard, indexes[id(shard)], step):
-            reads.add(r, lambda r, data: _fill_chunks(r, data, step))
+    ranges = [r for shard in big for r in _chunk_ranges(shard, indexes[id(shard)], step)]
+    for r in _joined(ranges):  # round 2: the chunks the boxes overlap
+        reads.add(r, lambda r, data: _fill_chunks(r, data, step))
     reads.drain()
     needed = sum(t.box.numel * itemsize(t.entry.dtype) for t in live)
     return ReadTotals(needed, reads.fetched)
@@ -164,9 +165,18 @@ def _shards(targets: list, step: int) -> tuple[list[_Shard], list[_Shard]]:
                 )
             shard = shards.setdefault((t.entry.fqn, key), _Shard(t.entry, key, *ref))
             shard.parts.append(_Part(t, key, origin, part))
-    small = [s for s in shards.values() if s.nbytes <= WHOLE_SHARD_BYTES]
-    big = [s for s in shards.values() if s.nbytes > WHOLE_SHARD_BYTES]
-    return small, big
+    whole = [s for s in shards.values() if s.nbytes <= WHOLE_SHARD_BYTES or _mostly_needed(s)]
+    parts = [s for s in shards.values() if not (s.nbytes <= WHOLE_SHARD_BYTES or _mostly_needed(s))]
+    return whole, parts
+
+
+def _mostly_needed(shard: _Shard) -> bool:
+    """Whether the targets need at least half of the shard: then one request for all of it (no
+    index round first) wastes less than it saves."""
+    shape, grid = shard.entry.shape, shard.entry.shard_shape
+    start = shard.parts[0].origin
+    in_bounds = math.prod(min(g, n - o) for g, n, o in zip(grid, shape, start, strict=True))
+    return 2 * sum(p.part.numel for p in shard.parts) >= in_bounds
 
 
 def _merged(shards: list[_Shard]) -> list[_Range]:
@@ -267,6 +277,25 @@ def _chunk_ranges(shard: _Shard, index: np.ndarray, step: int) -> list[_Range]:
             last = _Range(shard.pack, start, start + size)
             out.append(last)
         last.chunks.append((shard, offset, wanted[offset]))
+    return out
+
+
+def _joined(ranges: list[_Range]) -> list[_Range]:
+    """Chunk ranges of one pack that lie within ``MERGE_GAP_BYTES`` of each other, joined up to
+    ``RANGE_CAP_BYTES`` (neighbouring shards' chunks included)."""
+    out: list[_Range] = []
+    for r in sorted(ranges, key=lambda r: (r.pack, r.start)):
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.pack == r.pack
+            and 0 <= r.start - last.stop <= MERGE_GAP_BYTES
+            and r.stop - last.start <= RANGE_CAP_BYTES
+        ):
+            last.stop = r.stop
+            last.chunks += r.chunks
+        else:
+            out.append(r)
     return out
 
 

@@ -75,8 +75,8 @@ def _remember(key: tuple[str, int, bytes], attempt: str) -> None:
 
 def remember_committed(store: ObjectStore, step: int, data: bytes, attempt: str) -> None:
     """The coordinator just wrote these manifest bytes: the retention that follows its commit needs
-    not parse them back (measured: ``json.loads`` of the kept manifests was 12-14% of the writer's
-    samples in a 1 GiB, 4-rank save, each manifest parsed once, right after its own commit)."""
+    not parse them back (parsing the kept manifests showed up in the writer's profile of a 1 GiB,
+    4-rank save; benchmarks/README.md, "Choices in the code")."""
     _remember(_attempt_key(store, step, data), attempt)
 
 

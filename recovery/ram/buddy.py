@@ -67,9 +67,8 @@ class BuddyHandler:
         publish it once the channel verified its MAC and every tensor's crc32c verifies: the MAC
         proves the bytes are the ones sent, not that the sender's memory still matched its index,
         and a copy kept as protection must restore. The crc32c is taken piece by piece as the
-        payload lands (``CrcAsItLands``), not in a pass of its own afterwards (~0.02 s per 256 MiB
-        here). Measured (ram_bench, 256 MiB, both ranks copying): with HMAC, 187 MiB/s through put
-        and 570 through this; with GMAC and the crc as it lands, 913-1,333 MiB/s (2026-12-05)."""
+        payload lands (``CrcAsItLands``), not in a pass of its own afterwards (``ram_bench``'s
+        replication rate; figures in benchmarks/README.md, "Choices in the code")."""
         index = self._checked_index(sender_rank, key, header, nbytes)
         crc = CrcAsItLands(index)  # refuses overlapping tensors before a slot is leased
         store = self._tier.buddy_store(sender_rank)

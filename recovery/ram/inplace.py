@@ -1,8 +1,8 @@
 """A snapshot restored straight into the training tensors, checked as it lands.
 
-Fetching a 256 MiB snapshot into fresh memory costs more than the transfer itself on a VM: the
-kernel faults in and zeroes every new page (81 ms here, against 65 ms for the receive), and the
-bytes are then copied once more into the state (30 ms). The training tensors already exist and
+Fetching a snapshot into fresh memory costs more than the transfer itself on a VM: the kernel
+faults in and zeroes every new page, and the bytes are then copied once more into the state
+(``ram_bench``'s restore rows; benchmarks/README.md). The training tensors already exist and
 are resident, so the restore can put the bytes there at once: a buddy's copy is received into
 them (the wire MACs each piece as it lands), an own snapshot is copied into them, and in both
 cases each piece's crc32c is taken right after it lands, while it is still in cache, instead of
@@ -28,7 +28,7 @@ from resilient.recovery.ram.wire import Scatter
 
 COPY_PIECE_BYTES = 1 << 20
 """An own snapshot is copied and checksummed in pieces this big: each is still in cache when its
-crc32c is taken (1 MiB pieces: 10 ms per 256 MiB here, against 16 ms for a pass from memory)."""
+crc32c is taken, cheaper than a pass from memory (benchmarks/README.md, "Choices in the code")."""
 
 
 def writable_bytes(tensor: torch.Tensor) -> memoryview | None:

@@ -1,7 +1,7 @@
 """Which RAM snapshots belong to the state being restored: the run's identity and its timeline.
 
 A snapshot in a node store is only as good as the history it came from. Two things make one wrong
-for a restart although its step number looks right (issue 13):
+for a restart although its step number looks right:
 
 - another run: the run directory was deleted or ``checkpoint.url`` points elsewhere, and the node
   store (its path a hash of run.dir, or a configured ``recovery.store_dir``) still holds the old

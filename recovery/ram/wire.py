@@ -335,10 +335,9 @@ class Session:
 MAPPED_BUFFER_MIN_BYTES = 8 << 20
 """From this size on a received payload lands in a fresh anonymous mapping faulted in whole by the
 kernel (``MAP_POPULATE``) instead of a ``bytearray``, which Python zero-fills page fault by page
-fault. Measured here for a 256 MiB snapshot fetched from a buddy at restore, in the restoring rank:
-0.23-0.28 s against 0.31-0.32 s (``ram_bench``'s ``ram_buddy_s``: 0.34 s before, 0.22 s after).
-Transparent huge pages (``MADV_HUGEPAGE``) were faster alone (0.08 s) and slower in a rank holding
-its training state (0.64-0.74 s: direct compaction), so no."""
+fault: faster for a buddy's snapshot fetched at restore (``ram_bench``'s ``ram_buddy_s``).
+Transparent huge pages (``MADV_HUGEPAGE``) are not used: faster alone, slower in a rank holding its
+training state (direct compaction). Figures: benchmarks/README.md, "Choices in the code"."""
 
 
 def fresh_buffer(nbytes: int) -> bytearray | memoryview:

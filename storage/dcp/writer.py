@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +36,7 @@ from resilient.storage.dcp.address import check_step, resolve, split_step
 from resilient.storage.dcp.runtime import Runtime, runtime
 from resilient.storage.dcp.values import JSON, TORCH_SAVE, StoredValue
 from resilient.storage.persist import PersistJob, RegionData, write_rank
+from resilient.storage.retention import new_attempt
 from resilient.validate import check_int, check_number
 
 DCP_KEY = "dcp"
@@ -117,7 +117,7 @@ class StorageWriter(_DcpStorageWriter):
         """The coordinator: our save plan from DCP's (deduplicated) one, and the attempt id."""
         root, step = self._check(create=True)
         arrays = array_plans(plans, inner_chunk_bytes=self.inner_chunk_bytes, max_shard_bytes=self.max_shard_bytes)
-        attempt = f"attempt-{uuid.uuid4().hex[:16]}"
+        attempt = new_attempt()
         self._task = SaveTask(root, step, attempt, 0, len(plans), arrays)
         return [
             dataclasses.replace(p, storage_data=dataclasses.replace(self._task, rank=r)) for r, p in enumerate(plans)

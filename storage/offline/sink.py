@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from collections.abc import Callable
 
 import crc32c
@@ -31,6 +30,7 @@ from resilient.storage.offline.sources import SourceState, TensorInfo
 from resilient.storage.offline.streaming import grid_boxes
 from resilient.storage.packio import PackStream
 from resilient.storage.persist import zarr_documents
+from resilient.storage.retention import new_attempt
 from resilient.storage.shardfile import chunk_key, encode_shard
 from resilient.storage.url import Location
 
@@ -81,7 +81,7 @@ class ResilientSink:
                 f"step {step} is already committed at {location.url}; write to another root or choose "
                 "another step (--out-step)"
             )
-        self.attempt = f"attempt-{uuid.uuid4().hex[:16]}"
+        self.attempt = new_attempt()
         self.attempt_key = f"{step_dir(step)}/{self.attempt}"
         self.plans: dict[str, ArrayPlan] = {}
         self._packs = PackStream(location, self.store, self.attempt_key)

@@ -125,5 +125,6 @@ def test_corrupt_chunk_flips_a_shard_object_of_the_committed_attempt_only(tmp_pa
     (attempt,) = [
         p.name for p in Path(root, "step-000000001").iterdir() if p.name not in ("manifest.json", "attempt-orphan")
     ]
-    assert record.extra["file"] == f"step-000000001/{attempt}/w/0", record.extra
+    # Format v3: the rank's shards live in its pack object under the committed attempt.
+    assert record.extra["file"].startswith(f"step-000000001/{attempt}/pack-r00000-"), record.extra
     assert (orphan / "0").read_bytes() == b"x" * 1_000_000

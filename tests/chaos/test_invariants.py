@@ -89,8 +89,14 @@ def test_commits_verify_fails_on_a_bad_step_and_on_an_undetected_corruption(tmp_
 
 
 def _flip_a_chunk_byte(step_dir: str) -> None:
-    chunks = sorted(  # shard objects: "0", "1.0", ... (the rest is JSON)
-        os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs if f.replace(".", "").isdigit()
+    chunks = sorted(  # the data objects: format v3's packs, older versions' "0", "1.0", ... (the rest is JSON)
+        (
+            os.path.join(d, f)
+            for d, _, fs in os.walk(step_dir)
+            for f in fs
+            if f.startswith("pack-") or f.replace(".", "").isdigit()
+        ),
+        key=lambda path: -os.path.getsize(path),  # the biggest: its middle is tensor bytes, not a header
     )
     data = bytearray(Path(chunks[0]).read_bytes())
     data[len(data) // 2] ^= 0xFF
