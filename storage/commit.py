@@ -285,6 +285,7 @@ def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
 
 def _commit(job: PersistJob, store: ObjectStore) -> None:
     receipts = wait_for_receipts(store, job)
+    notice.clear_decisions()  # of earlier attempts: every rank is past them (it wrote this receipt)
     check_coverage(job.plans, receipts, job.step)
     fault_point("commit.before_manifest")
     if time.time() > job.deadline:

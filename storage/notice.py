@@ -28,6 +28,8 @@ RETRY_CONNECT_S = 60.0
 store may have been restarting with the rendezvous; not every poll pays a connect timeout)."""
 _lock = threading.Lock()
 _client: dict[str, Any] = {"store": None, "retry_at": 0.0}
+_decisions: list[str] = []
+"""The decision notices this process posted and has not cleared (``clear_decisions``)."""
 
 
 def _store() -> Any:
@@ -66,6 +68,8 @@ def post(attempt_key: str, who: str, record: dict[str, Any]) -> None:
         return
     try:
         store.set(_key(attempt_key, who), json.dumps(record))
+        if who == "decision":
+            _decisions.append(_key(attempt_key, who))
     except Exception as e:  # noqa: BLE001 - best effort: the storage marker is still tried
         log.warning("posting the failure notice of %s: %s", attempt_key, e)
 
@@ -87,10 +91,21 @@ def read(attempt_key: str, who: str) -> dict[str, Any] | None:
 def clear(attempt_key: str, who: str) -> None:
     """Delete the notice ``who`` of one attempt once it is decided: the store lives as long as the
     job, and a notice nobody reads again would stay in it."""
+    _delete(_key(attempt_key, who))
+
+
+def clear_decisions() -> None:
+    """Delete the decision notices this process posted. The coordinator calls it once every rank's
+    receipt of a later attempt is in: each rank's writer finished waiting for the earlier decision
+    before it wrote that receipt (one save in flight per rank), so nobody reads them again."""
+    while _decisions:
+        _delete(_decisions.pop())
+
+
+def _delete(key: str) -> None:
     if _client["store"] is None:
         return  # never connected: nothing was posted from here, nor read
-    store = _store()
     try:
-        store.delete_key(_key(attempt_key, who))
+        _client["store"].delete_key(key)
     except Exception as e:  # noqa: BLE001 - best effort: a stale notice names an attempt nobody polls
-        log.debug("clearing the notice %s of %s: %s", who, attempt_key, e)
+        log.debug("clearing the notice %s: %s", key, e)

@@ -64,6 +64,7 @@ def client(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
 
     monkeypatch.setattr(notice, "_connect", connect)
     monkeypatch.setattr(notice, "_client", {"store": None, "retry_at": 0.0})
+    monkeypatch.setattr(notice, "_decisions", [])
     yield answers
 
 
@@ -122,3 +123,22 @@ def test_the_coordinator_clears_the_rank_notice_once_it_decided(client: list[obj
     commit.decide_failed(FileObjectStore(parse_url(str(tmp_path))), job, OSError(28, "No space"))
     assert notice.read(job.attempt_key, "rank") is None
     assert "No space" in (notice.read(job.attempt_key, "decision") or {}).get("error", "")
+
+
+def test_the_coordinator_clears_its_decision_notices_once_every_rank_is_past_them(
+    client: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = FakeKV()
+    client.append(kv)
+    notice.post("step-000000003/a", "decision", {"rank": 0, "error": "disk full"})
+    assert notice.read("step-000000003/a", "decision") is not None
+    # The next attempt: every rank's receipt is in, so no rank still waits for the old decision.
+    store = EmptyStore()
+    store.list_children = lambda key: ["rank-00000.json", "rank-00001.json"]  # type: ignore[method-assign]
+    store.read = lambda key: b'{"regions": []}'  # type: ignore[method-assign]
+    job = PersistJob(step=4, attempt="b", rank=0, world_size=2, plans={}, regions=[])
+    monkeypatch.setattr(commit, "check_coverage", lambda *args: None)
+    monkeypatch.setattr(commit, "fault_point", lambda name: (_ for _ in ()).throw(RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        commit._commit(job, store)
+    assert kv.data == {}
