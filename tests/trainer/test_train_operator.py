@@ -190,3 +190,25 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
         return
     else:
         assert code == 130 and err[0].startswith("interrupted at step"), err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("line", "exit_code"), [("No space left on device", 1), ("checkpoint.url: bad", 2)])
+def test_a_final_claim_stops_the_launcher_with_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str, exit_code: int
+) -> None:
+    # A rank claimed an error no restart fixes (a setting, a full disk): 2 for bad input, 1 for the disk.
+    from resilient.tools import train as cli
+    from resilient.trainer.quiet import claim_report
+
+    run_dir = tmp_path / "run"
+
+    def fake_run(command, grace_s, env, signals, watch) -> int:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fake-torchrun")
+        assert claim_report(str(run_dir), f"error: [rank 0] {line}", final=True)
+        assert watch(12345) is True  # the launcher stops torchrun at once
+        return 1
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    args = ["--config", TINY, "--set", f"run.dir={run_dir}", "--set", "parallel.dp_shard=1", "--set", "parallel.tp=1"]
+    assert cli.main(["--nproc", "1", *args]) == exit_code
