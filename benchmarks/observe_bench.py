@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resilient.dist import free_port  # noqa: E402
-from resilient.trainer.timing import PHASES, StepPhases, gather_window  # noqa: E402
-from resilient.trainer.watchdog import HangWatchdog  # noqa: E402
+from resilient.trainer.observing.timing import PHASES, StepPhases, gather_window  # noqa: E402
+from resilient.trainer.observing.watchdog import HangWatchdog  # noqa: E402
 
 
 def _per_step_bookkeeping(calls: int) -> float:

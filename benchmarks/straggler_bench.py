@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO))
 
 from resilient.dist import free_port  # noqa: E402
 from resilient.runfiles import append_jsonl, read_jsonl  # noqa: E402
-from resilient.trainer.straggler import StallClock, StragglerWatch  # noqa: E402
-from resilient.trainer.timing import StepPhases, gather_window  # noqa: E402
+from resilient.trainer.observing.straggler import StallClock, StragglerWatch  # noqa: E402
+from resilient.trainer.observing.timing import StepPhases, gather_window  # noqa: E402
 
 SKIP_STEPS = 5
 """Steps left out at the start of each run (first-call dispatch, allocation, loader start)."""

@@ -13,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import ram_bench  # noqa: E402  (the benchmarks folder is not a package)
+import ram_bench  # noqa: E402
+import ram_bench_report  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_rotation_gives_every_variant_every_position() -> None:
@@ -30,7 +31,7 @@ def test_overhead_is_the_median_of_same_round_ratios(capsys: pytest.CaptureFixtu
     counts = {"snapshots_taken": 6, "snapshots_attempted": 6}
     overhead = {(0, True): base, **{key: {**variant, **counts} for key in ram_bench.VARIANTS[1:]}}
     args = argparse.Namespace(loop_mib=64, batch=1024, block_steps=10)
-    ram_bench._print_overhead(0, overhead, args)
+    ram_bench_report.print_overhead(0, overhead, args)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(line["snapshot_every"], line["buddy_replication"]) for line in lines] == list(ram_bench.VARIANTS[1:])
     line = lines[0]
@@ -44,8 +45,8 @@ def test_overhead_is_the_median_of_same_round_ratios(capsys: pytest.CaptureFixtu
 
 def test_s3_fields_only_when_the_s3_restore_ran() -> None:
     restore = {"ram_own_s": 0.1, "ram_buddy_s": 0.5, "ram_buddy_no_persistent_s": 0.8}
-    assert ram_bench._s3_fields(restore) == {}
-    fields = ram_bench._s3_fields({**restore, "persistent_s3_s": 2.0})
+    assert ram_bench_report.s3_fields(restore) == {}
+    fields = ram_bench_report.s3_fields({**restore, "persistent_s3_s": 2.0})
     assert fields == {
         "persistent_s3_load_s": 2.0,
         "persistent_s3_over_ram_own": 20.0,

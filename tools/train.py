@@ -13,10 +13,10 @@ runs G replica groups under a torchft quorum instead.
     resilient-train --nnodes 2 --node-rank R --rdzv-endpoint node0:29400 --rdzv-id job7 --config ...
 
 on every node runs one group across the nodes (torchrun's c10d rendezvous,
-``resilient.trainer.multinode``); with ``--replica-groups`` node R runs groups R, R+N, ... and
+``resilient.trainer.launching.multinode``); with ``--replica-groups`` node R runs groups R, R+N, ... and
 node 0 starts the job's lighthouse on ``--rdzv-endpoint``. ``--emit slurm|k8s`` prints an sbatch
-script or a JobSet manifest that does this on a cluster (``resilient.trainer.emit``). An argparse
-shell: the launcher is ``resilient.trainer.launch``.
+script or a JobSet manifest that does this on a cluster (``resilient.trainer.launching.emit``). An argparse
+shell: the launcher is ``resilient.trainer.launching.launch``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from resilient.errors import ConfigError, ResilientError, disk_full
 from resilient.runfiles import METRICS_FILE, group_file, group_id, logs_dir, read_jsonl_by_step
 from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import TrainConfig, load_config
-from resilient.trainer.emit import (
+from resilient.trainer.launching.emit import (
     DEFAULT_RDZV_PORT,
     DEFAULT_SHM,
     EMIT_KINDS,
@@ -41,7 +41,7 @@ from resilient.trainer.emit import (
     k8s_manifest,
     slurm_script,
 )
-from resilient.trainer.launch import (
+from resilient.trainer.launching.launch import (
     ReplicaLaunch,
     check_nproc,
     run,
@@ -49,7 +49,7 @@ from resilient.trainer.launch import (
     torchrun_command,
     trainer_args,
 )
-from resilient.trainer.multinode import (
+from resilient.trainer.launching.multinode import (
     MULTINODE_RESTARTS,
     NODE_RANK_ENV,
     RendezvousWait,
@@ -58,6 +58,7 @@ from resilient.trainer.multinode import (
     rendezvous_of,
     split_ranks,
 )
+from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 from resilient.trainer.preempt import (
     PREEMPTED_EXIT,
     forwarded_signals,
@@ -65,7 +66,6 @@ from resilient.trainer.preempt import (
     preempt_flags,
     preempted_since,
 )
-from resilient.trainer.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 
 PROG = "resilient-train"
 

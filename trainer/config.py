@@ -49,7 +49,7 @@ class RunConfig:
     """Print a progress line every this many steps (metrics.jsonl gets every step); >= 1."""
     peak_flops: float = 0.0
     """Peak FLOP/s of ONE rank's device, the MFU denominator. 0: from the table of known GPUs
-    (``trainer/peak.py``), else the model's own matmul shapes measured once per machine (cached,
+    (``trainer/observing/peak.py``), else the model's own matmul shapes measured once per machine (cached,
     raised when a step does better: MFU stays <= 1); the peak and its source are in ``config.json``
     and ``metrics.jsonl``."""
     hang_timeout_s: float = 600.0

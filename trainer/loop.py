@@ -36,9 +36,9 @@ from resilient.trainer.build import StepHook, load_step_hooks
 from resilient.trainer.cadence import Cadence
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, flops_per_token
-from resilient.trainer.observe import RunObserver
-from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
-from resilient.trainer.peak import Peak
+from resilient.trainer.observing.observe import RunObserver
+from resilient.trainer.observing.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.observing.peak import Peak
 from resilient.trainer.preempt import (
     Preempted,
     PreemptWatch,
@@ -116,7 +116,7 @@ class Trainer:
         self.cadence = Cadence.for_run(config, world=mesh.size())
         """The checkpoint intervals (``checkpoint.cadence``): fixed, or re-chosen as the run goes."""
         self.peak_flops = config.run.peak_flops
-        """FLOP/s of one rank's device, the MFU denominator (``trainer.peak``, set by build_trainer)."""
+        """FLOP/s of one rank's device, the MFU denominator (``trainer/observing/peak.py``, set by build_trainer)."""
         self.peak: Peak | None = None
         """Where ``peak_flops`` came from; a measured one rises to what a step achieves (MFU <= 1)."""
         self.preemption = PreemptWatch(preempt_signals(config.run.preempt_signal))

@@ -32,14 +32,14 @@ from resilient.trainer.build import (
     seed_everything,
 )
 from resilient.trainer.config import TrainConfig, load_config
-from resilient.trainer.lighthouse import set_parent_death_signal
+from resilient.trainer.launching.lighthouse import set_parent_death_signal
 from resilient.trainer.loop import Trainer
-from resilient.trainer.observe import RunObserver
-from resilient.trainer.outputs import RunOutputs
-from resilient.trainer.peak import find_peak, model_matmul_shapes
+from resilient.trainer.observing.observe import RunObserver
+from resilient.trainer.observing.outputs import RunOutputs
+from resilient.trainer.observing.peak import find_peak, model_matmul_shapes
+from resilient.trainer.observing.quiet import report_failure
+from resilient.trainer.observing.timing import StartupClock, process_start_time
 from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted
-from resilient.trainer.quiet import report_failure
-from resilient.trainer.timing import StartupClock, process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and config.run.hang_timeout_s > 0:
         # NCCL's flight recorder dumps its last collectives next to the watchdog's stacks on a
         # collective timeout; read when the process group is created, so set before it.
-        from resilient.trainer.watchdog import flight_recorder_env
+        from resilient.trainer.observing.watchdog import flight_recorder_env
 
         for key, value in flight_recorder_env(group_dir(config.run.dir)).items():
             os.environ.setdefault(key, value)

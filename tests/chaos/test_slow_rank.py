@@ -210,7 +210,7 @@ def test_duty_mode_holds_the_rank_stopped_from_outside_over_its_span(tmp_path: P
 
     child = (
         "import sys, time; sys.path.insert(0, '.');"
-        "from resilient.trainer.straggler import StallClock;"
+        "from resilient.trainer.observing.straggler import StallClock;"
         "c = StallClock().start(); print('ready', flush=True); sys.stdin.readline(); print(c.held_s(), flush=True)"
     )
     # "resilient.trainer" in its command line: the harness takes it for a rank.

@@ -21,7 +21,7 @@ from resilient.recovery.config import ReplicaConfig
 from resilient.recovery.quorum import ReplicaGroupSync
 from resilient.recovery.quorum_auth import MemberCheck, member_id, proof_address
 from resilient.recovery.transport import HealTransport
-from resilient.trainer.lighthouse import interface_of, kill_group, start_lighthouse
+from resilient.trainer.launching.lighthouse import interface_of, kill_group, start_lighthouse
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET, OTHER = b"s" * 32, b"o" * 32

@@ -1,4 +1,4 @@
-"""trainer/emit.py: ``resilient-train --emit slurm|k8s`` prints files that parse and that start one
+"""trainer/launching/emit.py: ``resilient-train --emit slurm|k8s`` prints files that parse and that start one
 ``resilient-train`` per node with the multi-node flags. The emitted scripts are run here with stub
 ``srun`` / ``scontrol`` / ``resilient-train`` on PATH: what each node would execute is asserted."""
 
@@ -16,7 +16,7 @@ import yaml
 
 from resilient.errors import ConfigError
 from resilient.tools.train import main
-from resilient.trainer.emit import EmitSpec, k8s_manifest, slurm_script
+from resilient.trainer.launching.emit import EmitSpec, k8s_manifest, slurm_script
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resilient.trainer.emit import EmitSpec, k8s_manifest, slurm_script
+from resilient.trainer.launching.emit import EmitSpec, k8s_manifest, slurm_script
 
 pytestmark = pytest.mark.timeout(30)
 SPEC = {"job_name": "omni", "min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2, "trainer_args": ["--config", "c.toml"]}

@@ -1,4 +1,4 @@
-"""trainer/launch.py: the command lines ``resilient-train`` runs and how it reports their exit
+"""trainer/launching/launch.py: the command lines ``resilient-train`` runs and how it reports their exit
 (no trainer is started here; the e2e tests launch real jobs)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from resilient.errors import ConfigError
 from resilient.tools.train import parse_args
-from resilient.trainer.launch import ReplicaLaunch, group_command, run, torchrun_command
+from resilient.trainer.launching.launch import ReplicaLaunch, group_command, run, torchrun_command
 
 
 def test_launcher_arguments() -> None:
@@ -30,7 +30,7 @@ def test_single_group_command_passes_config_and_overrides_on() -> None:
     command = torchrun_command(parse_args(["--nproc", "4", "--config", "configs/tiny.toml", *sets]))
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--standalone" in command
     quiet = torchrun_command(parse_args(["--nproc", "4", "--config", "configs/tiny.toml", *sets]), quiet=True)
-    assert quiet[:3] == [sys.executable, "-m", "resilient.trainer.quiet"] and quiet[3:] == command[3:]
+    assert quiet[:3] == [sys.executable, "-m", "resilient.trainer.observing.quiet"] and quiet[3:] == command[3:]
     assert command[command.index("-m", 3) :] == ["-m", "resilient.trainer", "--config", "configs/tiny.toml", *sets]
 
 

@@ -1,4 +1,4 @@
-"""A restarted lighthouse must not let two replica groups train apart (trainer/launch.py).
+"""A restarted lighthouse must not let two replica groups train apart (trainer/launching/launch.py).
 
 A new lighthouse has heard no heartbeats: the first group to ask gets a quorum of itself at once.
 The launcher therefore restarts it needing every healthy group, and relaxes to one as soon as a
@@ -17,8 +17,8 @@ from datetime import timedelta
 import pytest
 
 from resilient.runfiles import pid_path, write_pid_file
-from resilient.trainer.launch import ReplicaJob, ReplicaLaunch
-from resilient.trainer.lighthouse import RELAX_AFTER_S, free_port, kill_group, start_lighthouse
+from resilient.trainer.launching.launch import ReplicaJob, ReplicaLaunch
+from resilient.trainer.launching.lighthouse import RELAX_AFTER_S, free_port, kill_group, start_lighthouse
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

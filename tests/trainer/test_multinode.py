@@ -1,4 +1,4 @@
-"""trainer/multinode.py and the multi-node flags of ``resilient-train``: bad combinations are one
+"""trainer/launching/multinode.py and the multi-node flags of ``resilient-train``: bad combinations are one
 line and exit 2 before anything starts; the torchrun command joins a c10d rendezvous; and two
 launchers on this machine (``--nnodes 2``, distinct ``RESILIENT_NODE_ID``) train one job."""
 
@@ -22,9 +22,9 @@ from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import iter_jsonl
 from resilient.tools.train import main, parse_args
-from resilient.trainer.launch import ReplicaLaunch, torchrun_command
-from resilient.trainer.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
-from resilient.trainer.quiet import error_path
+from resilient.trainer.launching.launch import ReplicaLaunch, torchrun_command
+from resilient.trainer.launching.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
+from resilient.trainer.observing.quiet import error_path
 from tests.procs import communicate_or_fail, kill_tree
 from tests.recovery.test_replica_e2e import _check_exactly_once
 
@@ -382,7 +382,7 @@ def test_a_waiting_node_says_whom_it_waits_for_where_and_since_when(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from resilient.runfiles import write_pid
-    from resilient.trainer import multinode
+    from resilient.trainer.launching import multinode
 
     monkeypatch.setattr(multinode, "WAIT_REPORT_S", 0.0)
     wait = multinode.RendezvousWait(

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from resilient.runfiles import append_jsonl, next_incarnation, read_events, read_jsonl, stamp_records
-from resilient.trainer.straggler import StragglerWatch
-from resilient.trainer.timing import PHASES, StartupClock, StepPhases
+from resilient.trainer.observing.straggler import StragglerWatch
+from resilient.trainer.observing.timing import PHASES, StartupClock, StepPhases
 from tests.procs import communicate_or_fail
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""trainer/lighthouse.py: a child that must not outlive its parent asks Linux for a signal when the
+"""trainer/launching/lighthouse.py: a child that must not outlive its parent asks Linux for a signal when the
 parent dies, and signals itself when the parent died before it asked (nobody would send it)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from resilient.trainer import lighthouse
-from resilient.trainer.lighthouse import PR_SET_PDEATHSIG, die_with_parent, set_parent_death_signal
+from resilient.trainer.launching import lighthouse
+from resilient.trainer.launching.lighthouse import PR_SET_PDEATHSIG, die_with_parent, set_parent_death_signal
 
 pytestmark = [
     pytest.mark.timeout(10),

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from resilient.trainer import peak
-from resilient.trainer.peak import PEAK_FLOPS, Peak, find_peak, match_device, model_matmul_shapes, peak_flops
+from resilient.trainer.observing import peak
+from resilient.trainer.observing.peak import PEAK_FLOPS, Peak, find_peak, match_device, model_matmul_shapes, peak_flops
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,7 @@ def test_a_measured_peak_rises_to_what_a_step_achieves_so_mfu_stays_at_most_one(
 def test_a_step_far_above_a_measured_peak_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     # A wrong FLOP count would otherwise vanish into a peak that rises to it (MFU 1.0).
     measured = Peak(10e9, "measured")
-    with caplog.at_level(logging.WARNING, logger="resilient.trainer.peak"):
+    with caplog.at_level(logging.WARNING, logger="resilient.trainer.observing.peak"):
         assert measured.at_least(10.5e9) == 10.5e9  # within 10%: a busy start, quietly
         assert caplog.records == []
         assert measured.at_least(20e9) == 20e9

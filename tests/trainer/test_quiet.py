@@ -1,4 +1,4 @@
-"""trainer/quiet.py: how a failed rank exits: 2 for bad input, 1 for a full disk (a failure of
+"""trainer/observing/quiet.py: how a failed rank exits: 2 for bad input, 1 for a full disk (a failure of
 the machine: rerunning once space is freed resumes)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from resilient.errors import CommitError, ConfigError, disk_full, from_payload, to_payload
-from resilient.trainer.quiet import ERROR_EXIT, RUNTIME_EXIT, final_claim_since, report_failure
+from resilient.trainer.observing.quiet import ERROR_EXIT, RUNTIME_EXIT, final_claim_since, report_failure
 
 
 @pytest.mark.timeout(10)

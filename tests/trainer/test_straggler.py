@@ -11,8 +11,8 @@ import time
 import pytest
 
 from resilient.chaos.throttle import DutyCycle
-from resilient.trainer.straggler import GroupWatch, StallClock, StragglerWatch
-from resilient.trainer.timing import PHASES
+from resilient.trainer.observing.straggler import GroupWatch, StallClock, StragglerWatch
+from resilient.trainer.observing.timing import PHASES
 from tests.trainer.straggler_runs import throttled_run
 
 NAMED_WITHIN = 10
@@ -110,7 +110,7 @@ def test_a_group_held_as_a_whole_is_named_as_a_group_by_itself(tmp_path) -> None
 
 _CLOCK = (
     "import sys, time; sys.path.insert(0, '.');"
-    "from resilient.trainer.straggler import StallClock;"
+    "from resilient.trainer.observing.straggler import StallClock;"
     "c = StallClock().start(); print('ready', flush=True); time.sleep(float(sys.argv[1])); print(c.held_s())"
 )
 

@@ -158,7 +158,7 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
     # The groups' ranks write to log files; the launcher reads the one claimed error line back.
     from resilient.runfiles import write_event
     from resilient.tools import train as cli
-    from resilient.trainer.quiet import claim_report
+    from resilient.trainer.observing.quiet import claim_report
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
@@ -199,7 +199,7 @@ def test_a_final_claim_stops_the_launcher_with_its_exit_code(
 ) -> None:
     # A rank claimed an error no restart fixes (a setting, a full disk): 2 for bad input, 1 for the disk.
     from resilient.tools import train as cli
-    from resilient.trainer.quiet import claim_report
+    from resilient.trainer.observing.quiet import claim_report
 
     run_dir = tmp_path / "run"
 

@@ -1,4 +1,4 @@
-"""trainer/outputs.py: metrics/samples lines, last line per step wins, group directories."""
+"""trainer/observing/outputs.py: metrics/samples lines, last line per step wins, group directories."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from resilient.errors import ConfigError
 from resilient.runfiles import group_dir, read_jsonl_by_step
-from resilient.trainer.outputs import RunOutputs, StepStats, sort_sample_ids
+from resilient.trainer.observing.outputs import RunOutputs, StepStats, sort_sample_ids
 
 pytestmark = pytest.mark.timeout(60)
 

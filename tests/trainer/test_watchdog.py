@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from resilient.trainer.watchdog import HangWatchdog, flight_recorder_env, hang_path
+from resilient.trainer.observing.watchdog import HangWatchdog, flight_recorder_env, hang_path
 
 TIMEOUT_S = 0.3
 """Short enough for a fast test; the watchdog checks every TIMEOUT_S / 4."""
@@ -39,7 +39,7 @@ def _stuck_in_a_collective(events: _Events, timeout_s: float) -> bool:
 def test_silence_dumps_all_stacks_once(tmp_path, caplog) -> None:
     events = _Events()
     watchdog = _watchdog(tmp_path, events)
-    caplog.set_level(logging.WARNING, logger="resilient.trainer.watchdog")
+    caplog.set_level(logging.WARNING, logger="resilient.trainer.observing.watchdog")
     watchdog.start()
     try:
         for step in range(1, 4):
@@ -167,7 +167,7 @@ def test_a_failing_callback_is_logged_once_and_never_raised(tmp_path, caplog) ->
         raise RuntimeError("sink is gone")
 
     watchdog = HangWatchdog(str(tmp_path / "group0"), group=0, rank=0, incarnation=0, timeout_s=0.1, on_hang=broken)
-    caplog.set_level(logging.WARNING, logger="resilient.trainer.watchdog")
+    caplog.set_level(logging.WARNING, logger="resilient.trainer.observing.watchdog")
     watchdog.start()
     try:
         for step in range(3):  # three hang episodes, three failures

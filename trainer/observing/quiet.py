@@ -6,7 +6,7 @@ model shape) is reported once: the first rank to see it claims ``<run.dir>/logs/
 that fails only because that rank left (a collective that lost its partner) sees the claimed file
 and exits 2 quietly too. ``RESILIENT_DEBUG=1`` (``resilient-train --debug``) keeps the tracebacks.
 
-``python -m resilient.trainer.quiet`` is torchrun without its own ``ChildFailedError`` traceback:
+``python -m resilient.trainer.observing.quiet`` is torchrun without its own ``ChildFailedError`` traceback:
 it exits with the first failed rank's code, so the launcher can pass exit 2 on.
 """
 

@@ -49,7 +49,7 @@ class StepStats:
     mfu: float
     """Model FLOPs utilization: flops_per_token x tokens / step_time / (peak_flops x ranks)."""
     peak_flops: float
-    """FLOP/s of one rank's device the MFU is relative to (``trainer.peak``)."""
+    """FLOP/s of one rank's device the MFU is relative to (``trainer/observing/peak.py``)."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

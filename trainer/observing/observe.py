@@ -24,8 +24,8 @@ from resilient.runfiles import (
     write_event,
 )
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.straggler import GroupWatch, StallClock, StragglerWatch
-from resilient.trainer.timing import StartupClock, StepPhases, gather_window
+from resilient.trainer.observing.straggler import GroupWatch, StallClock, StragglerWatch
+from resilient.trainer.observing.timing import StartupClock, StepPhases, gather_window
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class RunObserver:
         timeout = self.config.run.hang_timeout_s
         if timeout <= 0:
             return
-        from resilient.trainer.watchdog import HangWatchdog
+        from resilient.trainer.observing.watchdog import HangWatchdog
 
         self.watchdog = HangWatchdog(
             self.directory,

@@ -59,7 +59,7 @@ from resilient.runfiles import (
     write_pid_file,
 )
 from resilient.trainer.config import TrainConfig
-from resilient.trainer.lighthouse import (
+from resilient.trainer.launching.lighthouse import (
     RELAX_AFTER_S,
     die_with_parent,
     free_port,
@@ -67,7 +67,7 @@ from resilient.trainer.lighthouse import (
     signal_group,
     start_lighthouse,
 )
-from resilient.trainer.multinode import MULTINODE_RESTARTS, rendezvous_of
+from resilient.trainer.launching.multinode import MULTINODE_RESTARTS, rendezvous_of
 from resilient.trainer.preempt import preempt_flags
 from resilient.validate import check_int
 
@@ -90,7 +90,7 @@ class ReplicaLaunch:
     """Extra environment for every rank (tests: pacing, fault injection)."""
     launch_id: str = field(default_factory=lambda: f"{os.getpid()}x{int(time.time())}")
     """Part of every group's rendezvous id, so that each launch has run ids of its own: the
-    one-error-line claim (``resilient.trainer.quiet``) of an earlier launch never silences this one."""
+    one-error-line claim (``resilient.trainer.observing.quiet``) of an earlier launch never silences this one."""
     nnodes: int = 1
     """Nodes the groups are spread over: group g runs on node g % nnodes (each group on one node)."""
     node_rank: int = 0
@@ -137,11 +137,11 @@ def check_nproc(config: TrainConfig, nproc: int | None) -> int:
 
 def torchrun_command(args: argparse.Namespace, quiet: bool = False, config: TrainConfig | None = None) -> list[str]:
     """The torchrun command line for one group: standalone (a local rendezvous on a free port), or
-    this node's share of a multi-node group (``resilient.trainer.multinode``). ``args``: ``nproc``
+    this node's share of a multi-node group (``resilient.trainer.launching.multinode``). ``args``: ``nproc``
     (ranks on this node), ``config``, ``overrides`` and optionally ``max_restarts`` and the
     multi-node flags, as parsed. ``quiet``: torchrun without its own traceback when a rank fails
-    (``resilient.trainer.quiet``). ``config``: the loaded recipe, for the preemption flags."""
-    runner = "resilient.trainer.quiet" if quiet else "torch.distributed.run"
+    (``resilient.trainer.observing.quiet``). ``config``: the loaded recipe, for the preemption flags."""
+    runner = "resilient.trainer.observing.quiet" if quiet else "torch.distributed.run"
     rendezvous = rendezvous_of(args) if getattr(args, "nnodes", None) else None
     where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
     command = [sys.executable, "-m", runner, *where, "--nproc-per-node", str(args.nproc)]

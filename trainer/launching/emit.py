@@ -1,7 +1,7 @@
 """``resilient-train --emit slurm|k8s``: the files that run one recipe across N nodes.
 
 Both start one ``resilient-train`` per node with the multi-node rendezvous flags
-(``resilient.trainer.multinode``): the rendezvous store on the first node, node identity for the RAM
+(``resilient.trainer.launching.multinode``): the rendezvous store on the first node, node identity for the RAM
 tier (``RESILIENT_NODE_ID``), ``/dev/shm`` big enough for the RAM tier's snapshots, and a restart
 policy. Plain text built by small functions: every line of the output is visible here.
 
@@ -24,7 +24,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
-from resilient.trainer.multinode import parse_nnodes
+from resilient.trainer.launching.multinode import parse_nnodes
 from resilient.trainer.preempt import SHUTDOWN_MARGIN_S
 
 EMIT_KINDS = ("slurm", "k8s")
@@ -72,7 +72,7 @@ class EmitSpec:
     """SLURM: the signal asked for ahead of the time limit (``run.preempt_signal``, set on every node)."""
     replica_groups: int = 0
     """0: one group across all nodes. G: G torchft replica groups, G / nodes on each node, meeting at
-    the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.multinode``)."""
+    the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.launching.multinode``)."""
     nproc_per_group: int = 0
 
     def __post_init__(self) -> None:

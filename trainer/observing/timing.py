@@ -6,7 +6,7 @@
   compute) to rank 0 in ONE small all-gather (a dozen floats a rank) every ``metrics.rank_every``
   steps, at the same step on every rank.
   With a stall clock, each rank's stalled seconds per step and its arrival time at that
-  all-gather travel with them (``resilient.trainer.straggler`` names the slow rank from them).
+  all-gather travel with them (``resilient.trainer.observing.straggler`` names the slow rank from them).
 - ``StartupClock``: the phases of a start (process start -> imports -> process group -> model
   built -> restored -> first step), recorded once per incarnation.
 

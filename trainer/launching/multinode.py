@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from resilient.errors import ConfigError
 from resilient.runfiles import pids_dir
-from resilient.trainer.quiet import LAUNCH_ENV
+from resilient.trainer.observing.quiet import LAUNCH_ENV
 
 NODE_RANK_ENV = "NODE_RANK"
 """Set for the ranks when ``--node-rank`` is given (torchrun's own ``GROUP_RANK`` may change at a
