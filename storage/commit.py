@@ -130,6 +130,7 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
     job.deadline = job.deadline or time.time() + job.commit_timeout_s
     receipts: dict[int, dict] = {}
     delay, cap = 0.002, poll_cap_s(store.location.scheme, world_size, job.poll_cap_s)
+    ask_at = 0.0  # the notice is read at most once per poll cap (a store round trip per rank per poll)
     while True:
         for name in store.list_children(f"{attempt_key}/{RECEIPTS}"):
             rank = _rank_of(name)
@@ -140,7 +141,9 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
         if len(receipts) >= world_size:
             return [receipts[r] for r in range(world_size)]
         failures = store.list_children(f"{attempt_key}/{FAILURES}")
-        noticed = notice.read(attempt_key, "rank") if not failures else None
+        noticed = None
+        if not failures and time.monotonic() >= ask_at:  # the storage marker missed
+            noticed, ask_at = notice.read(attempt_key, "rank"), time.monotonic() + cap
         if failures or noticed:
             errors = [_read_json(store, f"{attempt_key}/{FAILURES}/{f}") or {} for f in failures] or [noticed]
             raise CommitError(
@@ -265,6 +268,7 @@ def decide_failed(store: ObjectStore, job: PersistJob, error: BaseException) -> 
     if disk_full(error):
         remove_attempt(store, job)
     write_failure(store, job.attempt_key, COMMIT_RANK, error)
+    notice.clear(job.attempt_key, "rank")  # decided: the ranks read the decision, not the notice
 
 
 def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
@@ -281,6 +285,7 @@ def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
 
 def _commit(job: PersistJob, store: ObjectStore) -> None:
     receipts = wait_for_receipts(store, job)
+    notice.clear_decisions()  # of earlier attempts: every rank is past them (it wrote this receipt)
     check_coverage(job.plans, receipts, job.step)
     fault_point("commit.before_manifest")
     if time.time() > job.deadline:
@@ -353,11 +358,14 @@ def wait_for_commit(job: PersistJob, store: ObjectStore) -> None:
     give_up = job.deadline + decision_grace_s(job.commit_timeout_s, store.location.scheme)
     delay, cap = 0.002, poll_cap_s(store.location.scheme, job.world_size, job.poll_cap_s)
     unreadable: Exception | None = None
+    ask_at = 0.0  # as in wait_for_receipts: the notice at most once per poll cap
     while True:
         try:
             manifest, decision = _read_json(store, key), None
             if manifest is None:
-                decision = _read_json(store, marker) or notice.read(job.attempt_key, "decision")
+                decision = _read_json(store, marker)
+            if manifest is None and decision is None and time.monotonic() >= ask_at:
+                decision, ask_at = notice.read(job.attempt_key, "decision"), time.monotonic() + cap
         except Exception as e:  # noqa: BLE001 - a failed read is no decision (the coordinator's may be "committed"): poll again
             manifest = decision = None
             unreadable = e

@@ -16,21 +16,29 @@ import json
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 _PREFIX = "resilient/save-failed/"
+RETRY_CONNECT_S = 60.0
+"""After a failed connect, how long the notices go without a store before connecting again (the
+store may have been restarting with the rendezvous; not every poll pays a connect timeout)."""
 _lock = threading.Lock()
-_client: list[Any] = []  # [] untried; [None] unreachable; [store]
+_client: dict[str, Any] = {"store": None, "retry_at": 0.0}
+_decisions: list[str] = []
+"""The decision notices this process posted and has not cleared (``clear_decisions``)."""
 
 
 def _store() -> Any:
     with _lock:
-        if not _client:
-            _client.append(_connect())
-        return _client[0]
+        if _client["store"] is None and time.monotonic() >= _client["retry_at"]:
+            _client["store"] = _connect()
+            if _client["store"] is None:
+                _client["retry_at"] = time.monotonic() + RETRY_CONNECT_S
+        return _client["store"]
 
 
 def _connect() -> Any:
@@ -60,6 +68,8 @@ def post(attempt_key: str, who: str, record: dict[str, Any]) -> None:
         return
     try:
         store.set(_key(attempt_key, who), json.dumps(record))
+        if who == "decision":
+            _decisions.append(_key(attempt_key, who))
     except Exception as e:  # noqa: BLE001 - best effort: the storage marker is still tried
         log.warning("posting the failure notice of %s: %s", attempt_key, e)
 
@@ -76,3 +86,26 @@ def read(attempt_key: str, who: str) -> dict[str, Any] | None:
         return json.loads(store.get(key))
     except Exception:  # noqa: BLE001 - unreadable is no notice: the storage poll goes on
         return None
+
+
+def clear(attempt_key: str, who: str) -> None:
+    """Delete the notice ``who`` of one attempt once it is decided: the store lives as long as the
+    job, and a notice nobody reads again would stay in it."""
+    _delete(_key(attempt_key, who))
+
+
+def clear_decisions() -> None:
+    """Delete the decision notices this process posted. The coordinator calls it once every rank's
+    receipt of a later attempt is in: each rank's writer finished waiting for the earlier decision
+    before it wrote that receipt (one save in flight per rank), so nobody reads them again."""
+    while _decisions:
+        _delete(_decisions.pop())
+
+
+def _delete(key: str) -> None:
+    if _client["store"] is None:
+        return  # never connected: nothing was posted from here, nor read
+    try:
+        _client["store"].delete_key(key)
+    except Exception as e:  # noqa: BLE001 - best effort: a stale notice names an attempt nobody polls
+        log.debug("clearing the notice %s: %s", key, e)

@@ -245,12 +245,14 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     code = run_replicated(launch, forwarded_signals(config))
-    if preempted_since(config.run.dir, started):
-        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
+    line = reported_since(config.run.dir, started)
+    # A group stopped for a preemption; 143 (resumable) only if no group failed for a reason of its
+    # own (one that failed writing the stop step says so, and a rerun would not fix it by itself).
+    if preempted_since(config.run.dir, started) and line is None:
+        return PREEMPTED_EXIT
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
-    elif code != 0:
-        line = reported_since(config.run.dir, started)
+    elif code != 0 or line:
         where = f"the groups' logs are in {logs_dir(config.run.dir)}"
         print(f"{line} ({where})" if line else f"error: a replica group exited with {code}; {where}", file=sys.stderr)
         if not line:
@@ -284,8 +286,9 @@ def run_one_group(args: argparse.Namespace) -> int:
         return (waiting(torchrun_pid) if waiting else False) or stop
 
     code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), watch)
-    if final_claim_since(config.run.dir, started):
-        return ERROR_EXIT  # the rank printed the line
+    final = final_claim_since(config.run.dir, started)
+    if final:  # the rank printed the line
+        return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT
     if preempted_since(config.run.dir, started):
         return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
     if code == 128 + signal.SIGINT:

@@ -39,7 +39,14 @@ from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, f
 from resilient.trainer.observing.observe import RunObserver
 from resilient.trainer.observing.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.observing.peak import Peak
-from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted, PreemptWatch, preempt_signals, stop_preempted
+from resilient.trainer.preempt import (
+    Preempted,
+    PreemptWatch,
+    preempt_signals,
+    save_stop_step,
+    stop_line,
+    stop_preempted,
+)
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
 
@@ -183,19 +190,17 @@ class Trainer:
                 raise
 
     def _stop_preempted(self, signum: int) -> Preempted:
-        """Save the current step and wait for its commit (every rank alike), record the event."""
+        """Save the current step (if this group writes it), wait for its commit, record the event."""
+        wrote, ckpt, steps, writes = [False], self.checkpointer, self._committed_steps, self._saves_this_step
 
         def save() -> None:
-            self.checkpointer.wait()  # a save still persisting first: if_busy="skip" must not skip this one
-            if self._saved_step != self.step and self._saves_this_step():
-                self.save()
-            self.checkpointer.wait()
+            wrote[0] = save_stop_step(self.step, wait=ckpt.wait, committed=steps, writes=writes, save=self.save)
 
         def record(event: str, **fields: Any) -> None:
             if self.outputs.enabled:
-                write_event(self.config.run.dir, event, group=group_id(), **fields)
-            where = "is committed" if fields["committed"] else "is not committed here (a peer group writes it)"
-            self.outputs.message(f"preempted: step {self.step} {where}; exiting {PREEMPTED_EXIT} to be resumed")
+                write_event(self.config.run.dir, event, group=group_id(), wrote=wrote[0], **fields)
+            ours = wrote[0] or isinstance(self.sync, LocalSync)  # a lone group wrote every step it has
+            self.outputs.message(stop_line(self.step, committed=fields["committed"], ours=ours))
 
         with self.observer.paused():  # the save may take long: not a hang
             return stop_preempted(self.step, signum, save=save, committed=self._committed_steps, record=record)
@@ -368,7 +373,7 @@ class Trainer:
     def _mfu(self, step_time: float) -> float:
         achieved = self._flops_per_step / step_time / self.mesh.size()  # per rank, as the peak
         if self.peak is not None:
-            self.peak_flops = self.peak.at_least(achieved, record=self.outputs.enabled)
+            self.peak_flops = self.peak.at_least(achieved)
         return achieved / self.peak_flops
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -482,6 +487,8 @@ class Trainer:
         """Stop the loader's workers and the checkpoint writer, close the output files. Raises a
         background save error that nothing has raised yet."""
         try:
+            if self.peak is not None and self.outputs.enabled:  # one rank writes the cache
+                self.peak.remember()
             self.observer.close()
             self.parts.data.close()
             self.outputs.close()

@@ -11,10 +11,16 @@ periodic save would be lost. With it:
    integer over the group): the signal reaches ranks at different moments, the stop step must be
    the same on all of them;
 3. the ranks save that step (unless it is already committed) and wait until it is committed: a RAM
-   snapshot alone would die with the pod, so this is a persistent save, agreed like every save;
-4. rank 0 records a ``preempted`` event (``step``, ``signal``, ``seconds``), and every rank exits
-   143 (128 + SIGTERM): the run is not finished, so neither a launcher nor a scheduler takes it
-   for done, and the next start resumes from the saved step.
+   snapshot alone would die with the pod, so this is a persistent save, agreed like every save.
+   With replica groups only the group that writes the step saves it; the others do not wait for
+   that group, so their step may not be committed yet when they stop (and is lost if that group
+   fails: the next start then resumes from an older committed step);
+4. each group's rank 0 records a ``preempted`` event (``step``, ``signal``, ``seconds``,
+   ``committed``: seen committed when it stopped, ``wrote``: this group wrote it), and every rank
+   exits 143 (128 + SIGTERM): the run is not finished, so neither a launcher nor a scheduler takes
+   it for done, and the next start resumes from the newest committed step. A save that fails is an
+   error like any other (exit 1 or 2, not 143); the replica-group launcher returns 143 only when no
+   group reported an error.
 
 The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``) that covers
 ``run.preempt_grace_s``: torchrun kills its workers that long after passing the signal on.
@@ -22,6 +28,7 @@ The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``)
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -29,10 +36,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from resilient.errors import CommitError
 from resilient.runfiles import read_events
 
 if TYPE_CHECKING:
     from resilient.trainer.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """Exit status of a preempted run, whatever signal asked for it: not finished, resumable."""
@@ -100,6 +110,39 @@ class PreemptWatch:
         return int(flag.item())
 
 
+def save_stop_step(
+    step: int,
+    *,
+    wait: Callable[[], None],
+    committed: Callable[[], list[int]],
+    writes: Callable[[], bool],
+    save: Callable[[], None],
+) -> bool:
+    """Save ``step`` unless it is committed or another group writes it (``writes``), and wait for its
+    commit (collective). Whether this group wrote it."""
+    try:  # a save still persisting first: if_busy="skip" must not skip this one
+        wait()
+    except CommitError as error:  # that earlier save failed (on every rank alike): this step still needs its own
+        log.warning("preempted at step %d: an earlier save failed (%s); saving this step", step, error)
+    # Committed, not "saved": a step restored from RAM was never written (the trainer counts it as
+    # saved), and a save in flight may have been the one that just failed.
+    wrote = step not in committed() and writes()
+    if wrote:
+        save()
+    wait()
+    return wrote
+
+
+def stop_line(step: int, *, committed: bool, ours: bool) -> str:
+    """What a group says when it stops: only the group that wrote the step (or a lone group) says it
+    is committed without saying by whom."""
+    if not committed:
+        where = "is not committed here (a peer group writes it)"
+    else:
+        where = "is committed" if ours else "is committed (by a peer group)"
+    return f"preempted: step {step} {where}; exiting {PREEMPTED_EXIT} to be resumed"
+
+
 def stop_preempted(
     step: int,
     signum: int,
@@ -108,8 +151,9 @@ def stop_preempted(
     committed: Callable[[], list[int]],
     record: Callable[..., None],
 ) -> Preempted:
-    """Make ``step`` durable and say so: ``save`` saves and waits for its commit (collective; it
-    raises on every rank alike when the save fails), ``committed`` lists the committed steps
+    """Make ``step`` durable if this group writes it, and say what it saw: ``save`` saves (if this
+    group writes the step) and waits for its commit (collective; it raises on every rank alike when
+    the save fails), ``committed`` lists the committed steps
     (collective), ``record(event, **fields)`` writes the event (rank 0) and says whether the step
     is committed (``committed``). Returns the error to raise."""
     start = time.monotonic()

@@ -178,6 +178,7 @@ def ram_fingerprint(config: TrainConfig) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent = os.getppid()  # torchrun, read first: set_parent_death_signal checks it is still there
     clock = StartupClock(process_start_time())
     clock.mark("imports")
     args = parse_args(argv)
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun gone (SIGKILLed, OOM-killed): stop as on a preemption rather than live on in a
         # session of our own; the ranks get it together and save the step they are at.
-        set_parent_death_signal(signal.SIGTERM)
+        set_parent_death_signal(signal.SIGTERM, parent)
     # Tools and tests find (and kill) this rank by its pid file; a torchrun restart rewrites it.
     write_pid(config.run.dir, group_id(), rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m resilient.trainer`: a one-rank world

@@ -1,6 +1,7 @@
 """A full disk on one rank fails the save on every rank with that cause, not after the commit
-timeout: the rank removes the partial attempt (which is what filled the disk) so that its failure
-marker lands, the coordinator decides at its next poll, and the previous step stays loadable."""
+timeout: the failing rank's marker cannot land (its disk is full), so its notice through the
+rendezvous store (``storage.notice``) tells the coordinator, which decides at its next poll and
+removes the partial attempt (which is what filled the disk); the previous step stays loadable."""
 
 from __future__ import annotations
 

@@ -270,6 +270,7 @@ def _preempt_stubs(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     body = (
         'trap \'echo "step got USR1" >> "$OUT/log"; exit 143\' USR1\n'
+        'trap \'echo "step got TERM" >> "$OUT/log"; exit 143\' TERM\n'
         'echo started >> "$OUT/log"\n'
         "for i in $(seq 1 300); do sleep 0.1; done\nexit 0\n"
     )
@@ -296,6 +297,23 @@ def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempt
     assert job.returncode == 143, stderr
     assert log.read_text().splitlines() == ["started", "step got USR1", "requeue 77"]
     assert "requeueing job 77" in stderr
+
+
+def test_sbatch_passes_sigterm_on_to_the_step_and_waits_for_it(tmp_path: Path) -> None:
+    # scancel, a preemption or the time limit: SLURM sends SIGTERM, then SIGKILL after KillWait.
+    path = tmp_path / "job.sbatch"
+    path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)))
+    env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "79", "SLURM_JOB_NODELIST": "n[1-2]"}
+    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "log"
+    for _ in range(100):
+        if log.exists() and "started" in log.read_text():
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    job.send_signal(15)
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 143, stderr
+    assert log.read_text().splitlines() == ["started", "step got TERM"]  # SLURM requeues itself, if it does
 
 
 def test_sbatch_does_not_requeue_a_job_that_ended(tmp_path: Path) -> None:

@@ -151,11 +151,12 @@ def test_ctrl_c_says_where_the_run_stood_and_exits_130(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("outcome", ["rank_error", "crash", "interrupt"])
+@pytest.mark.parametrize("outcome", ["rank_error", "crash", "interrupt", "preempted", "preempted_with_error"])
 def test_replica_groups_launcher_says_what_its_groups_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], outcome: str
 ) -> None:
     # The groups' ranks write to log files; the launcher reads the one claimed error line back.
+    from resilient.runfiles import write_event
     from resilient.tools import train as cli
     from resilient.trainer.observing.quiet import claim_report
 
@@ -167,20 +168,47 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
         os.utime(stale, (old, old))
 
     def fake_run(launch, *signals) -> int:  # what the groups would have done
-        if outcome == "rank_error":
+        if outcome.startswith("preempted"):  # group 0 stopped (it does not write the step)
+            write_event(launch.run_dir, "preempted", group=0, step=3, signal="SIGTERM", committed=False)
+        if outcome in ("rank_error", "preempted_with_error"):
             monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"group1-{launch.launch_id}")
             assert claim_report(launch.run_dir, "error: [rank 1] checkpoint step 4 is damaged: do X")
-        return {"rank_error": 1, "crash": 1, "interrupt": 130}[outcome]
+        return {"rank_error": 1, "crash": 1, "interrupt": 130}.get(outcome, 143)
 
     monkeypatch.setattr(cli, "run_replicated", fake_run)
     args = ["--replica-groups", "2", "--nproc-per-group", "1", "--config", TINY, "--set", f"run.dir={run_dir}"]
     args += ["--set", "parallel.dp_shard=1", "--set", "parallel.tp=1"]  # one rank per group, as launched
     code = cli.main(args)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    if outcome == "rank_error":
+    assert len(err) == (0 if outcome == "preempted" else 1), err
+    if outcome in ("rank_error", "preempted_with_error"):
         assert code == 2 and err[0].startswith("error: [rank 1] checkpoint step 4 is damaged: do X (the groups' logs")
     elif outcome == "crash":
         assert code == 1 and err[0].startswith("error: a replica group exited with 1;") and "logs" in err[0]
+    elif outcome == "preempted":
+        assert code == 143 and err == [], err
+        return
     else:
         assert code == 130 and err[0].startswith("interrupted at step"), err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("line", "exit_code"), [("No space left on device", 1), ("checkpoint.url: bad", 2)])
+def test_a_final_claim_stops_the_launcher_with_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str, exit_code: int
+) -> None:
+    # A rank claimed an error no restart fixes (a setting, a full disk): 2 for bad input, 1 for the disk.
+    from resilient.tools import train as cli
+    from resilient.trainer.observing.quiet import claim_report
+
+    run_dir = tmp_path / "run"
+
+    def fake_run(command, grace_s, env, signals, watch) -> int:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fake-torchrun")
+        assert claim_report(str(run_dir), f"error: [rank 0] {line}", final=True)
+        assert watch(12345) is True  # the launcher stops torchrun at once
+        return 1
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    args = ["--config", TINY, "--set", f"run.dir={run_dir}", "--set", "parallel.dp_shard=1", "--set", "parallel.tp=1"]
+    assert cli.main(["--nproc", "1", *args]) == exit_code

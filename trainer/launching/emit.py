@@ -284,6 +284,7 @@ def _slurm_preemption(spec: EmitSpec) -> list[str]:
         "step_pid=$!",
         "preempted=0",
         f"trap 'preempted=1; woke=1; kill -{name} \"$step_pid\" 2>/dev/null || true' {name}",
+        *(_slurm_term_trap() if name != "TERM" else []),
         "# wait returns early when the trap runs: wait again (127: the step's status was taken already).",
         "code=0",
         "woke=1",
@@ -297,6 +298,13 @@ def _slurm_preemption(spec: EmitSpec) -> list[str]:
         "fi",
         'exit "$code"',
     ]
+
+
+def _slurm_term_trap() -> list[str]:
+    """SLURM stops a job (scancel, preemption, the time limit) with SIGTERM to the batch shell too,
+    then SIGKILL after ``KillWait``: bash would die at once and leave the step unwaited for. Pass it
+    on and wait the same way, without a requeue (SLURM requeues a preempted job itself)."""
+    return ["trap 'woke=1; kill -TERM \"$step_pid\" 2>/dev/null || true' TERM"]
 
 
 def _meeting_point(spec: EmitSpec) -> str:

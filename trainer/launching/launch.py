@@ -478,7 +478,7 @@ def _shell_code(code: int) -> int:
 
 def run_replicated(launch: ReplicaLaunch, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start the job, wait for it, and stop everything on return, on error or on one of ``signals``
-    (each group gets SIGTERM: a preemption, saved by the group that writes the step)."""
+    (each group gets SIGTERM: a preemption; the group that writes the stop step saves it)."""
     job = ReplicaJob(launch)
     received: list[int] = []
 

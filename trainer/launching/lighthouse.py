@@ -121,20 +121,27 @@ def die_with_parent(sig: int) -> Callable[[], None] | None:
     if not sys.platform.startswith("linux"):
         return None
     parent = os.getpid()
+    # Resolved here, before the fork: dlopen and the symbol lookup take locks and allocate, which a
+    # forked child of a threaded parent must not do before it execs.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the call: nobody will send it
             os.kill(os.getpid(), sig)
 
     return preexec
 
 
-def set_parent_death_signal(sig: int) -> None:
-    """This process gets ``sig`` when its parent dies (Linux; a no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+def set_parent_death_signal(sig: int, parent: int) -> None:
+    """This process gets ``sig`` when its parent dies (Linux; a no-op elsewhere). ``parent``: the
+    parent's pid as read earliest (``os.getppid()`` at start): a parent that died before the call
+    sends nothing, so the process signals itself then."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:  # reparented (to init or a subreaper): the parent is gone
+        os.kill(os.getpid(), sig)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -15,6 +15,7 @@ H100's 989 TFLOP/s, or an H20 reported against H100 numbers). So the peak says w
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import platform
@@ -30,6 +31,7 @@ from resilient.runfiles import read_json, write_json
 if TYPE_CHECKING:
     from resilient.trainer.config import TrainConfig
 
+log = logging.getLogger(__name__)
 PEAK_FLOPS: dict[str, float] = {
     # Dense (not 2:4 sparse) bf16/fp16 tensor-core FLOP/s with fp32 accumulate, per GPU. NVIDIA's
     # datasheets print the sparse figure with an asterisk; the dense one is half of it.
@@ -64,6 +66,9 @@ MAX_BENCH_ROWS = 8192
 CACHE_ENV = "RESILIENT_PEAK_CACHE"
 """The per-machine peak cache file; default ``~/.cache/resilient/peak.json``."""
 
+SURPRISE = 0.10
+"""How far above a measured peak a step may go before the rise is logged as a warning."""
+
 Shapes = tuple[tuple[int, int, int], ...]
 
 
@@ -82,15 +87,32 @@ class Peak:
     key: str = ""
     """The cache entry: device model, dtype, threads and matmul shapes."""
     cache_path: str = ""
+    raised: bool = False
+    """A step beat the peak this run: ``remember`` writes the new one to the cache."""
 
-    def at_least(self, achieved: float, *, record: bool) -> float:
-        """The peak, raised to ``achieved`` FLOP/s when a measured one is below it (``record``:
-        and in the cache, by one rank). A vendor's table or the recipe's value is left alone."""
+    def at_least(self, achieved: float) -> float:
+        """The peak, raised to ``achieved`` FLOP/s when a measured one is below it, in memory (a
+        write inside a step would cost the step; ``remember`` writes it once, at close). A vendor's
+        table or the recipe's value is left alone. A step far above the measured peak is more
+        likely a wrong FLOP count than a busy start: said, not hidden by the rising peak."""
         if achieved > self.flops and self.source in ("measured", "cached"):
-            self.flops = achieved
-            if record and self.cache_path:
-                _remember(self.cache_path, self.key, achieved)
+            if achieved > self.flops * (1 + SURPRISE):
+                log.warning(
+                    "a step reached %.3g FLOP/s, more than %d%% above the %s peak %.3g: the peak "
+                    "rises to it, but check the model's FLOP count if this machine was not busy at start",
+                    achieved,
+                    round(SURPRISE * 100),
+                    self.source,
+                    self.flops,
+                )
+            self.flops, self.raised = achieved, True
         return self.flops
+
+    def remember(self) -> None:
+        """Keep a peak a step raised in the per-machine cache (one rank, at the end of the run)."""
+        if self.raised and self.cache_path:
+            _remember(self.cache_path, self.key, self.flops)
+            self.raised = False
 
 
 def peak_flops(

@@ -103,10 +103,12 @@ def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:
     if isinstance(error, ResilientError) or disk_full(error):
         # An agreed error already names the rank that saw it ("[rank 0 (and 1 other rank(s))] ...").
         line = f"error: {error}" if str(error).startswith("[rank ") else f"error: [rank {rank}] {error}"
-        if claim_report(run_dir, line, final=isinstance(error, ConfigError)):
+        full = disk_full(error)
+        # Final: a restart would meet the same setting, or the same full disk (nothing frees it).
+        if claim_report(run_dir, line, final=isinstance(error, ConfigError) or full):
             print(line, file=sys.stderr, flush=True)
         # A full disk is a failure of the machine, not of the input: 1, not the usage code.
-        return RUNTIME_EXIT if disk_full(error) else ERROR_EXIT
+        return RUNTIME_EXIT if full else ERROR_EXIT
     if isinstance(error, KeyboardInterrupt):
         return 128 + 2  # Ctrl-C: torchrun passed the launcher's SIGINT on; the launcher says where we stood
     if isinstance(error, Exception) and os.path.exists(error_path(run_dir)):
