@@ -127,6 +127,12 @@ def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
         return
     step = steps[0] if record.spec.target == "oldest" else steps[-1]
     attempt = _committed_attempt(root, step)
+    packed = _largest_packed_shard(root, step)
+    if packed is not None:  # format v3: the middle of a shard's own bytes, never a ZIP header
+        path, offset = packed
+        _xor_byte(path, offset)
+        record.extra.update(step=step, file=os.path.relpath(path, root), offset=offset)
+        return
     chunks = sorted(  # shard objects of the committed attempt: every file but the JSON (zarr.json, receipts)
         (os.path.getsize(p), p)
         for p in glob.glob(os.path.join(root, f"step-{step:09d}", attempt, "**"), recursive=True)
@@ -136,12 +142,28 @@ def _flip_byte(ctx: InjectContext, record: FaultRecord) -> None:
         record.note = f"step {step} has no chunk file"
         return
     size, path = chunks[-1]  # the largest: its middle is tensor data, not the shard index
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        byte = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _xor_byte(path, size // 2)
     record.extra.update(step=step, file=os.path.relpath(path, root), offset=size // 2)
+
+
+def _largest_packed_shard(root: str, step: int) -> tuple[str, int] | None:
+    """(pack path, the offset of the middle of its largest shard) from a v3 manifest; None for
+    older layouts, whose shards are files of their own."""
+    with open(os.path.join(root, f"step-{step:09d}", "manifest.json")) as f:
+        manifest = json.load(f)
+    shards = [ref for entry in manifest.get("arrays", {}).values() for ref in (entry.get("shards") or {}).values()]
+    if not shards:
+        return None
+    pack, offset, nbytes = max(shards, key=lambda ref: ref[2])
+    return os.path.join(root, f"step-{step:09d}", manifest["attempt"], pack), offset + nbytes // 2
+
+
+def _xor_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _arm(ctx: InjectContext, groups: list[int], spec: str) -> None:

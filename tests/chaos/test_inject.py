@@ -128,3 +128,8 @@ def test_corrupt_chunk_flips_a_shard_object_of_the_committed_attempt_only(tmp_pa
     # Format v3: the rank's shards live in its pack object under the committed attempt.
     assert record.extra["file"].startswith(f"step-000000001/{attempt}/pack-r00000-"), record.extra
     assert (orphan / "0").read_bytes() == b"x" * 1_000_000
+    # The flipped byte lies in the shard's own bytes (not a ZIP header no reader reads): a load fails.
+    from resilient.errors import IntegrityError
+
+    with pytest.raises(IntegrityError):
+        Checkpointer(root).load({"w": torch.zeros(40000)})
