@@ -1,9 +1,9 @@
 """Load from local (``file://``) checkpoints without TensorStore: ``preadv`` straight into the
 destination tensor's memory, crc32c verified over the bytes where they landed.
 
-Through TensorStore, loading the 1 GiB FSDP state of ``benchmarks/ckpt_bench.py`` from warm page
-cache took ~4x as long as this path (4->3 ranks, one process: 1.26 s vs 0.30 s), and 4->3
-reshards ran at 0.3-0.4x PyTorch DCP. Local shard files are byte ranges we can address: the
+Through TensorStore, loading ``benchmarks/ckpt_bench.py``'s FSDP state from warm page cache took
+several times as long as this path, and reshards ran behind PyTorch DCP (benchmarks/README.md,
+"Choices in the code"). Local shard files are byte ranges we can address: the
 shard's index (``storage/shardfile.py``) gives every inner chunk's offset, so the part of a chunk
 that a box needs, when it is one contiguous range both in the chunk and in the destination, is
 read by the kernel directly into the destination; only the rest of the chunk (read anyway, for

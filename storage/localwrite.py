@@ -26,16 +26,15 @@ from resilient.storage.parallel import run_parallel
 
 IOV_MAX = 1024  # Linux's limit on buffers per writev
 SYNCFS_MIN_FILES = 64
-"""From this many files on, one ``syncfs`` makes them durable instead of one fdatasync each:
-measured here, 4,000 small files + their directories took 0.11 s by syncfs and 0.36-0.47 s by
-16 threads of fsync; for a few big files, per-file fdatasync waits for nothing but our data."""
+"""From this many files on, one ``syncfs`` makes them durable instead of one fdatasync each (many
+small files: several times faster; benchmarks/README.md, "Choices in the code"); for a few big
+files, per-file fdatasync waits for nothing but our data."""
 
 
 WRITEBACK_STEP_BYTES = 32 << 20
 """A file's bytes are handed to the kernel this many at a time, each piece's writeback started as
-soon as it is in the page cache (``SYNC_FILE_RANGE_WRITE``: start, do not wait). Measured here, 1
-GiB written by one process then fsync'd: 0.34-0.46 s this way against 0.52-0.64 s writing it all
-first and flushing at the end (the copy and the disk overlap instead of taking turns)."""
+soon as it is in the page cache (``SYNC_FILE_RANGE_WRITE``: start, do not wait): the copy and the
+disk overlap instead of taking turns (benchmarks/README.md, "Choices in the code")."""
 WRITEBACK_MIN_BYTES = 1 << 20
 """A file's tail of fewer bytes is left to the durability pass: tiny files (norms, biases, zarr.json)
 are many, and the pass at the end flushes them together."""
@@ -230,8 +229,7 @@ class AttemptFiles:
     def make_parent(self, key: str) -> None:
         """Create the directory ``key`` goes in, and its missing parents. Safe from several
         threads: the writers call it per object, so directories are made while other objects are
-        written (measured: 2,000 arrays' directories and files took 2.1-3.3 s from 4 threads, 3.8-5.8
-        s from one, on this machine's ext4, where each mkdir or create costs ~1 ms)."""
+        written (each mkdir or create costs about a millisecond on ext4; benchmarks/README.md)."""
         self._make_dir(os.path.dirname(self._path(key)))
 
     def _make_dir(self, path: str) -> None:

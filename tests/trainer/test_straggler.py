@@ -135,7 +135,7 @@ def test_the_stall_clock_counts_stops_from_outside_and_not_waits() -> None:
     assert stopped * 0.7 <= held <= stopped * 1.3, (held, stopped)
 
 
-def _one_named(run, rank: int) -> dict:
+def _assert_one_named(run, rank: int) -> dict:
     assert run.first_step > 0 and run.last_step - run.first_step >= 15, (run.first_step, run.last_step)
     assert run.share >= 0.3, run.share
     assert [(e["rank"], e["phase"]) for e in run.stragglers] == [(rank, "stalled_s")], run.stragglers
@@ -153,7 +153,7 @@ def _one_named(run, rank: int) -> dict:
 @pytest.mark.timeout(300)
 def test_fsdp_rank_held_from_outside_is_named_and_cleared(tmp_path) -> None:
     run = throttled_run(tmp_path / "fsdp", 42, "parallel.tp=1", "parallel.dp_shard=2", rank=1, span=16)
-    _one_named(run, 1)
+    _assert_one_named(run, 1)
     # Under FSDP the waiter's compute grows as much as the held rank's: the old rule's blind spot.
     (cleared,) = run.cleared
     assert cleared["rank"] == 1 and cleared["step"] > run.last_step and cleared["duration_steps"] >= 15
@@ -164,7 +164,7 @@ def test_fsdp_rank_held_from_outside_is_named_and_cleared(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_tp_rank_held_from_outside_is_named(tmp_path) -> None:
     run = throttled_run(tmp_path / "tp", 28, "parallel.tp=2", "parallel.dp_shard=1", rank=0, span=18)
-    _one_named(run, 0)
+    _assert_one_named(run, 0)
 
 
 @pytest.mark.e2e
@@ -172,7 +172,7 @@ def test_tp_rank_held_from_outside_is_named(tmp_path) -> None:
 def test_pp_held_stage_is_named(tmp_path) -> None:
     sets = ("parallel.tp=1", "parallel.dp_shard=1", "parallel.pp=2")
     run = throttled_run(tmp_path / "pp", 28, *sets, rank=1, span=18)
-    _one_named(run, 1)
+    _assert_one_named(run, 1)
 
 
 @pytest.mark.e2e
