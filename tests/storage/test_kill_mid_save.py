@@ -52,6 +52,13 @@ def test_sigkill_mid_save_leaves_previous_step_loadable(tmp_path, point):
     target = {"w": torch.zeros(2048, 1024), "step": 0}
     assert ckpt.load(target) == 1  # ...but invisible
     assert torch.equal(target["w"], torch.full((2048, 1024), 1.0)) and target["step"] == 1
-    ckpt.save(3, _state(3)).wait()  # a newer commit: retention removes the orphan and step 1
+    ckpt.save(3, _state(3)).wait()  # a newer commit: retention removes step 1...
     assert ckpt.steps() == [3]
-    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-000000003"]
+    # ...but leaves the orphan while it is young: it could be another writer's save in flight
+    # (two replica groups persisting one restored step). Once it is old, the next commit removes it.
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-000000002", "step-000000003"]
+    (attempt,) = os.listdir(tmp_path / "ck" / "step-000000002")
+    hour_ago = f"attempt-{int((time.time() - 3600) * 1000):011x}-{attempt.rsplit('-', 1)[1]}"
+    os.rename(tmp_path / "ck" / "step-000000002" / attempt, tmp_path / "ck" / "step-000000002" / hour_ago)
+    ckpt.save(4, _state(4)).wait()
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-000000004"]
