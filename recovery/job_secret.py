@@ -1,11 +1,9 @@
-"""The secret every replica group of one job shares: it keys the heal channel across groups.
-
-The RAM tier's channel key (``ram.buddy.shared_secret``) is broadcast over ONE group's process
-group, so another group (another torchrun job) cannot know it. A heal crosses groups, so its key
-comes from what all groups share:
+"""The secret every rank of one job shares: it keys the heal channel across groups, and each
+group's RAM tier channel key is derived from it (``ram.buddy.shared_secret``), so no key is ever
+sent over a process group (plain TCP across nodes). It comes from what every rank shares:
 
 1. ``$RESILIENT_JOB_SECRET`` (hex, at least 16 bytes) when set: multi-node jobs hand it out like
-   any other secret (SLURM/Kubernetes secret store) to every group;
+   any other secret (SLURM/Kubernetes secret store) to every node;
 2. else ``<run.dir>/job.key``, created once (mode 0600, atomically: the first rank of any group
    wins the race) and read by every rank after. Run directories on a filesystem only this user
    may read keep it private; a key file another user owns or may read is refused.

@@ -40,6 +40,7 @@ OWNER_LOCK = "owner.lock"
 OWNER_FILE = "owner.json"
 JOB_FILE = "job.json"
 CLAIM_TTL_S = 120.0
+CLAIM_SETTLE_S = 0.5  # how long a writer waits before reading the record back (claim_run_dir)
 """A run directory's record not refreshed for this long (its job on another host) is taken over."""
 
 
@@ -142,10 +143,17 @@ def _try(fd: int, how: int) -> bool:
 # --- the run directory ----------------------------------------------------------------------------
 
 
-def claim_run_dir(run_dir: str, job: str, *, write: bool = True, ttl_s: float = CLAIM_TTL_S) -> RunDirClaim:
+def claim_run_dir(
+    run_dir: str, job: str, *, write: bool = True, ttl_s: float = CLAIM_TTL_S, settle_s: float = CLAIM_SETTLE_S
+) -> RunDirClaim:
     """Record ``job`` as the owner of ``run_dir`` (ConfigError naming the owner when another live
     job has it); returns the claim, its heartbeat kept fresh until ``close`` when ``write`` (one
-    rank of each group writes, every rank checks)."""
+    rank of each group writes, every rank checks).
+
+    Two jobs that start together may both read no live owner and both write: each writer reads the
+    record again ``settle_s`` after its write, and the one whose record was overwritten is refused
+    (the last writer owns it). One that still slips through (its re-read came before the other's
+    write) finds the other's record at its next heartbeat: ``RunDirClaim.check`` raises then."""
     path = os.path.join(run_dir, JOB_FILE)
     record = read_json(path)
     if record is not None and record.get("job") != job and _alive(record, ttl_s):
@@ -158,8 +166,17 @@ def claim_run_dir(run_dir: str, job: str, *, write: bool = True, ttl_s: float = 
     claim = RunDirClaim(path, job, ttl_s)
     if write:
         claim.beat()
+        time.sleep(settle_s)
+        claim.check_record()
         claim.start()
     return claim
+
+
+def _taken(path: str, record: dict[str, Any]) -> ConfigError:
+    return ConfigError(
+        f"run.dir {os.path.abspath(os.path.dirname(path))} was taken by another job {record.get('job')!r} "
+        f"(pid {record.get('pid')} on {record.get('host')}) while this one held it; give each job its own run.dir"
+    )
 
 
 def _age(record: dict[str, Any]) -> float:
@@ -198,6 +215,7 @@ class RunDirClaim:
         self.path, self.job, self.ttl_s = path, job, ttl_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._foreign: ConfigError | None = None
 
     def beat(self) -> None:
         """Refresh the record as this job's (this process the one a same-host check looks for)."""
@@ -208,12 +226,27 @@ class RunDirClaim:
         self._thread = threading.Thread(target=self._run, name="resilient-run-dir-claim", daemon=True)
         self._thread.start()
 
+    def check_record(self) -> None:
+        """Raise ConfigError if the record names another job (it wrote after this one)."""
+        current = read_json(self.path)
+        if current is not None and current.get("job") != self.job:
+            raise _taken(self.path, current)
+
+    def check(self) -> None:
+        """Raise (once) what the heartbeat found: another job's record in this job's run dir."""
+        foreign, self._foreign = self._foreign, None
+        if foreign is not None:
+            raise foreign
+
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):
             with contextlib.suppress(OSError):
                 current = read_json(self.path)
-                if current is None or current.get("job") == self.job:
-                    self.beat()
+                if current is not None and current.get("job") != self.job:
+                    # Fatal, not quiet: two jobs now write one run dir's timeline and checkpoints.
+                    self._foreign = _taken(self.path, current)
+                    return
+                self.beat()
 
     def close(self) -> None:
         self._stop.set()

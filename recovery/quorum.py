@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -167,6 +168,9 @@ class ReplicaGroupSync:
         self._members = MemberCheck(secret, rank=rank, timeout_s=config.connect_timeout_s)
         self._checked: list[str] | None = None
         self._unproven: dict[str, str] = {}
+        self._stores: list[str] = []
+        self._store_refused: dict[str, str] = {}
+        """The store addresses proven members registered (rank 0 proves them; every rank holds them)."""
         self._healed_now = False
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
@@ -191,6 +195,8 @@ class ReplicaGroupSync:
         # The full id (torchft appended a uuid) that this group's heal server answers with.
         self.replica_id = self._manager._store.get(REPLICA_ID_KEY).decode()
         self.transport.replica_id = self.replica_id
+        # As torchft's Manager registers it (given no store_addr): answered with the proof.
+        self.transport.store_address = f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT'])}"
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -208,6 +214,8 @@ class ReplicaGroupSync:
             ) from e
         quorum = self._client.last_quorum
         self._check_members(sorted(quorum.replica_ids) if quorum is not None else [])
+        if quorum is not None:
+            self._check_store(str(quorum.store_address))
         self._check_configured()
         prank = self._manager.participating_rank()
         npart = self._manager.num_participants()
@@ -222,7 +230,7 @@ class ReplicaGroupSync:
             heal_bytes=self.transport.last_recv_bytes if self._healed_now else 0,
             heal_s=self.transport.last_recv_s if self._healed_now else 0.0,
             quorum_s=time.perf_counter() - start,
-            unproven=dict(self._unproven),
+            unproven={**self._unproven, **self._store_refused},
         )
 
     def _check_members(self, members: list[str]) -> None:
@@ -231,8 +239,9 @@ class ReplicaGroupSync:
         group's step fails here: nothing crosses groups, and its vote is not to commit."""
         if members != self._checked or self._unproven:  # a member that failed is asked again
             self._checked = members
-            check = functools.partial(self._members.unproven, members, self.replica_id)
-            self._unproven = rdist.agree(check, src=0, what="quorum members' proof of the job secret")
+            check = functools.partial(self._prove_members, members)
+            outcome = rdist.agree(check, src=0, what="quorum members' proof of the job secret")
+            self._unproven, self._stores = outcome["unproven"], outcome["stores"]
             for member, reason in self._unproven.items():
                 log.error(
                     "[group %d rank %d] quorum member %s cannot prove it belongs to this job (%s): not committing "
@@ -271,6 +280,33 @@ class ReplicaGroupSync:
             "restarting this group so that the quorum changes"
         ) from cause
 
+    def _prove_members(self, members: list[str]) -> dict[str, Any]:
+        """Rank 0: the members that cannot prove themselves, and the stores the others registered."""
+        unproven = self._members.unproven(members, self.replica_id)
+        return {"unproven": unproven, "stores": [*self._members.stores(members), self.transport.store_address]}
+
+    def _check_store(self, store_address: str) -> None:
+        """Refuse a quorum whose store (where this rank's cross-group rendezvous meets) no proven
+        member registered: a stranger re-registered under a real member's id with its own store.
+        This rank's own outcome (each rank of a group may meet at another member's store); every
+        group's same rank meets at the same store, so each refuses in every real group."""
+        self._store_refused = {}
+        if store_address in self._stores:
+            return
+        reason = f"the quorum's store {store_address} is no proven member's: a member's id was taken over"
+        # Kept apart from the agreed ``_unproven``: the group's ranks decide together when to prove
+        # members again, and this outcome is this rank's alone.
+        self._store_refused = {f"store {store_address}": reason}
+        log.error(
+            "[group %d rank %d] %s: not committing alongside it",
+            self.group,
+            self.rank,
+            reason,
+            extra={"event": "quorum_unproven", "member": f"store {store_address}", "reason": reason},
+        )
+        if self._manager.errored() is None:
+            self._manager.report_error(QuorumError(reason))
+
     def allreduce_sum(self, tensor: torch.Tensor) -> bool:
         """Sum ``tensor`` (in place) over the participating groups' same-rank peers.
 
@@ -278,7 +314,7 @@ class ReplicaGroupSync:
         that gradients must be SUMMED over every data-parallel rank (dp_shard x groups). After the
         first failure in a step every later call is a no-op: the step is discarded by should_commit.
         """
-        if self._unproven:  # a stranger is in the quorum: it gets none of this group's values
+        if self._unproven or self._store_refused:  # a stranger is in the quorum: it gets none of our values
             return False
         return bool(self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait())
 

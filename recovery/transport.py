@@ -51,6 +51,8 @@ class _HealHandler:
         self._closing = False
         self.replica_id = ""
         """This group's full replica id, answered to ``PROOF_KEY`` (``quorum_auth``)."""
+        self.store_address = ""
+        """The store address this group registered with the lighthouse, answered with it."""
 
     def stage(self, step: int, payload: bytearray) -> None:
         with self._ready:
@@ -71,7 +73,7 @@ class _HealHandler:
 
     def get(self, requester_rank: int, key: str) -> tuple[dict, bytearray] | None:
         if key == PROOF_KEY:  # to any rank of any group: the handshake proved it holds the secret
-            return {"replica_id": self.replica_id}, bytearray()
+            return {"replica_id": self.replica_id, "store_address": self.store_address}, bytearray()
         if requester_rank != self._rank:
             raise ResilientError(f"rank {self._rank} serves heals to group rank {self._rank}, not {requester_rank}")
         with self._ready:
@@ -121,6 +123,14 @@ class HealTransport(CheckpointTransport[dict]):
     @replica_id.setter
     def replica_id(self, value: str) -> None:
         self._handler.replica_id = value
+
+    @property
+    def store_address(self) -> str:
+        return self._handler.store_address
+
+    @store_address.setter
+    def store_address(self, value: str) -> None:
+        self._handler.store_address = value
 
     def metadata(self) -> str:
         host, port = self._server.address

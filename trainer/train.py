@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         clock.mark("model")
         with trainer.preemption:
             trainer.run()
+        # Another job that took the run dir over (its record found by rank 0's heartbeat): this
+        # run's outputs are mixed with that job's, so it does not end as a success; on every rank.
+        agree(claim.check, what="run dir ownership")
         trainer.close()
     except Preempted:
         _close_quietly(trainer)

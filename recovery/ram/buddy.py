@@ -10,24 +10,26 @@ of the state, whichever node that rank runs on now).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
-import secrets
 import socket
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from resilient import dist as rdist
-from resilient.errors import ResilientError
+from resilient.errors import ConfigError, ResilientError
 from resilient.recovery.config import RamTierConfig
+from resilient.recovery.job_secret import SECRET_ENV, job_secret
 from resilient.recovery.ram.handler import PutTarget
 from resilient.recovery.ram.store import CrcAsItLands, RankStore, SnapshotIndex, first_corruption
 
 if TYPE_CHECKING:
     from resilient.recovery.ram.tier import RamTier
 
-SECRET_BYTES = 32
+# Domain separation: the heal channel is keyed with the job secret itself.
+RAM_KEY_LABEL = b"resilient/ram/v1/group/"
 
 
 def snapshot_key(rank: int, step: int) -> str:
@@ -111,15 +113,31 @@ def _publish_verified(
         store.release(slot)
 
 
-def shared_secret() -> bytes:
-    """The job's channel key, the same on every rank (collective over the group's process group).
+def shared_secret(run_dir: str, group: int) -> bytes:
+    """The channel key of replica group ``group``, the same on every rank (collective: a check).
 
-    Handed out over the group's own process group (the job's rendezvous), never written anywhere.
+    Derived on every rank from the job secret (``recovery.job_secret``) and never sent: the
+    group's process group runs over plain TCP across nodes, so a key sent on it could be read off
+    the wire. Each group gets its own key, so a buddy copy cannot be replayed into another group.
+    Every rank then shares a fingerprint of its key (HMAC of a fixed label: it reveals nothing of the
+    key), so ranks whose job secret differs (a node that made its own job.key) fail here, together,
+    with one line, rather than refusing each other's copies later.
     """
-    secret = torch.frombuffer(bytearray(secrets.token_bytes(SECRET_BYTES)), dtype=torch.uint8).clone()
-    if rdist.is_distributed():
-        dist.broadcast(secret, src=0)
-    return bytes(secret.tolist())
+    keys: list[bytes] = []
+
+    def derive() -> str:
+        key = hmac.new(job_secret(run_dir), RAM_KEY_LABEL + str(group).encode(), hashlib.sha256).digest()
+        keys.append(key)
+        return hmac.new(key, b"fingerprint", hashlib.sha256).hexdigest()[:16]
+
+    fingerprints = rdist.agree(derive, what="RAM tier channel key")
+    if len(set(fingerprints)) > 1:
+        ranks = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+        raise ConfigError(
+            f"ranks {ranks} hold another job secret than rank 0 (run dir {run_dir}): give every "
+            f"node the same ${SECRET_ENV}, or a run.dir on a filesystem every node shares"
+        )
+    return keys[0]
 
 
 def bind_host(config: RamTierConfig) -> str:

@@ -167,12 +167,12 @@ class RamTier:
         )
 
     def start(self) -> None:
-        """Open the store and the replication channel (collective: exchanges the node identities,
-        the channel addresses and the job's secret over the group's process group, once, before
-        training). A failure on one rank is raised on every rank, so no peer waits in a collective
-        for it."""
+        """Open the store and the replication channel (collective: exchanges the node identities
+        and the channel addresses over the group's process group, once, before training; the
+        channel key is derived on every rank from the job secret, never sent). A failure on one
+        rank is raised on every rank, so no peer waits in a collective for it."""
         self._place_by_identity()
-        self._secret = shared_secret()
+        self._secret = shared_secret(self.run_dir, self.group)
         try:
             self._addresses = rdist.agree(self._open)
         except Exception:

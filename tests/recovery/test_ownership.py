@@ -11,13 +11,16 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from resilient.errors import ConfigError, StorageError
+from resilient.recovery import ownership
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import claim_run_dir, held, hold_store, job_identity
 from resilient.recovery.ram.store import node_store_dir
+from resilient.runfiles import read_json, write_json
 from tests.recovery.ram.workers import tier
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,3 +104,43 @@ def test_job_identity_prefers_the_schedulers_id(monkeypatch):
     monkeypatch.delenv("RESILIENT_JOB_ID")
     monkeypatch.delenv("SLURM_JOB_ID")
     assert job_identity() == "torchrun-abc"
+
+
+@pytest.mark.timeout(30)
+def test_two_jobs_claiming_at_once_the_overwritten_one_is_refused(tmp_path, monkeypatch):
+    run = str(tmp_path / "run")
+    path = os.path.join(run, "job.json")
+    other = {"job": "job-b", "host": "elsewhere", "pid": 1, "heartbeat": time.time()}
+    # Before: job-a read no owner, wrote, and went on while job-b (which also read no owner) wrote too.
+    monkeypatch.setattr(ownership.time, "sleep", lambda s: write_json(path, other))
+    with pytest.raises(ConfigError) as refused:
+        claim_run_dir(run, "job-a", settle_s=0.0)
+    assert "\n" not in str(refused.value)
+    assert f"run.dir {run} was taken by another job 'job-b' (pid 1 on elsewhere)" in str(refused.value)
+    monkeypatch.undo()
+    write_json(path, {**other, "heartbeat": 0.0})  # long dead: taken over, and kept
+    claim_run_dir(run, "job-a", settle_s=0.0).close()
+    assert read_json(path)["job"] == "job-a"
+
+
+@pytest.mark.timeout(30)
+def test_the_heartbeat_turns_a_foreign_record_into_an_error(tmp_path):
+    run = str(tmp_path / "run")
+    claim = claim_run_dir(run, "job-a", ttl_s=0.2, settle_s=0.0)
+    try:
+        claim.check()  # nothing found yet
+        write_json(os.path.join(run, "job.json"), {"job": "job-b", "host": "h", "pid": 7, "heartbeat": time.time()})
+        # Before: the heartbeat thread saw another job's record and went quiet; nothing was raised.
+        found = None
+        deadline = time.monotonic() + 10
+        while found is None and time.monotonic() < deadline:
+            try:
+                claim.check()
+                time.sleep(0.02)
+            except ConfigError as e:
+                found = e
+        assert found is not None and "taken by another job 'job-b' (pid 7 on h)" in str(found)
+        claim.check()  # raised once
+        assert read_json(os.path.join(run, "job.json"))["job"] == "job-b"  # not overwritten back
+    finally:
+        claim.close()

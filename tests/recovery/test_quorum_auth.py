@@ -30,6 +30,7 @@ SECRET, OTHER = b"s" * 32, b"o" * 32
 def _transport(secret: bytes, replica_id: str) -> HealTransport:
     transport = HealTransport(secret, rank=0, host="127.0.0.1", timeout=timedelta(seconds=5))
     transport.replica_id = replica_id
+    transport.store_address = "127.0.0.1:29500"
     return transport
 
 
@@ -61,6 +62,51 @@ def test_only_members_that_hold_the_secret_are_proven():
     finally:
         real.shutdown()
         stranger.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_a_proof_holds_for_the_member_and_the_store_it_registered():
+    real = _transport(SECRET, "")
+    real.replica_id = f"{member_id(1, *real.address)}:u1"
+    real.store_address = "10.0.0.1:29500"
+    try:
+        check = MemberCheck(SECRET, rank=0, timeout_s=5)
+        assert check.unproven(["group00000:mine", real.replica_id], "group00000:mine") == {}
+        assert check.stores([real.replica_id]) == ["10.0.0.1:29500"] and check.stores(["other"]) == []
+        real.store_address = ""  # a server that names no store proves nothing
+        assert (
+            "names no store"
+            in MemberCheck(SECRET, rank=0, timeout_s=5).unproven([real.replica_id], "")[real.replica_id]
+        )
+    finally:
+        real.shutdown()
+
+
+class _Manager:
+    def __init__(self) -> None:
+        self.reported: list[Exception] = []
+
+    def errored(self) -> Exception | None:
+        return self.reported[0] if self.reported else None
+
+    def report_error(self, e: Exception) -> None:
+        self.reported.append(e)
+
+
+@pytest.mark.timeout(30)
+def test_a_quorum_meeting_at_a_store_no_proven_member_registered_is_refused():
+    # Before: a stranger re-registering under a real member's id, with its own store, passed the
+    # proof (asked of the real member's server) and hosted the cross-group rendezvous.
+    sync = ReplicaGroupSync.__new__(ReplicaGroupSync)
+    sync.group, sync.rank, sync._manager = 0, 0, _Manager()
+    sync._unproven, sync._stores, sync._store_refused = {}, ["10.0.0.1:29500", "10.0.0.2:29500"], {}
+    sync._check_store("10.0.0.2:29500")
+    assert sync._store_refused == {} and sync._manager.reported == []
+    sync._check_store("6.6.6.6:1")
+    assert list(sync._store_refused) == ["store 6.6.6.6:1"] and len(sync._manager.reported) == 1
+    assert sync.allreduce_sum(torch.ones(2)) is False  # nothing crosses groups
+    sync._check_store("10.0.0.1:29500")  # a later quorum at a proven store is fine again
+    assert sync._store_refused == {}
 
 
 @pytest.mark.dist
