@@ -16,6 +16,7 @@ from resilient.storage.commit import check_coverage, commit_manifest
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.objects import FileObjectStore, open_store
 from resilient.storage.retention import KeepLast, plan_retention
+from resilient.storage.shardfile import chunk_key, shards_in
 from resilient.storage.url import parse_url
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,8 +35,49 @@ def _plans():
     return plan_arrays([[info(Box((0, 0), (4, 2)))], [info(Box((4, 0), (4, 2)))]])
 
 
-def _receipt(rank, *boxes):
-    return {"rank": rank, "regions": [{"fqn": "w", **b.to_json(), "nbytes": 0, "crc32c": 0} for b in boxes]}
+def _receipt(rank, *boxes, shard=(4, 2)):
+    """What a rank's receipt says: each region, and where each of its shards lies in its packs."""
+    regions = []
+    for b in boxes:
+        refs = {
+            chunk_key(i, format_version=3): [f"pack-r{rank:05d}-0.zip", 100 * n, 64]
+            for n, (i, _) in enumerate(shards_in(b, shard))
+        }
+        regions.append({"fqn": "w", **b.to_json(), "nbytes": 0, "crc32c": 0, "shards": refs})
+    return {"rank": rank, "regions": regions}
+
+
+def test_coverage_check_refuses_missing_extra_or_foreign_shard_refs():
+    # The refs say where the bytes are: one missing, doubled, unplanned, in another rank's pack or
+    # out of a pack's bounds commits a step that cannot load, so the commit is refused.
+    plans, step = _plans(), 5
+    good = lambda: [_receipt(0, Box((0, 0), (4, 2))), _receipt(1, Box((4, 0), (4, 2)))]  # noqa: E731
+    check_coverage(plans, good(), step=step)
+    receipts = good()
+    del receipts[1]["regions"][0]["shards"]["1.0"]
+    with pytest.raises(CommitError, match=r"step 5 not committed: tensor 'w' has no shard ref for \['1.0'\]"):
+        check_coverage(plans, receipts, step=step)
+    receipts = good()
+    receipts[0]["regions"][0]["shards"]["2.0"] = ["pack-r00000-0.zip", 0, 8]
+    with pytest.raises(CommitError, match=r"duplicate or unplanned one for \['2.0'\]"):
+        check_coverage(plans, receipts, step=step)
+    receipts = good()
+    receipts[0]["regions"][0]["shards"]["1.0"] = ["pack-r00000-0.zip", 0, 8]
+    with pytest.raises(CommitError, match=r"duplicate or unplanned one for \['1.0'\]"):
+        check_coverage(plans, receipts, step=step)
+    receipts = good()
+    receipts[1]["regions"][0]["shards"]["1.0"][0] = "pack-r00000-0.zip"
+    with pytest.raises(CommitError, match="tensor 'w', rank 1, shard '1.0': ref names pack 'pack-r00000-0.zip'"):
+        check_coverage(plans, receipts, step=step)
+    for bad in (["pack-r00001-0.zip", -1, 8], ["pack-r00001-0.zip", 0, 0], ["pack-r00001-0.zip", 4 << 30, 8]):
+        receipts = good()
+        receipts[1]["regions"][0]["shards"]["1.0"] = bad
+        with pytest.raises(CommitError, match="rank 1, shard '1.0': ref .* lies outside a pack"):
+            check_coverage(plans, receipts, step=step)
+    receipts = good()
+    del receipts[0]["regions"][0]["shards"]
+    with pytest.raises(CommitError, match="tensor 'w', rank 0: the receipt names no shard refs"):
+        check_coverage(plans, receipts, step=step)
 
 
 def test_coverage_check_catches_missing_and_duplicate_shards():
@@ -56,7 +98,7 @@ def test_coverage_check_of_a_one_shard_tensor():
     plans = plan_arrays([[info]])
     assert plans["w"].shard_grid() == (1, 1)
     whole = Box((0, 0), (8, 2))
-    check_coverage(plans, [_receipt(0, whole)], step=3)
+    check_coverage(plans, [_receipt(0, whole, shard=(8, 2))], step=3)
     with pytest.raises(CommitError, match="'w' has 1 shard.s. never written and 0 written more than once"):
         check_coverage(plans, [_receipt(0)], step=3)
     with pytest.raises(CommitError, match="'w' has 1 shard.s. never written"):
