@@ -22,7 +22,7 @@ import numpy as np
 from resilient.dtypes import itemsize
 from resilient.errors import ConfigError, StorageError
 from resilient.layout import Box
-from resilient.manifest import LATEST, MANIFEST, parse_step_dir
+from resilient.manifest import LATEST, MANIFEST, MAX_SHARD_BYTES_LIMIT, parse_step_dir
 from resilient.storage.offline import FORMATS
 from resilient.storage.offline.catalog import open_checkpoint, select, split_step_url
 from resilient.storage.offline.sink import Layout, ResilientSink, default_layout
@@ -60,8 +60,9 @@ class StreamConfig:
 
     @property
     def shard_bytes(self) -> int:
-        """Largest shard object of a resilient output; each is written whole from one block in memory."""
-        return max(1 << 20, min(self.max_shard_size, self.max_memory // 16))
+        """Largest shard object of a resilient output; each is written whole from one block in
+        memory, and never over the format's limit (a pack is a ZIP with 32-bit sizes)."""
+        return max(1 << 20, min(self.max_shard_size, self.max_memory // 16, MAX_SHARD_BYTES_LIMIT))
 
     @property
     def budget_bytes(self) -> int:
