@@ -182,17 +182,25 @@ def stream(
     src_dtype = {i.fqn: i.dtype for i in source.tensors()}
     sink.begin(infos, state, metadata)
     pipeline = Pipeline(config.budget_bytes)
-    for info in infos:
-        cast = cast_function(src_dtype[info.fqn], info.dtype)
-        # A cast holds the source block and its converted copy at once.
-        per_element = itemsize(src_dtype[info.fqn]) + (itemsize(info.dtype) if src_dtype[info.fqn] != info.dtype else 0)
-        for box in sink.blocks(info):
-            pipeline.add(
-                box.numel * per_element,
-                lambda f=info.fqn, b=box: source.read(f, b),
-                lambda data, i=info, b=box, c=cast: _deliver(sink, i, b, c(data), progress),
+    try:
+        for info in infos:
+            cast = cast_function(src_dtype[info.fqn], info.dtype)
+            # A cast holds the source block and its converted copy at once.
+            per_element = itemsize(src_dtype[info.fqn]) + (
+                itemsize(info.dtype) if src_dtype[info.fqn] != info.dtype else 0
             )
-    pipeline.drain()
+            for box in sink.blocks(info):
+                pipeline.add(
+                    box.numel * per_element,
+                    lambda f=info.fqn, b=box: source.read(f, b),
+                    lambda data, i=info, b=box, c=cast: _deliver(sink, i, b, c(data), progress),
+                )
+        pipeline.drain()
+    except BaseException:
+        abort = getattr(sink, "abort", None)  # a source error leaves the sink's open pack to close
+        if abort is not None:
+            abort()
+        raise
     return sink.finish()
 
 
