@@ -449,17 +449,19 @@ def settle_failure(job: PersistJob, store: ObjectStore, error: BaseException) ->
     that already names the attempt); raises ``error`` otherwise. The
     coordinator's own failure is its decision; another rank marks its failure (so the
     coordinator stops waiting for it) and then waits for the decision like everyone else."""
-    write_failure(store, job.attempt_key, job.rank, error)
     if job.rank == 0:
         # A writer killed after commit_manifest (during retention, before it reported "ok") left
-        # a committed step: the other ranks read the manifest, so "failed" here would contradict them.
+        # a committed step: the other ranks read the manifest, so "failed" here would contradict
+        # them; checked before any failure marker, which a committed attempt must never carry.
         if names_attempt(store, job):
             log.warning(
                 "[rank 0] step %d: the writer failed (%s) after the manifest landed: committed", job.step, error
             )
             return
+        write_failure(store, job.attempt_key, job.rank, error)
         decide_failed(store, job, error)
         raise error
+    write_failure(store, job.attempt_key, job.rank, error)
     try:
         wait_for_commit(job, store)
     except CommitError:

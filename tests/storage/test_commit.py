@@ -249,11 +249,13 @@ def test_coordinator_failing_after_its_manifest_landed_settles_as_committed():
     commit_manifest(store, Manifest(step=7, attempt="attempt-x", world_size=2, arrays={}, values={}))
     settle_failure(job, store, StorageError("writer process died"))  # returns: committed
     assert store.read(failure_key(job.attempt_key, COMMIT_RANK)) is None  # no "failed" decision
+    assert store.read(failure_key(job.attempt_key, 0)) is None  # nor a failure marker on a committed attempt
 
     other = PersistJob(step=7, attempt="attempt-y", rank=0, world_size=2, plans={}, regions=[], commit_timeout_s=1.0)
     with pytest.raises(StorageError, match="writer process died"):  # another attempt's manifest: still failed
         settle_failure(other, store, StorageError("writer process died"))
     assert store.read(failure_key(other.attempt_key, COMMIT_RANK)) is not None
+    assert store.read(failure_key(other.attempt_key, 0)) is not None
 
 
 def _crc32c_twin(original: bytes, other: bytes, start: int, width: int) -> bytes:
