@@ -205,10 +205,16 @@ def set_aside(store: ObjectStore, step: int, damaged: bytes) -> bool:
     the step failed to load: another replica group may have committed the step afresh since. The copy
     is written before the manifest is deleted; retention keeps the attempt it names. False: not set
     aside (the manifest changed or is gone)."""
-    key = f"{step_dir(step)}/{MANIFEST}"
+    key, copy = f"{step_dir(step)}/{MANIFEST}", f"{step_dir(step)}/{SET_ASIDE_MANIFEST}"
     if store.read(key) != damaged:
         return False
-    store.write(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}", damaged)
+    store.write(copy, damaged)
+    # Compared again right before the delete: a fresh commit that landed while the copy was written
+    # is kept. A window remains between this read and the delete, one storage request long (a
+    # local stat, an S3 round trip), that only a conditional delete would close.
+    if store.read(key) != damaged:
+        store.delete_prefix(copy)  # the step is committed afresh: nothing set aside
+        return False
     store.delete_prefix(key)
     _point_latest_below(store, step)
     return True

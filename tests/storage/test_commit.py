@@ -179,6 +179,27 @@ def test_retention_keeps_a_step_set_aside_by_a_fallback_for_inspection(tmp_path)
     assert not (tmp_path / "step-000000006").exists()
 
 
+def test_setting_aside_keeps_a_fresh_commit_that_lands_while_the_copy_is_written(tmp_path):
+    # Another replica group commits the step afresh between the first read and the delete.
+    from resilient.storage.retention import SET_ASIDE_MANIFEST, set_aside
+
+    store = FileObjectStore(parse_url(str(tmp_path)))
+    store.write("step-000000006/manifest.json", b"damaged")
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def write(self, key, data):
+            store.write(key, data)
+            if key.endswith(SET_ASIDE_MANIFEST):
+                store.write("step-000000006/manifest.json", b"fresh")
+
+    assert set_aside(Racing(), 6, b"damaged") is False
+    assert store.read("step-000000006/manifest.json") == b"fresh"
+    assert store.read(f"step-000000006/{SET_ASIDE_MANIFEST}") is None
+
+
 def test_retention_sees_damage_of_a_manifest_it_read_before(tmp_path):
     # Attempts are cached by the manifest's bytes (every commit re-reads the kept steps): the same
     # length with other bytes must be parsed again, and found damaged.
