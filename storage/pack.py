@@ -3,7 +3,8 @@ large objects, so that a step's object count does not grow with its tensor count
 
 A pack is a stored (uncompressed) ZIP archive. Each entry is one zarr shard object, byte for byte
 what version 2 wrote as its own file (``shardfile``), named by its key under the attempt
-(``<array path>/<chunk key>``); rank 0's first pack also holds every ``zarr.json``. Why ZIP: a
+(``<array path>/<chunk key>``); rank 0's first pack also holds every ``zarr.json``, every other
+rank's first pack those of the arrays it writes. Why ZIP: a
 standard reader opens it without our code (TensorStore's ``zip`` kvstore, stacked per array with
 ``kvstack``; Python's ``zipfile``; ``unzip``), and a stored entry's bytes are one contiguous range
 of the object, so our own reader goes straight to them with ranged reads: the manifest records
