@@ -252,7 +252,7 @@ def _shard_gaps(plan: ArrayPlan, boxes: list[Box]) -> tuple[int, int]:
         hi = [math.ceil((o + n) / s) for o, n, s in zip(box.offsets, box.sizes, plan.shard_shape, strict=True)]
         spans.append((lo, hi))
     grid = plan.shard_grid()
-    if math.prod(grid) == 1:  # one shard, as every small tensor has: no array needed (2,000 cost 9% of a save)
+    if math.prod(grid) == 1:  # one shard, as every small tensor has: no numpy grid (benchmarks/README.md)
         # A box covers it iff it starts inside it and is not empty (what the grid's slice [lo:hi] counts).
         covering = sum(all(a == 0 < b for a, b in zip(lo, hi, strict=True)) for lo, hi in spans)
         return int(covering == 0), int(covering > 1)
