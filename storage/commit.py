@@ -212,7 +212,7 @@ def check_refs(plans: dict[str, ArrayPlan], receipts: list[dict], step: int) -> 
     for fqn, plan in plans.items():
         want = _planned_keys(plan)
         got = seen[fqn]
-        missing = [k for k in want if k not in got]
+        missing = sorted(want - got.keys())
         wrong = sorted(k for k, n in got.items() if n != 1 or k not in want)
         if missing or wrong:
             raise CommitError(
