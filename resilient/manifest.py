@@ -30,6 +30,9 @@ DEFAULT_INNER_CHUNK_BYTES = 1 << 20
 (ckpt_bench's ``read_amplification``; benchmarks/README.md, "Choices in the code"); a chunk costs
 20 bytes of index and crc, and the save writes the same bytes."""
 DEFAULT_MAX_SHARD_BYTES = 1 << 30  # S3 PUTs one object whole: stay far below its 5 GiB limit
+MAX_SHARD_BYTES_LIMIT = 2 << 30
+"""The largest shard any writer may ask for: a pack is a ZIP without ZIP64 (32-bit sizes and
+offsets), and one shard plus its index must fit a pack (``storage.pack.PACK_MAX_BYTES``)."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")

@@ -22,6 +22,7 @@ coordinator can.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from resilient.errors import CommitError, disk_full
 from resilient.faults import fault_point
 from resilient.layout import ArrayPlan, Box
 from resilient.manifest import (
+    FORMAT_VERSION,
     LATEST,
     MANIFEST,
     ArrayEntry,
@@ -46,8 +48,10 @@ from resilient.manifest import (
 from resilient.storage import notice
 from resilient.storage.arrays import reader_spec
 from resilient.storage.objects import ObjectStore
+from resilient.storage.pack import PACK_MAX_BYTES
 from resilient.storage.retention import KeepLast, apply_retention, remember_committed
 from resilient.storage.s3 import COMMIT_WRITE_BOUND_S
+from resilient.storage.shardfile import chunk_key
 
 if TYPE_CHECKING:  # persist.py imports this module: the job type is for annotations only
     from resilient.storage.persist import PersistJob
@@ -167,8 +171,9 @@ def _rank_of(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int) -> None:
-    """Every shard of every array written exactly once, by the ranks the plan named."""
+def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int, *, packed: bool = True) -> None:
+    """Every shard of every array written exactly once, by the ranks the plan named; ``packed``
+    (format version 3): and each with exactly one sane ref into its writer's packs."""
     written: dict[str, list[Box]] = {fqn: [] for fqn in plans}
     for receipt in receipts:
         for region in receipt["regions"]:
@@ -184,6 +189,59 @@ def check_coverage(plans: dict[str, ArrayPlan], receipts: list[dict], step: int)
                 f"step {step} not committed: tensor {fqn!r} has {missing} shard(s) never written and "
                 f"{twice} written more than once; the previous step is intact"
             )
+    if packed:
+        check_refs(plans, receipts, step)
+
+
+def check_refs(plans: dict[str, ArrayPlan], receipts: list[dict], step: int) -> None:
+    """Every in-bounds shard of every array has exactly one ref (pack, offset, nbytes), in a pack
+    of the rank that wrote it, inside a pack's bounds: the regions alone do not say where the
+    bytes are, and a manifest with a wrong ref commits a step that cannot load (whose commit then
+    lets retention delete the previous good step)."""
+    seen: dict[str, dict[str, int]] = {fqn: {} for fqn in plans}
+    for receipt in receipts:
+        rank = receipt["rank"]
+        for region in receipt["regions"]:
+            fqn, refs = region["fqn"], region.get("shards")
+            where = f"step {step} not committed: tensor {fqn!r}, rank {rank}"
+            if not isinstance(refs, dict):
+                raise CommitError(f"{where}: the receipt names no shard refs; the previous step is intact")
+            for key, ref in refs.items():
+                _check_ref(ref, rank, f"{where}, shard {key!r}")
+                seen[fqn][key] = seen[fqn].get(key, 0) + 1
+    for fqn, plan in plans.items():
+        want = _planned_keys(plan)
+        got = seen[fqn]
+        missing = sorted(want - got.keys())
+        wrong = sorted(k for k, n in got.items() if n != 1 or k not in want)
+        if missing or wrong:
+            raise CommitError(
+                f"step {step} not committed: tensor {fqn!r} has no shard ref for {missing[:3]} and a "
+                f"duplicate or unplanned one for {wrong[:3]}; the previous step is intact"
+            )
+
+
+def _check_ref(ref: object, rank: int, where: str) -> None:
+    """A ref is [pack of this rank, offset, nbytes] with the bytes inside a ZIP32 pack."""
+    ok = isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str)
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in ref[1:])
+    if not ok:
+        raise CommitError(f"{where}: malformed ref {ref!r}; the previous step is intact")
+    pack, offset, nbytes = ref
+    if not pack.startswith(f"pack-r{rank:05d}-") or "/" in pack:
+        raise CommitError(f"{where}: ref names pack {pack!r}, not one of rank {rank}'s; the previous step is intact")
+    if offset < 0 or nbytes <= 0 or offset + nbytes > PACK_MAX_BYTES:
+        raise CommitError(f"{where}: ref [{offset}, {nbytes}] lies outside a pack; the previous step is intact")
+
+
+def _planned_keys(plan: ArrayPlan) -> set[str]:
+    """The chunk keys of every in-bounds shard of ``plan`` (none for an empty array)."""
+    if math.prod(plan.shape) == 0:
+        return set()
+    grid = plan.shard_grid()
+    if math.prod(grid) == 1:  # the common small tensor: no product to build
+        return {chunk_key((0,) * len(grid), format_version=FORMAT_VERSION)}
+    return {chunk_key(i, format_version=FORMAT_VERSION) for i in itertools.product(*(range(g) for g in grid))}
 
 
 def _shard_gaps(plan: ArrayPlan, boxes: list[Box]) -> tuple[int, int]:
@@ -194,7 +252,7 @@ def _shard_gaps(plan: ArrayPlan, boxes: list[Box]) -> tuple[int, int]:
         hi = [math.ceil((o + n) / s) for o, n, s in zip(box.offsets, box.sizes, plan.shard_shape, strict=True)]
         spans.append((lo, hi))
     grid = plan.shard_grid()
-    if math.prod(grid) == 1:  # one shard, as every small tensor has: no array needed (2,000 cost 9% of a save)
+    if math.prod(grid) == 1:  # one shard, as every small tensor has: no numpy grid (benchmarks/README.md)
         # A box covers it iff it starts inside it and is not empty (what the grid's slice [lo:hi] counts).
         covering = sum(all(a == 0 < b for a, b in zip(lo, hi, strict=True)) for lo, hi in spans)
         return int(covering == 0), int(covering > 1)
@@ -391,17 +449,19 @@ def settle_failure(job: PersistJob, store: ObjectStore, error: BaseException) ->
     that already names the attempt); raises ``error`` otherwise. The
     coordinator's own failure is its decision; another rank marks its failure (so the
     coordinator stops waiting for it) and then waits for the decision like everyone else."""
-    write_failure(store, job.attempt_key, job.rank, error)
     if job.rank == 0:
         # A writer killed after commit_manifest (during retention, before it reported "ok") left
-        # a committed step: the other ranks read the manifest, so "failed" here would contradict them.
+        # a committed step: the other ranks read the manifest, so "failed" here would contradict
+        # them; checked before any failure marker, which a committed attempt must never carry.
         if names_attempt(store, job):
             log.warning(
                 "[rank 0] step %d: the writer failed (%s) after the manifest landed: committed", job.step, error
             )
             return
+        write_failure(store, job.attempt_key, job.rank, error)
         decide_failed(store, job, error)
         raise error
+    write_failure(store, job.attempt_key, job.rank, error)
     try:
         wait_for_commit(job, store)
     except CommitError:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from resilient.errors import ConfigError
-from resilient.manifest import DEFAULT_INNER_CHUNK_BYTES, DEFAULT_MAX_SHARD_BYTES
+from resilient.manifest import DEFAULT_INNER_CHUNK_BYTES, DEFAULT_MAX_SHARD_BYTES, MAX_SHARD_BYTES_LIMIT
 from resilient.validate import check_choice, check_int, check_number
 
 
@@ -31,7 +31,7 @@ class CheckpointerConfig:
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES
     """Target size of an inner (checksummed, independently readable) chunk, 64 KiB .. 256 MiB."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    """Largest shard object, 1 MiB .. 4 GiB (S3 PUTs one object whole, up to 5 GiB)."""
+    """Largest shard object, 1 MiB .. 2 GiB (a pack is a ZIP with 32-bit sizes, no ZIP64)."""
     commit_timeout_s: float = 600.0
     """How long the coordinator waits for every rank's receipt (and the others for the commit)."""
     load_budget_bytes: int = 1 << 30
@@ -71,7 +71,7 @@ class CheckpointerConfig:
             self.keep_last = 0
         check_int("keep_last", self.keep_last, 0)
         check_int("inner_chunk_bytes", self.inner_chunk_bytes, 64 << 10, 256 << 20)
-        check_int("max_shard_bytes", self.max_shard_bytes, 1 << 20, 4 << 30)
+        check_int("max_shard_bytes", self.max_shard_bytes, 1 << 20, MAX_SHARD_BYTES_LIMIT)
         if self.max_shard_bytes < self.inner_chunk_bytes:
             raise ConfigError(
                 f"max_shard_bytes={self.max_shard_bytes} must be >= inner_chunk_bytes={self.inner_chunk_bytes}"

@@ -36,10 +36,11 @@ from resilient.storage.url import Location
 
 READ_THREADS = 4
 """Reads in flight at once. preadv from the page cache is a kernel memcpy and crc32c runs at
->10 GiB/s, so a few threads keep the memory bus busy; more only add contention on small hosts."""
+memory speed (benchmarks/README.md, "Choices in the code"), so a few threads keep the memory bus
+busy; more only add contention on small hosts."""
 TASK_BYTES = 16 << 20
-"""Bytes one pool task reads: big enough that the per-task overhead (~50 us) is noise, small
-enough that one big tensor still spreads over every thread."""
+"""Bytes one pool task reads: big enough that the per-task overhead is noise (benchmarks/README.md,
+"Choices in the code"), small enough that one big tensor still spreads over every thread."""
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 """Buffers one preadv may take (Linux: 1024); a chunk needs up to 3 (scratch, destination, crc)."""
 _ITEM_IOVECS = 3

@@ -3,15 +3,17 @@ large objects, so that a step's object count does not grow with its tensor count
 
 A pack is a stored (uncompressed) ZIP archive. Each entry is one zarr shard object, byte for byte
 what version 2 wrote as its own file (``shardfile``), named by its key under the attempt
-(``<array path>/<chunk key>``); rank 0's first pack also holds every ``zarr.json``. Why ZIP: a
+(``<array path>/<chunk key>``); rank 0's first pack also holds every ``zarr.json``, every other
+rank's first pack those of the arrays it writes. Why ZIP: a
 standard reader opens it without our code (TensorStore's ``zip`` kvstore, stacked per array with
 ``kvstack``; Python's ``zipfile``; ``unzip``), and a stored entry's bytes are one contiguous range
 of the object, so our own reader goes straight to them with ranged reads: the manifest records
 each shard's (pack, offset, length) and nothing is listed or parsed at load time.
 
 The format's limits are kept below ZIP64's: a pack ends before ``PACK_MAX_BYTES`` of entries or
-``PACK_MAX_ENTRIES`` entries, and another one starts (a shard is at most ``DEFAULT_MAX_SHARD_BYTES``,
-1 GiB, so each full pack holds more than 2 GiB: at most 3 packs per 4 GiB a rank writes).
+``PACK_MAX_ENTRIES`` entries, and another one starts (a shard is at most ``max_shard_bytes``,
+1 GiB by default and never over 2 GiB, so each full pack holds more than 2 GiB with the default: at
+most 3 packs per 4 GiB a rank writes; an entry that does not fit a pack alone is refused).
 Each entry carries the CRC-32 ZIP requires (ISA-L's: as fast as crc32c, where zlib's would slow a
 big save; benchmarks/README.md, "Choices in the code"); the checkpoint's own integrity check
 stays the crc32c of every inner chunk and shard index.
@@ -113,10 +115,12 @@ class PackBuilder:
         """Add an entry holding ``buffers`` back to back; returns where its bytes will be."""
         raw = name.encode()
         nbytes = sum(memoryview(b).nbytes for b in buffers)
+        if _LOCAL.size + len(raw) + nbytes > PACK_MAX_BYTES:  # not even alone: ZIP sizes are 32-bit
+            raise ValueError(
+                f"entry {name!r} of {nbytes} bytes does not fit a pack ({PACK_MAX_BYTES} bytes): lower max_shard_bytes"
+            )
         pack = self.packs[-1] if self.packs else None
         if pack is None or pack.nbytes + nbytes > PACK_MAX_BYTES or len(pack.entries) >= PACK_MAX_ENTRIES:
-            if pack is not None and not pack.entries:
-                raise ValueError(f"entry {name!r} of {nbytes} bytes does not fit a pack ({PACK_MAX_BYTES})")
             pack = Pack(self._name_of(len(self.packs)))
             self.packs.append(pack)
         entry = Entry(raw, buffers, nbytes, pack.nbytes)

@@ -147,13 +147,23 @@ class PackStream:
 
     def close(self) -> None:
         if self._out is not None:
-            self._out.finish(self._builder.packs[-1].tail())
-            self._out = None
+            out, self._out = self._out, None
+            out.finish(self._builder.packs[-1].tail())
+
+    def abort(self) -> None:
+        """Give up the pack being written (after an error): its file closed, its multipart upload
+        aborted. Never raises: the error that led here is the one to report. What was written
+        stays an uncommitted attempt, which retention removes after a later commit."""
+        if self._out is not None:
+            out, self._out = self._out, None
+            with contextlib.suppress(Exception):
+                out.abort()
 
 
 class _Out:
     def write(self, buffers: list) -> None: ...
     def finish(self, tail: list) -> None: ...
+    def abort(self) -> None: ...
 
 
 def _open_out(location: Location, store: ObjectStore, key: str) -> _Out:
@@ -165,11 +175,18 @@ def _open_out(location: Location, store: ObjectStore, key: str) -> _Out:
 class _FileOut(_Out):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.path = path
+        self.path, self.fd = path, -1
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise StorageError(f"cannot create {path}: {e.strerror}") from e
+
+    def abort(self) -> None:
+        """Close the file once: a second close of the same number would close whatever file
+        another thread has opened since under it."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def write(self, buffers: list) -> None:
         try:
@@ -178,7 +195,7 @@ class _FileOut(_Out):
                 while view.nbytes:
                     view = view[os.write(self.fd, view) :]
         except OSError as e:
-            os.close(self.fd)
+            self.abort()
             raise StorageError(f"writing {self.path} failed: {e.strerror}") from e
 
     def finish(self, tail: list) -> None:
@@ -186,7 +203,7 @@ class _FileOut(_Out):
             self.write(tail)
             os.fdatasync(self.fd)
         finally:
-            os.close(self.fd)
+            self.abort()
         for directory in _parents(self.path, 3):  # the attempt, the step, the root: each gained an entry
             fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -230,6 +247,12 @@ class _BufferedOut(_Out):
             self.upload.complete()
         self.pending.clear()
 
+    def abort(self) -> None:
+        self.pending.clear()
+        if self.upload is not None:
+            upload, self.upload = self.upload, None
+            upload.abort()
+
 
 class _Multipart:
     """One multipart upload, parts put in order by the caller's thread."""
@@ -250,7 +273,7 @@ class _Multipart:
                 Bucket=self.bucket, Key=self.key, UploadId=self.id, PartNumber=len(self.etags) + 1, Body=body
             )
         except Exception as e:
-            self._abort()
+            self.abort()
             raise StorageError(f"uploading s3://{self.bucket}/{self.key} failed: {e}") from e
         self.etags.append(got["ETag"])
 
@@ -261,9 +284,9 @@ class _Multipart:
                 Bucket=self.bucket, Key=self.key, UploadId=self.id, MultipartUpload={"Parts": parts}
             )
         except Exception as e:
-            self._abort()
+            self.abort()
             raise StorageError(f"completing the upload of s3://{self.bucket}/{self.key} failed: {e}") from e
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         with contextlib.suppress(Exception):  # the upload's own error is the one to report
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.id)

@@ -57,9 +57,10 @@ class DamagedManifest(Exception):
 
 _ATTEMPT_OF: dict[tuple[str, int, bytes], str] = {}
 """Attempt named by manifest bytes already parsed, by (root, step, BLAKE2b of those bytes): a
-committed manifest never changes, and every commit re-reads the kept steps' manifests, which for
-2,000 tensors took 11% of a save here in ``json.loads``. Bytes that differ (damaged, rewritten)
-miss; a cryptographic digest, not a crc, so no crafted or chance collision names another attempt."""
+committed manifest never changes, and every commit re-reads the kept steps' manifests, whose
+``json.loads`` was a visible share of a many-tensor save (benchmarks/README.md, "Choices in the
+code"). Bytes that differ (damaged, rewritten) miss; a cryptographic digest, not a crc, so no
+crafted or chance collision names another attempt."""
 _ATTEMPT_CACHE_MAX = 1024
 
 
@@ -205,10 +206,16 @@ def set_aside(store: ObjectStore, step: int, damaged: bytes) -> bool:
     the step failed to load: another replica group may have committed the step afresh since. The copy
     is written before the manifest is deleted; retention keeps the attempt it names. False: not set
     aside (the manifest changed or is gone)."""
-    key = f"{step_dir(step)}/{MANIFEST}"
+    key, copy = f"{step_dir(step)}/{MANIFEST}", f"{step_dir(step)}/{SET_ASIDE_MANIFEST}"
     if store.read(key) != damaged:
         return False
-    store.write(f"{step_dir(step)}/{SET_ASIDE_MANIFEST}", damaged)
+    store.write(copy, damaged)
+    # Compared again right before the delete: a fresh commit that landed while the copy was written
+    # is kept. A window remains between this read and the delete, one storage request long (a
+    # local stat, an S3 round trip), that only a conditional delete would close.
+    if store.read(key) != damaged:
+        store.delete_prefix(copy)  # the step is committed afresh: nothing set aside
+        return False
     store.delete_prefix(key)
     _point_latest_below(store, step)
     return True

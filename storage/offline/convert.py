@@ -22,7 +22,7 @@ import numpy as np
 from resilient.dtypes import itemsize
 from resilient.errors import ConfigError, StorageError
 from resilient.layout import Box
-from resilient.manifest import LATEST, MANIFEST, parse_step_dir
+from resilient.manifest import LATEST, MANIFEST, MAX_SHARD_BYTES_LIMIT, parse_step_dir
 from resilient.storage.offline import FORMATS
 from resilient.storage.offline.catalog import open_checkpoint, select, split_step_url
 from resilient.storage.offline.sink import Layout, ResilientSink, default_layout
@@ -60,8 +60,9 @@ class StreamConfig:
 
     @property
     def shard_bytes(self) -> int:
-        """Largest shard object of a resilient output; each is written whole from one block in memory."""
-        return max(1 << 20, min(self.max_shard_size, self.max_memory // 16))
+        """Largest shard object of a resilient output; each is written whole from one block in
+        memory, and never over the format's limit (a pack is a ZIP with 32-bit sizes)."""
+        return max(1 << 20, min(self.max_shard_size, self.max_memory // 16, MAX_SHARD_BYTES_LIMIT))
 
     @property
     def budget_bytes(self) -> int:
@@ -181,17 +182,25 @@ def stream(
     src_dtype = {i.fqn: i.dtype for i in source.tensors()}
     sink.begin(infos, state, metadata)
     pipeline = Pipeline(config.budget_bytes)
-    for info in infos:
-        cast = cast_function(src_dtype[info.fqn], info.dtype)
-        # A cast holds the source block and its converted copy at once.
-        per_element = itemsize(src_dtype[info.fqn]) + (itemsize(info.dtype) if src_dtype[info.fqn] != info.dtype else 0)
-        for box in sink.blocks(info):
-            pipeline.add(
-                box.numel * per_element,
-                lambda f=info.fqn, b=box: source.read(f, b),
-                lambda data, i=info, b=box, c=cast: _deliver(sink, i, b, c(data), progress),
+    try:
+        for info in infos:
+            cast = cast_function(src_dtype[info.fqn], info.dtype)
+            # A cast holds the source block and its converted copy at once.
+            per_element = itemsize(src_dtype[info.fqn]) + (
+                itemsize(info.dtype) if src_dtype[info.fqn] != info.dtype else 0
             )
-    pipeline.drain()
+            for box in sink.blocks(info):
+                pipeline.add(
+                    box.numel * per_element,
+                    lambda f=info.fqn, b=box: source.read(f, b),
+                    lambda data, i=info, b=box, c=cast: _deliver(sink, i, b, c(data), progress),
+                )
+        pipeline.drain()
+    except BaseException:
+        abort = getattr(sink, "abort", None)  # a source error leaves the sink's open pack to close
+        if abort is not None:
+            abort()
+        raise
     return sink.finish()
 
 

@@ -124,10 +124,22 @@ class ResilientSink:
         index = tuple(o // s for o, s in zip(box.offsets, plan.shard_shape, strict=True))
         key = chunk_key(index, format_version=FORMAT_VERSION)
         buffers = encode_shard(data, plan.shard_shape, plan.inner_shape)
-        self._shards[info.fqn][key] = self._packs.add(f"{array_path(info.fqn)}/{key}", buffers).to_json()
+        try:
+            self._shards[info.fqn][key] = self._packs.add(f"{array_path(info.fqn)}/{key}", buffers).to_json()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """After an error (here or in the source): the open pack closed, its upload aborted."""
+        self._packs.abort()
 
     def finish(self) -> Manifest:
-        self._packs.close()
+        try:
+            self._packs.close()
+        except BaseException:
+            self.abort()
+            raise
         arrays = {fqn: manifest_entry(p, self._crcs, self._shards[fqn]) for fqn, p in self.plans.items()}
         manifest = Manifest(
             step=self.step,

@@ -16,6 +16,7 @@ from resilient.storage.commit import check_coverage, commit_manifest
 from resilient.storage.config import CheckpointerConfig
 from resilient.storage.objects import FileObjectStore, open_store
 from resilient.storage.retention import KeepLast, plan_retention
+from resilient.storage.shardfile import chunk_key, shards_in
 from resilient.storage.url import parse_url
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,8 +35,49 @@ def _plans():
     return plan_arrays([[info(Box((0, 0), (4, 2)))], [info(Box((4, 0), (4, 2)))]])
 
 
-def _receipt(rank, *boxes):
-    return {"rank": rank, "regions": [{"fqn": "w", **b.to_json(), "nbytes": 0, "crc32c": 0} for b in boxes]}
+def _receipt(rank, *boxes, shard=(4, 2)):
+    """What a rank's receipt says: each region, and where each of its shards lies in its packs."""
+    regions = []
+    for b in boxes:
+        refs = {
+            chunk_key(i, format_version=3): [f"pack-r{rank:05d}-0.zip", 100 * n, 64]
+            for n, (i, _) in enumerate(shards_in(b, shard))
+        }
+        regions.append({"fqn": "w", **b.to_json(), "nbytes": 0, "crc32c": 0, "shards": refs})
+    return {"rank": rank, "regions": regions}
+
+
+def test_coverage_check_refuses_missing_extra_or_foreign_shard_refs():
+    # The refs say where the bytes are: one missing, doubled, unplanned, in another rank's pack or
+    # out of a pack's bounds commits a step that cannot load, so the commit is refused.
+    plans, step = _plans(), 5
+    good = lambda: [_receipt(0, Box((0, 0), (4, 2))), _receipt(1, Box((4, 0), (4, 2)))]  # noqa: E731
+    check_coverage(plans, good(), step=step)
+    receipts = good()
+    del receipts[1]["regions"][0]["shards"]["1.0"]
+    with pytest.raises(CommitError, match=r"step 5 not committed: tensor 'w' has no shard ref for \['1.0'\]"):
+        check_coverage(plans, receipts, step=step)
+    receipts = good()
+    receipts[0]["regions"][0]["shards"]["2.0"] = ["pack-r00000-0.zip", 0, 8]
+    with pytest.raises(CommitError, match=r"duplicate or unplanned one for \['2.0'\]"):
+        check_coverage(plans, receipts, step=step)
+    receipts = good()
+    receipts[0]["regions"][0]["shards"]["1.0"] = ["pack-r00000-0.zip", 0, 8]
+    with pytest.raises(CommitError, match=r"duplicate or unplanned one for \['1.0'\]"):
+        check_coverage(plans, receipts, step=step)
+    receipts = good()
+    receipts[1]["regions"][0]["shards"]["1.0"][0] = "pack-r00000-0.zip"
+    with pytest.raises(CommitError, match="tensor 'w', rank 1, shard '1.0': ref names pack 'pack-r00000-0.zip'"):
+        check_coverage(plans, receipts, step=step)
+    for bad in (["pack-r00001-0.zip", -1, 8], ["pack-r00001-0.zip", 0, 0], ["pack-r00001-0.zip", 4 << 30, 8]):
+        receipts = good()
+        receipts[1]["regions"][0]["shards"]["1.0"] = bad
+        with pytest.raises(CommitError, match="rank 1, shard '1.0': ref .* lies outside a pack"):
+            check_coverage(plans, receipts, step=step)
+    receipts = good()
+    del receipts[0]["regions"][0]["shards"]
+    with pytest.raises(CommitError, match="tensor 'w', rank 0: the receipt names no shard refs"):
+        check_coverage(plans, receipts, step=step)
 
 
 def test_coverage_check_catches_missing_and_duplicate_shards():
@@ -56,7 +98,7 @@ def test_coverage_check_of_a_one_shard_tensor():
     plans = plan_arrays([[info]])
     assert plans["w"].shard_grid() == (1, 1)
     whole = Box((0, 0), (8, 2))
-    check_coverage(plans, [_receipt(0, whole)], step=3)
+    check_coverage(plans, [_receipt(0, whole, shard=(8, 2))], step=3)
     with pytest.raises(CommitError, match="'w' has 1 shard.s. never written and 0 written more than once"):
         check_coverage(plans, [_receipt(0)], step=3)
     with pytest.raises(CommitError, match="'w' has 1 shard.s. never written"):
@@ -137,6 +179,27 @@ def test_retention_keeps_a_step_set_aside_by_a_fallback_for_inspection(tmp_path)
     assert not (tmp_path / "step-000000006").exists()
 
 
+def test_setting_aside_keeps_a_fresh_commit_that_lands_while_the_copy_is_written(tmp_path):
+    # Another replica group commits the step afresh between the first read and the delete.
+    from resilient.storage.retention import SET_ASIDE_MANIFEST, set_aside
+
+    store = FileObjectStore(parse_url(str(tmp_path)))
+    store.write("step-000000006/manifest.json", b"damaged")
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def write(self, key, data):
+            store.write(key, data)
+            if key.endswith(SET_ASIDE_MANIFEST):
+                store.write("step-000000006/manifest.json", b"fresh")
+
+    assert set_aside(Racing(), 6, b"damaged") is False
+    assert store.read("step-000000006/manifest.json") == b"fresh"
+    assert store.read(f"step-000000006/{SET_ASIDE_MANIFEST}") is None
+
+
 def test_retention_sees_damage_of_a_manifest_it_read_before(tmp_path):
     # Attempts are cached by the manifest's bytes (every commit re-reads the kept steps): the same
     # length with other bytes must be parsed again, and found damaged.
@@ -207,11 +270,13 @@ def test_coordinator_failing_after_its_manifest_landed_settles_as_committed():
     commit_manifest(store, Manifest(step=7, attempt="attempt-x", world_size=2, arrays={}, values={}))
     settle_failure(job, store, StorageError("writer process died"))  # returns: committed
     assert store.read(failure_key(job.attempt_key, COMMIT_RANK)) is None  # no "failed" decision
+    assert store.read(failure_key(job.attempt_key, 0)) is None  # nor a failure marker on a committed attempt
 
     other = PersistJob(step=7, attempt="attempt-y", rank=0, world_size=2, plans={}, regions=[], commit_timeout_s=1.0)
     with pytest.raises(StorageError, match="writer process died"):  # another attempt's manifest: still failed
         settle_failure(other, store, StorageError("writer process died"))
     assert store.read(failure_key(other.attempt_key, COMMIT_RANK)) is not None
+    assert store.read(failure_key(other.attempt_key, 0)) is not None
 
 
 def _crc32c_twin(original: bytes, other: bytes, start: int, width: int) -> bytes:

@@ -290,3 +290,43 @@ def test_run_parallel_interrupted_while_waiting_leaves_no_task_running():
         signal.signal(signal.SIGINT, previous)
     time.sleep(0.3)
     assert len(events) < 200 and all(t <= raised_at for _, t in events)
+
+
+def test_a_failed_pack_stream_write_closes_its_file_exactly_once(tmp_path, monkeypatch):
+    # A second close of the same number would close whatever file another thread opened since.
+    from resilient.storage import packio
+    from resilient.storage.objects import open_store
+
+    location = parse_url(str(tmp_path / "root"))
+    stream = packio.PackStream(location, open_store(location), "step-000000001/attempt-a")
+    stream.add("a/0", [b"x" * 10])
+    fd, closed, real_close = stream._out.fd, [], os.close
+    monkeypatch.setattr(packio.os, "close", lambda n: (closed.append(n), real_close(n))[1])
+
+    def full(n, view):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packio.os, "write", full)
+    with pytest.raises(StorageError, match="No space left on device"):
+        stream.add("a/1", [b"y"])
+    with pytest.raises(StorageError, match="failed"):
+        stream.close()  # the pack's tail cannot go out either, and its file is not closed again
+    stream.abort()
+    assert closed.count(fd) == 1
+
+
+def test_an_aborted_pack_stream_leaves_no_multipart_upload_on_s3(s3_bucket, s3_endpoint, monkeypatch):
+    import boto3
+
+    from resilient.storage import packio
+    from resilient.storage.objects import open_store
+
+    monkeypatch.setattr(packio, "PART_BYTES", 1 << 10)  # a multipart upload after the first KiB
+    location = parse_url(f"s3://{s3_bucket}/run", {"endpoint_url": s3_endpoint})
+    stream = packio.PackStream(location, open_store(location), "step-000000001/attempt-a")
+    stream.add("a/0", [bytes(4 << 10)])
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    assert len(client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])) == 1
+    stream.abort()
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0

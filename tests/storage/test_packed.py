@@ -15,6 +15,10 @@ import pytest
 import torch
 
 from resilient import Checkpointer, IntegrityError
+from resilient.errors import ConfigError
+from resilient.storage import pack as pack_module
+from resilient.storage.config import CheckpointerConfig
+from resilient.storage.offline.convert import StreamConfig
 from resilient.storage.pack import PACK_MAX_ENTRIES, PackBuilder, pack_name
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,6 +152,29 @@ def test_a_pack_ends_before_zip_needs_zip64():
     refs = [builder.add(f"a/{i}", [b"x"]) for i in range(PACK_MAX_ENTRIES + 1)]
     assert [p.key for p in builder.packs] == ["pack-r00003-0.zip", "pack-r00003-1.zip"]
     assert refs[-1].pack == "pack-r00003-1.zip" and refs[-1].offset == 30 + len(f"a/{PACK_MAX_ENTRIES}")
+
+
+def test_an_entry_too_big_for_a_pack_alone_is_refused_first_or_later(monkeypatch):
+    # ZIP sizes are 32-bit (no ZIP64): an entry that does not fit an empty pack is refused, whether
+    # it would open the first pack or a later one (it used to be laid out regardless).
+    monkeypatch.setattr(pack_module, "PACK_MAX_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"entry 'a/0' of 1000 bytes does not fit a pack \(1000 bytes\)"):
+        PackBuilder(lambda i: pack_name(0, i)).add("a/0", [bytes(1000)])
+    builder = PackBuilder(lambda i: pack_name(0, i))
+    assert builder.add("a/0", [bytes(900)]).offset == 33
+    with pytest.raises(ValueError, match="entry 'a/1' of 2000 bytes does not fit a pack"):
+        builder.add("a/1", [bytes(2000)])
+    assert [len(p.entries) for p in builder.packs] == [1]
+
+
+def test_shard_sizes_stay_within_what_a_pack_holds():
+    with pytest.raises(
+        ConfigError, match=r"max_shard_bytes=4294967296 is out of range: allowed \[1048576, 2147483648\]"
+    ):
+        CheckpointerConfig(max_shard_bytes=4 << 30)
+    assert CheckpointerConfig(max_shard_bytes=2 << 30).max_shard_bytes == 2 << 30
+    assert StreamConfig(max_memory=64 << 30).shard_bytes == 2 << 30  # convert: max_memory / 16 would be 4 GiB
+    assert StreamConfig(max_memory=1 << 30).shard_bytes == 64 << 20
 
 
 def test_a_full_local_load_fetches_each_shard_once_and_says_so(tmp_path):
