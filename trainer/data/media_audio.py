@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
 
 import av
@@ -46,10 +47,18 @@ _AUDIO_PREROLL_S = 0.25
 # Audio decoded on both sides of a window that gets resampled, so the resampler's filter sees real
 # signal at the window's edges instead of a cut (its transient would otherwise land inside the window).
 _RESAMPLE_MARGIN_S = 0.01
+# Opening a file decodes a few frames of every stream to learn their parameters; an mp4's H.264
+# track costs more to probe that way than its whole AAC track costs to decode. These options reach
+# only those probe decoders (not the one that decodes the audio): video decoders then skip every
+# frame, audio decoders do not look at skip_frame.
+_PROBE_AUDIO_ONLY = {"skip_frame": "all"}
 # Native samples handed to the resampler per call. libswresample's output does not depend on how
 # its input is cut (tests hold it), but its cost does: one call with a whole clip runs several times
 # slower than the same samples in pieces of this size (benchmarks/README.md, data_bench).
-RESAMPLE_CHUNK = 1 << 16
+RESAMPLE_CHUNK = 1 << 15
+# Mono samples on their way to the resampler: an array, or a mono float-plane frame as FFmpeg's
+# sample FIFO hands it out (passed on without a round trip through numpy).
+Piece = np.ndarray | av.AudioFrame
 
 
 def native_span(start_s: float, duration_s: float | None, native_rate: int, sample_rate: int) -> tuple[int, int | None]:
@@ -63,15 +72,29 @@ def native_span(start_s: float, duration_s: float | None, native_rate: int, samp
 
 
 def window_from_native(
-    mono: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
+    mono: np.ndarray | Iterable[Piece],
+    first: int,
+    native_rate: int,
+    start_s: float,
+    duration_s: float | None,
+    sample_rate: int,
 ) -> np.ndarray:
-    """The output window from native samples whose sample 0 is native index ``first`` (on the grid)."""
-    if native_rate != sample_rate:
-        mono = resample(mono, native_rate, sample_rate)
+    """The output window from native samples whose sample 0 is native index ``first`` (on the grid):
+    one array, or pieces that follow each other (fed to the resampler one by one, so the native
+    rate span is never held whole)."""
+    pieces = [mono] if isinstance(mono, np.ndarray) else mono
+    rate_changes = native_rate != sample_rate
+    samples = resample_pieces(pieces, native_rate, sample_rate) if rate_changes else _join(list(pieces))
     # first * sample_rate / native_rate is a whole number: the grid guarantees it.
     offset = first * sample_rate // native_rate - round(start_s * sample_rate)
     length = None if duration_s is None else round(duration_s * sample_rate)
-    return _place(mono, offset, length)
+    return _place(samples, offset, length)
+
+
+def _join(pieces: list[Piece]) -> np.ndarray:
+    if len(pieces) == 1:
+        return _samples(pieces[0])
+    return np.concatenate([_samples(piece) for piece in pieces]) if pieces else np.zeros(0, dtype=np.float32)
 
 
 def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
@@ -90,23 +113,44 @@ def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
 
 
 def resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """``mono`` at ``to_rate`` (see ``resample_pieces``)."""
+    return resample_pieces([mono], from_rate, to_rate)
+
+
+def resample_pieces(pieces: Iterable[Piece], from_rate: int, to_rate: int) -> np.ndarray:
     """libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
     so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
-    so output sample 0 is the input's first instant."""
-    if not len(mono):  # a window past the end; PyAV cannot build an empty frame
-        return mono
+    so output sample 0 is the input's first instant. ``pieces`` are mono float samples that follow
+    each other; how they are cut does not change the output."""
     resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
     out: list[av.AudioFrame] = []
-    for begin in range(0, len(mono), RESAMPLE_CHUNK):
-        piece = np.ascontiguousarray(mono[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
-        frame = av.AudioFrame.from_ndarray(piece, format="flt", layout="mono")
-        frame.sample_rate, frame.pts, frame.time_base = from_rate, begin, Fraction(1, from_rate)
+    fed = 0
+    for frame in _mono_frames(pieces):
+        frame.sample_rate, frame.pts, frame.time_base = from_rate, fed, Fraction(1, from_rate)
         out.extend(resampler.resample(frame))
+        fed += frame.samples
+    if not fed:  # a window past the end; PyAV cannot build an empty frame
+        return np.zeros(0, dtype=np.float32)
     out.extend(resampler.resample(None))
     if not out:
         return np.zeros(0, dtype=np.float32)
     return np.concatenate([f.to_ndarray().reshape(-1) for f in out]).astype(np.float32, copy=False)
+
+
+def _mono_frames(pieces: Iterable[Piece]) -> Iterator[av.AudioFrame]:
+    """``pieces`` as mono float-plane frames of at most RESAMPLE_CHUNK samples."""
+    for piece in pieces:
+        if isinstance(piece, av.AudioFrame):
+            yield piece
+            continue
+        for begin in range(0, len(piece), RESAMPLE_CHUNK):
+            chunk = np.ascontiguousarray(piece[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
+            yield av.AudioFrame.from_ndarray(chunk, format="fltp", layout="mono")
+
+
+def _samples(piece: Piece) -> np.ndarray:
+    return piece.to_ndarray()[0] if isinstance(piece, av.AudioFrame) else piece
 
 
 def _downmix(samples: np.ndarray) -> np.ndarray:
@@ -162,7 +206,7 @@ def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
 
 
 def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
-    with av.open(io.BytesIO(data), mode="r") as container:
+    with av.open(io.BytesIO(data), mode="r", options=_PROBE_AUDIO_ONLY) as container:
         if not container.streams.audio:
             raise MediaError(f"cannot decode audio from .{ext}: the file has no audio stream")
         stream = container.streams.audio[0]
@@ -191,8 +235,8 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
                 last = min(timeline.end, round(declared_s * native_rate))
     if last is None:
         last = timeline.end
-    mono = timeline.mono(first, max(last, first))
-    return window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
+    pieces = timeline.pieces(first, max(last, first))
+    return window_from_native(pieces, first, native_rate, start_s, duration_s, sample_rate)
 
 
 def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: int) -> bool:
@@ -210,15 +254,16 @@ class _AudioTimeline:
     rounded pts would open or overlap a few samples at each seam; only a jump larger than _GAP_S
     (a real hole in the stream) starts a new run, placed by its timestamp.
 
-    Per frame, each channel's samples are copied out of the decoder's buffer (which it then reuses)
-    and nothing else: per-frame work in Python is most of what a 21 ms AAC frame costs after the
-    decoder itself. Runs are joined and mixed down once, at the end."""
+    A run is an FFmpeg sample FIFO: per frame, one call copies every channel out of the decoder's
+    buffer (which it then reuses), with no Python object per plane; per-frame work in Python is most
+    of what a 21 ms AAC frame costs after the decoder itself. Runs are read out, joined and mixed
+    down once, at the end."""
 
     _GAP_S = 0.02
 
     def __init__(self, *, origin: float, rate: int) -> None:
         self.origin, self.rate = origin, rate
-        self.runs: list[tuple[int, list[list[np.ndarray]]]] = []  # (first index, per channel: pieces)
+        self.runs: list[tuple[int, av.AudioFifo]] = []  # (first native index, its samples)
         self.end = 0
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
         # Converts any sample format to float planes at the native rate (no rate change, so no filter
@@ -233,26 +278,52 @@ class _AudioTimeline:
         # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
         stamped = round((frame.pts * numerator / denominator - self.origin) * self.rate)
         if not self.runs or abs(stamped - self.end) > self._GAP_S * self.rate:
-            self.runs.append((stamped, [[] for _ in frame.planes]))
+            self.runs.append((stamped, av.AudioFifo()))
             self.end = stamped
-        channels = self.runs[-1][1]
+        fifo = self.runs[-1][1]
         for converted in self._to_float.resample(frame):
-            count = converted.samples
-            for pieces, plane in zip(channels, converted.planes, strict=True):
-                pieces.append(np.frombuffer(plane, np.float32, count).copy())
-            self.end += count
+            # The FIFO would check each pts against a count from 0; placement is this class's job.
+            converted.pts = None
+            fifo.write(converted)
+            self.end += converted.samples
 
-    def mono(self, first: int, last: int) -> np.ndarray:
-        """Mono samples of native indices [first, last); what no frame covers is zero."""
-        runs = [(position, channels) for position, channels in self.runs if channels[0]]
-        count = len(runs[0][1]) if runs else 1
-        out = np.zeros((count, last - first), dtype=np.float32)
-        for position, channels in runs:
-            for channel, pieces in enumerate(channels):
-                samples = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-                lo, hi = max(position, first), min(position + len(samples), last)
-                if count == 1 and len(runs) == 1 and (lo, hi) == (first, last):
-                    return samples[lo - position : hi - position]  # the common case: one mono run covers it
-                if lo < hi:
-                    out[channel, lo - first : hi - first] = samples[lo - position : hi - position]
-        return out[0] if count == 1 else out.mean(axis=0, dtype=np.float32)
+    def pieces(self, first: int, last: int) -> Iterator[Piece]:
+        """Mono samples of native indices [first, last), in pieces of at most RESAMPLE_CHUNK that
+        follow each other; what no frame covers is zero. Read out a piece at a time: a whole clip
+        at 48 kHz held as one array costs more in fresh pages than the resampler costs."""
+        runs = [(position, fifo) for position, fifo in self.runs if fifo.samples]
+        ends = [position + fifo.samples for position, fifo in runs]
+        if any(end > position for end, (position, _) in zip(ends, runs[1:], strict=False)):
+            yield self._overlapping(runs, first, last)  # a stream whose timestamps went back
+            return
+        cursor = first
+        for position, fifo in runs:
+            lo, hi = max(position, cursor), min(position + fifo.samples, last)
+            if lo >= hi:
+                continue
+            if lo > cursor:
+                yield np.zeros(lo - cursor, dtype=np.float32)
+            if lo > position:
+                fifo.read(lo - position)  # the lead-in before the span
+            for begin in range(lo, hi, RESAMPLE_CHUNK):
+                frame = fifo.read(min(RESAMPLE_CHUNK, hi - begin))
+                yield frame if len(frame.planes) == 1 else _mix(frame.to_ndarray())
+            cursor = hi
+        if cursor < last:
+            yield np.zeros(last - cursor, dtype=np.float32)
+
+    @staticmethod
+    def _overlapping(runs: list[tuple[int, av.AudioFifo]], first: int, last: int) -> np.ndarray:
+        """[first, last) from runs that overlap or go back in time: the later run's samples win."""
+        decoded = [(position, fifo.read().to_ndarray()) for position, fifo in runs]
+        out = np.zeros((decoded[0][1].shape[0], last - first), dtype=np.float32)
+        for position, samples in decoded:
+            lo, hi = max(position, first), min(position + samples.shape[1], last)
+            if lo < hi:
+                out[:, lo - first : hi - first] = samples[:, lo - position : hi - position]
+        return _mix(out)
+
+
+def _mix(planes: np.ndarray) -> np.ndarray:
+    """[channels, samples] float32 to mono, as ``_downmix`` does for [samples, channels]."""
+    return planes[0] if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
