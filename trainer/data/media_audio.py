@@ -51,7 +51,7 @@ _RESAMPLE_MARGIN_S = 0.01
 # track costs more to probe that way than its whole AAC track costs to decode. These options reach
 # only those probe decoders (not the one that decodes the audio): video decoders then skip every
 # frame, audio decoders do not look at skip_frame.
-_PROBE_AUDIO_ONLY = {"skip_frame": "all"}
+PROBE_AUDIO_ONLY = {"skip_frame": "all"}
 # Native samples handed to the resampler per call. libswresample's output does not depend on how
 # its input is cut (tests hold it), but its cost does: one call with a whole clip runs several times
 # slower than the same samples in pieces of this size (benchmarks/README.md, data_bench).
@@ -206,7 +206,7 @@ def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
 
 
 def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
-    with av.open(io.BytesIO(data), mode="r", options=_PROBE_AUDIO_ONLY) as container:
+    with av.open(io.BytesIO(data), mode="r", options=PROBE_AUDIO_ONLY) as container:
         if not container.streams.audio:
             raise MediaError(f"cannot decode audio from .{ext}: the file has no audio stream")
         stream = container.streams.audio[0]
@@ -288,9 +288,9 @@ class _AudioTimeline:
             self.end += converted.samples
 
     def pieces(self, first: int, last: int) -> Iterator[Piece]:
-        """Mono samples of native indices [first, last), in pieces of at most RESAMPLE_CHUNK that
-        follow each other; what no frame covers is zero. Read out a piece at a time: a whole clip
-        at 48 kHz held as one array costs more in fresh pages than the resampler costs."""
+        """Mono samples of native indices [first, last), in pieces that follow each other: decoded
+        samples at most RESAMPLE_CHUNK at a time, what no frame covers as zeros. Read out a piece at
+        a time: a whole clip at 48 kHz held as one array costs more in fresh pages than resampling it."""
         runs = [(position, fifo) for position, fifo in self.runs if fifo.samples]
         ends = [position + fifo.samples for position, fifo in runs]
         if any(end > position for end, (position, _) in zip(ends, runs[1:], strict=False)):
