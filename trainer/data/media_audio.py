@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from fractions import Fraction
 
 import av
@@ -72,29 +72,20 @@ def native_span(start_s: float, duration_s: float | None, native_rate: int, samp
 
 
 def window_from_native(
-    mono: np.ndarray | Iterable[Piece],
-    first: int,
-    native_rate: int,
-    start_s: float,
-    duration_s: float | None,
-    sample_rate: int,
+    mono: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
 ) -> np.ndarray:
-    """The output window from native samples whose sample 0 is native index ``first`` (on the grid):
-    one array, or pieces that follow each other (fed to the resampler one by one, so the native
-    rate span is never held whole)."""
-    pieces = [mono] if isinstance(mono, np.ndarray) else mono
-    rate_changes = native_rate != sample_rate
-    samples = resample_pieces(pieces, native_rate, sample_rate) if rate_changes else _join(list(pieces))
+    """The output window from native samples whose sample 0 is native index ``first`` (on the grid)."""
+    return place_window(resample(mono, native_rate, sample_rate), first, native_rate, start_s, duration_s, sample_rate)
+
+
+def place_window(
+    samples: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
+) -> np.ndarray:
+    """The output window from samples at ``sample_rate`` whose sample 0 is native index ``first``."""
     # first * sample_rate / native_rate is a whole number: the grid guarantees it.
     offset = first * sample_rate // native_rate - round(start_s * sample_rate)
     length = None if duration_s is None else round(duration_s * sample_rate)
     return _place(samples, offset, length)
-
-
-def _join(pieces: list[Piece]) -> np.ndarray:
-    if len(pieces) == 1:
-        return _samples(pieces[0])
-    return np.concatenate([_samples(piece) for piece in pieces]) if pieces else np.zeros(0, dtype=np.float32)
 
 
 def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
@@ -113,44 +104,58 @@ def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
 
 
 def resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """``mono`` at ``to_rate`` (see ``resample_pieces``)."""
-    return resample_pieces([mono], from_rate, to_rate)
+    """``mono`` at ``to_rate`` (the same array when the rates are equal)."""
+    converter = _RateConverter(from_rate, to_rate)
+    converter.feed(mono)
+    return converter.result()
 
 
-def resample_pieces(pieces: Iterable[Piece], from_rate: int, to_rate: int) -> np.ndarray:
-    """libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
+class _RateConverter:
+    """Mono float samples fed piece by piece, as they come, and handed back at the target rate.
+
+    libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
     so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
-    so output sample 0 is the input's first instant. ``pieces`` are mono float samples that follow
-    each other; how they are cut does not change the output."""
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
-    out: list[av.AudioFrame] = []
-    fed = 0
-    for frame in _mono_frames(pieces):
-        frame.sample_rate, frame.pts, frame.time_base = from_rate, fed, Fraction(1, from_rate)
-        out.extend(resampler.resample(frame))
-        fed += frame.samples
-    if not fed:  # a window past the end; PyAV cannot build an empty frame
-        return np.zeros(0, dtype=np.float32)
-    out.extend(resampler.resample(None))
-    if not out:
-        return np.zeros(0, dtype=np.float32)
-    return np.concatenate([f.to_ndarray().reshape(-1) for f in out]).astype(np.float32, copy=False)
+    so output sample 0 is the first piece's first instant. How the input is cut into pieces does
+    not change the output (tests hold it); each call gets at most RESAMPLE_CHUNK samples."""
+
+    def __init__(self, from_rate: int, to_rate: int) -> None:
+        self.from_rate = from_rate
+        self.resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate) if from_rate != to_rate else None
+        self.out: list[np.ndarray | av.AudioFrame] = []  # resampled frames, or the pieces themselves
+        self.fed = 0
+
+    def feed(self, piece: Piece) -> None:
+        if self.resampler is None:
+            self.out.append(piece)
+            return
+        for frame in _mono_frames(piece):
+            frame.sample_rate, frame.pts, frame.time_base = self.from_rate, self.fed, Fraction(1, self.from_rate)
+            self.out.extend(self.resampler.resample(frame))
+            self.fed += frame.samples
+
+    def result(self) -> np.ndarray:
+        if self.resampler is not None and self.fed:  # (PyAV cannot build an empty frame to flush)
+            self.out.extend(self.resampler.resample(None))
+        if len(self.out) == 1 and isinstance(self.out[0], np.ndarray):
+            return self.out[0]
+        if not self.out:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate([_samples(piece) for piece in self.out]).astype(np.float32, copy=False)
 
 
-def _mono_frames(pieces: Iterable[Piece]) -> Iterator[av.AudioFrame]:
-    """``pieces`` as mono float-plane frames of at most RESAMPLE_CHUNK samples."""
-    for piece in pieces:
-        if isinstance(piece, av.AudioFrame):
-            yield piece
-            continue
-        for begin in range(0, len(piece), RESAMPLE_CHUNK):
-            chunk = np.ascontiguousarray(piece[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
-            yield av.AudioFrame.from_ndarray(chunk, format="fltp", layout="mono")
+def _mono_frames(piece: Piece) -> Iterator[av.AudioFrame]:
+    """``piece`` as mono float-plane frames of at most RESAMPLE_CHUNK samples."""
+    if isinstance(piece, av.AudioFrame):
+        yield piece
+        return
+    for begin in range(0, len(piece), RESAMPLE_CHUNK):
+        chunk = np.ascontiguousarray(piece[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
+        yield av.AudioFrame.from_ndarray(chunk, format="fltp", layout="mono")
 
 
 def _samples(piece: Piece) -> np.ndarray:
-    return piece.to_ndarray()[0] if isinstance(piece, av.AudioFrame) else piece
+    return piece.to_ndarray().reshape(-1) if isinstance(piece, av.AudioFrame) else piece
 
 
 def _downmix(samples: np.ndarray) -> np.ndarray:
@@ -220,7 +225,13 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
         if seek_s > 0 and _sample_exact_timestamps(stream, native_rate):
             # backward=True lands on the last packet at or before seek_s, so nothing of the span is missed.
             container.seek(seek_pts(seek_s + origin, stream.time_base), stream=stream, backward=True)
-        timeline = _AudioTimeline(origin=origin, rate=native_rate)
+        declared_s = declared_duration(container, stream)
+        # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
+        declared_end = None if declared_s is None else round(declared_s * native_rate)
+        converter = _RateConverter(native_rate, sample_rate)
+        timeline = _AudioTimeline(
+            origin=origin, rate=native_rate, first=first, cap=declared_end if last is None else last, out=converter
+        )
         for frame in decoded_frames(container, stream, packet_budget(data)):
             if frame.pts is None:
                 raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
@@ -228,15 +239,13 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
             if last is not None and timeline.end >= last:
                 break
         else:  # decoded to the end of the file: it must be as long as its header says
-            declared_s = declared_duration(container, stream)
             check_complete(ext, declared_s, timeline.end / native_rate)
-            if last is None and declared_s is not None:
-                # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
-                last = min(timeline.end, round(declared_s * native_rate))
+            if last is None and declared_end is not None:
+                last = min(timeline.end, declared_end)
     if last is None:
         last = timeline.end
-    pieces = timeline.pieces(first, max(last, first))
-    return window_from_native(pieces, first, native_rate, start_s, duration_s, sample_rate)
+    samples = timeline.finish(max(last, first))
+    return place_window(samples, first, native_rate, start_s, duration_s, sample_rate)
 
 
 def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: int) -> bool:
@@ -248,23 +257,33 @@ def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: i
 
 
 class _AudioTimeline:
-    """Decoded samples, float at the native rate, in runs: each run starts at the native sample
-    index of its first frame (pts * time_base, less the origin) and its frames follow each other
-    contiguously. Matroska stores pts in milliseconds, and placing every 21 ms AAC frame by its
-    rounded pts would open or overlap a few samples at each seam; only a jump larger than _GAP_S
-    (a real hole in the stream) starts a new run, placed by its timestamp.
+    """Decoded frames laid on the native timeline and fed on, mono, as they come: native samples
+    [first, cap) go to a _RateConverter in order, what no frame covers as zeros, so the clip is never
+    held whole at the native rate (a 48 kHz clip held whole costs more in fresh memory pages than
+    resampling it).
 
-    A run is an FFmpeg sample FIFO: per frame, one call copies every channel out of the decoder's
-    buffer (which it then reuses), with no Python object per plane; per-frame work in Python is most
-    of what a 21 ms AAC frame costs after the decoder itself. Runs are read out, joined and mixed
-    down once, at the end."""
+    A frame is placed by its timestamp (pts * time_base, less the origin) when it starts a run, and
+    follows the previous frame contiguously otherwise: Matroska stores pts in milliseconds, and
+    placing every 21 ms AAC frame by its rounded pts would open or overlap a few samples at each
+    seam; only a jump larger than _GAP_S (a real hole in the stream) starts a new run, placed by its
+    timestamp. A run that goes back in time (a broken stream) does not overwrite what was decoded
+    before it: only its samples past those are used.
+
+    The current run's samples wait in an FFmpeg sample FIFO: per frame, one call copies every
+    channel out of the decoder's buffer (which it then reuses), with no Python object per plane;
+    per-frame work in Python is most of what a 21 ms AAC frame costs after the decoder itself."""
 
     _GAP_S = 0.02
 
-    def __init__(self, *, origin: float, rate: int) -> None:
+    def __init__(self, *, origin: float, rate: int, first: int, cap: int | None, out: _RateConverter) -> None:
         self.origin, self.rate = origin, rate
-        self.runs: list[tuple[int, av.AudioFifo]] = []  # (first native index, its samples)
-        self.end = 0
+        self.cap = cap  # no native sample at or past it is fed (None: no bound)
+        self.out = out
+        self.fed = first  # the next native index to feed: everything before it is fed or dropped
+        self.end = 0  # past the furthest decoded sample
+        self._fifo = av.AudioFifo()
+        self._head: int | None = None  # native index of the FIFO's first sample
+        self._tail = 0  # native index past the FIFO's last sample
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
         # Converts any sample format to float planes at the native rate (no rate change, so no filter
         # delay, and no layout change: channels are averaged like the wav/flac path does). AAC, MP3
@@ -277,51 +296,41 @@ class _AudioTimeline:
         numerator, denominator = self._tick
         # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
         stamped = round((frame.pts * numerator / denominator - self.origin) * self.rate)
-        if not self.runs or abs(stamped - self.end) > self._GAP_S * self.rate:
-            self.runs.append((stamped, av.AudioFifo()))
-            self.end = stamped
-        fifo = self.runs[-1][1]
+        if self._head is None or abs(stamped - self._tail) > self._GAP_S * self.rate:
+            self._drain(whole=True)
+            self._head = self._tail = stamped
+            self.end = max(self.end, stamped)
         for converted in self._to_float.resample(frame):
-            # The FIFO would check each pts against a count from 0; placement is this class's job.
-            converted.pts = None
-            fifo.write(converted)
-            self.end += converted.samples
+            converted.pts = None  # the FIFO would check it against a count from 0; placement is done here
+            self._fifo.write(converted)
+            self._tail += converted.samples
+        self.end = max(self.end, self._tail)
+        self._drain(whole=False)
 
-    def pieces(self, first: int, last: int) -> Iterator[Piece]:
-        """Mono samples of native indices [first, last), in pieces that follow each other: decoded
-        samples at most RESAMPLE_CHUNK at a time, what no frame covers as zeros. Read out a piece at
-        a time: a whole clip at 48 kHz held as one array costs more in fresh pages than resampling it."""
-        runs = [(position, fifo) for position, fifo in self.runs if fifo.samples]
-        ends = [position + fifo.samples for position, fifo in runs]
-        if any(end > position for end, (position, _) in zip(ends, runs[1:], strict=False)):
-            yield self._overlapping(runs, first, last)  # a stream whose timestamps went back
-            return
-        cursor = first
-        for position, fifo in runs:
-            lo, hi = max(position, cursor), min(position + fifo.samples, last)
-            if lo >= hi:
-                continue
-            if lo > cursor:
-                yield np.zeros(lo - cursor, dtype=np.float32)
-            if lo > position:
-                fifo.read(lo - position)  # the lead-in before the span
-            for begin in range(lo, hi, RESAMPLE_CHUNK):
-                frame = fifo.read(min(RESAMPLE_CHUNK, hi - begin))
-                yield frame if len(frame.planes) == 1 else _mix(frame.to_ndarray())
-            cursor = hi
-        if cursor < last:
-            yield np.zeros(last - cursor, dtype=np.float32)
+    def finish(self, last: int) -> np.ndarray:
+        """Native samples [first, last) at the converter's rate; what no frame covered is zero."""
+        self.cap = last if self.cap is None else min(self.cap, last)
+        self._drain(whole=True)
+        if self.fed < last:
+            self.out.feed(np.zeros(last - self.fed, dtype=np.float32))
+        return self.out.result()
 
-    @staticmethod
-    def _overlapping(runs: list[tuple[int, av.AudioFifo]], first: int, last: int) -> np.ndarray:
-        """[first, last) from runs that overlap or go back in time: the later run's samples win."""
-        decoded = [(position, fifo.read().to_ndarray()) for position, fifo in runs]
-        out = np.zeros((decoded[0][1].shape[0], last - first), dtype=np.float32)
-        for position, samples in decoded:
-            lo, hi = max(position, first), min(position + samples.shape[1], last)
-            if lo < hi:
-                out[:, lo - first : hi - first] = samples[:, lo - position : hi - position]
-        return _mix(out)
+    def _drain(self, *, whole: bool) -> None:
+        """Feeds the FIFO's samples on, a chunk at a time: all of them, or whole chunks only."""
+        while self._fifo.samples >= (1 if whole else RESAMPLE_CHUNK):
+            frame = self._fifo.read(min(RESAMPLE_CHUNK, self._fifo.samples))
+            lo = self._head
+            self._head += frame.samples
+            start, stop = max(lo, self.fed), self._head if self.cap is None else min(self._head, self.cap)
+            if start >= stop:
+                continue  # before the span (a seek's lead-in), past its cap, or decoded already
+            if start > self.fed:  # a hole in the stream
+                self.out.feed(np.zeros(start - self.fed, dtype=np.float32))
+            if (start, stop) == (lo, self._head) and len(frame.planes) == 1:
+                self.out.feed(frame)
+            else:
+                self.out.feed(_mix(frame.to_ndarray()[:, start - lo : stop - lo]))
+            self.fed = stop
 
 
 def _mix(planes: np.ndarray) -> np.ndarray:

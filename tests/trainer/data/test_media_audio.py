@@ -1,6 +1,6 @@
 """media_audio and media_wav below the face: the direct WAV read returns libsndfile's values bit for
 bit, the resampler's output does not depend on how its input is cut into calls, decoded frames are
-laid onto the native timeline by their timestamps (holes zero, a later run over an earlier one), and
+laid onto the native timeline by their timestamps (holes zero; a run that goes back in time adds only what lies past the decoded part), and
 the options that spare the open from probing video leave the audio untouched."""
 
 from __future__ import annotations
@@ -94,51 +94,79 @@ def _frames(planes: np.ndarray, rate: int, first_pts: int, size: int = 1024) -> 
     return out
 
 
-def _as_array(piece: np.ndarray | av.AudioFrame) -> np.ndarray:
-    return piece.to_ndarray()[0] if isinstance(piece, av.AudioFrame) else piece
+class _Recorder:
+    """Stands in for the rate converter: keeps what the timeline feeds it, piece by piece."""
+
+    def __init__(self) -> None:
+        self.pieces: list[np.ndarray] = []
+
+    def feed(self, piece: np.ndarray | av.AudioFrame) -> None:
+        self.pieces.append(piece.to_ndarray()[0] if isinstance(piece, av.AudioFrame) else piece)
+
+    def result(self) -> np.ndarray:
+        return np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype=np.float32)
 
 
-def _laid(runs: list[tuple[int, np.ndarray]], first: int, last: int) -> np.ndarray:
-    """The expected span: each run's mono mix written at its position, later runs over earlier ones."""
+def _laid(runs: list[tuple[int, np.ndarray]], first: int, last: int, cap: int | None) -> np.ndarray:
+    """The expected span, in order of decoding: each run's mono mix at its position, zeros where no
+    run was, and of a run that goes back in time only what lies past everything before it."""
     out = np.zeros(last - first, dtype=np.float32)
+    fed = first
     for position, planes in runs:
         mono = planes[0] if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
-        lo, hi = max(position, first), min(position + len(mono), last)
+        lo, hi = max(position, fed), min(position + len(mono), last if cap is None else min(cap, last))
         if lo < hi:
             out[lo - first : hi - first] = mono[lo - position : hi - position]
+            fed = hi
     return out
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("channels", [1, 2])
 @pytest.mark.parametrize(
-    ("positions", "length", "first", "last"),
+    ("positions", "length", "first", "last", "cap"),
     [
-        ((0,), 5000, 0, 5000),  # one run, exactly the span
-        ((0,), 5000, 999, 4100),  # cut inside frames at both ends
-        ((300,), 5000, 0, 6000),  # zeros before and after the run
-        ((0, 9000), 5000, 500, 14000),  # a hole between two runs
-        ((0, 120_000), 80_000, 1000, 190_000),  # runs longer than RESAMPLE_CHUNK come in chunks
-        ((4000, 1000), 5000, 0, 9000),  # timestamps went back: the later run wins where they overlap
+        ((0,), 5000, 0, 5000, None),  # one run, exactly the span
+        ((0,), 5000, 999, 4100, 4100),  # cut inside frames at both ends (a window: its end is known)
+        ((0,), 5000, 999, 4100, None),  # the same, its end known only at the end
+        ((300,), 5000, 0, 6000, None),  # zeros before and after the run
+        ((0, 9000), 5000, 500, 14000, None),  # a hole between two runs
+        ((0, 120_000), 80_000, 1000, 190_000, 190_000),  # runs longer than RESAMPLE_CHUNK go a chunk at a time
+        ((4000, 1000, 8000), 5000, 0, 13000, None),  # back in time: only what is past the decoded part counts
     ],
 )
 def test_timeline_lays_frames_by_their_timestamps(
-    channels: int, positions: tuple[int, ...], length: int, first: int, last: int
+    channels: int, positions: tuple[int, ...], length: int, first: int, last: int, cap: int | None
 ) -> None:
     rate = 48000
     rng = np.random.default_rng(len(positions) + first)
     runs = [(position, rng.uniform(-1, 1, (channels, length)).astype(np.float32)) for position in positions]
-    timeline = media_audio._AudioTimeline(origin=0.0, rate=rate)
+    recorder = _Recorder()
+    timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=first, cap=cap, out=recorder)
     for position, planes in runs:
         for frame in _frames(planes, rate, position):
             timeline.add(frame)
-    pieces = list(timeline.pieces(first, last))
-    joined = np.concatenate([_as_array(p) for p in pieces])
+    assert timeline.end == max(position + length for position in positions)
+    joined = timeline.finish(last)
     assert joined.dtype == np.float32
-    assert np.array_equal(joined, _laid(runs, first, last))
-    if length > media_audio.RESAMPLE_CHUNK:  # decoded samples come a chunk at a time
-        decoded = [len(_as_array(p)) for p in pieces if np.any(_as_array(p))]
+    assert np.array_equal(joined, _laid(runs, first, last, cap))
+    if length > media_audio.RESAMPLE_CHUNK:
+        decoded = [len(piece) for piece in recorder.pieces if np.any(piece)]
         assert len(decoded) >= 4 and max(decoded) <= media_audio.RESAMPLE_CHUNK
+
+
+@pytest.mark.timeout(30)
+def test_rate_conversion_fed_piece_by_piece_equals_one_array() -> None:
+    """The timeline feeds the converter as frames arrive: pieces of any size, FIFO frames and arrays
+    mixed, give the samples the whole array gives."""
+    signal = samples.chirp(3.0, 44100)
+    converter = media_audio._RateConverter(44100, 16000)
+    for begin, end in [(0, 1000), (1000, 1001), (1001, 50_000), (50_000, len(signal))]:
+        piece = signal[begin:end]
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(piece[None, :]), format="fltp", layout="mono")
+        converter.feed(frame if begin % 2 else piece)
+    assert np.array_equal(converter.result(), media_audio.resample(signal, 44100, 16000))
+    assert len(media_audio.resample(signal, 44100, 16000)) == round(3.0 * 16000)
 
 
 @pytest.mark.timeout(60)
