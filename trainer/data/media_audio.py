@@ -3,7 +3,8 @@ window of the source timeline, from wav/flac (read directly or through libsndfil
 track FFmpeg decodes.
 
 Every decoder produces mono samples at the file's own rate over a span of the native timeline; one
-function resamples and cuts the window out of it. The span starts on the "phase grid": instants
+converter resamples them (the FFmpeg path feeds it as frames are decoded, never holding the span
+whole at the native rate) and the window is cut out of its output. The span starts on the "phase grid": instants
 that are whole samples at both the native and the target rate (every 441 samples = 20 ms for
 22.05 kHz -> 16 kHz, every 3 for 48 kHz). A resampler fed from such an instant produces output
 samples exactly on k / 16000 s; fed from anywhere else, its output is shifted by a fraction of a
