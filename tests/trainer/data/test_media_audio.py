@@ -1,7 +1,8 @@
 """media_audio and media_wav below the face: the direct WAV read returns libsndfile's values bit for
 bit, the resampler's output does not depend on how its input is cut into calls, decoded frames are
-laid onto the native timeline by their timestamps (holes zero; a run that goes back in time adds only what lies past the decoded part), and
-the options that spare the open from probing video leave the audio untouched."""
+laid onto the native timeline by their timestamps (holes zero; a run that goes back in time adds
+only what lies past the decoded part), and the options that spare the open from probing video leave
+the audio untouched."""
 
 from __future__ import annotations
 
