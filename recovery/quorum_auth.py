@@ -30,8 +30,8 @@ import binascii
 import concurrent.futures
 import logging
 
-from resilient.recovery.ram.channel import ReplicationClient
-from resilient.recovery.ram.wire import ChannelError
+from resilient.recovery.channel.server import ReplicationClient
+from resilient.recovery.channel.wire import ChannelError
 
 log = logging.getLogger(__name__)
 

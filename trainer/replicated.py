@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.faults import fault_point
-from resilient.recovery.job_secret import job_secret
+from resilient.recovery.channel.secret import job_secret
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
 from resilient.recovery.ram.buddy import bind_host
 from resilient.recovery.restore import PeerHeal

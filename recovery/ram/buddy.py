@@ -20,9 +20,9 @@ import torch
 
 from resilient import dist as rdist
 from resilient.errors import ConfigError, ResilientError
+from resilient.recovery.channel.handler import PutTarget
+from resilient.recovery.channel.secret import SECRET_ENV, job_secret
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.job_secret import SECRET_ENV, job_secret
-from resilient.recovery.ram.handler import PutTarget
 from resilient.recovery.ram.store import CrcAsItLands, RankStore, SnapshotIndex, first_corruption
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _publish_verified(
 def shared_secret(run_dir: str, group: int) -> bytes:
     """The channel key of replica group ``group``, the same on every rank (collective: a check).
 
-    Derived on every rank from the job secret (``recovery.job_secret``) and never sent: the
+    Derived on every rank from the job secret (``recovery.channel.secret``) and never sent: the
     group's process group runs over plain TCP across nodes, so a key sent on it could be read off
     the wire. Each group gets its own key, so a buddy copy cannot be replayed into another group.
     Every rank then shares a fingerprint of its key (HMAC of a fixed label: it reveals nothing of the

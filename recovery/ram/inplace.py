@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from resilient.recovery.channel.wire import Scatter
 from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex
-from resilient.recovery.ram.wire import Scatter
 
 COPY_PIECE_BYTES = 1 << 20
 """An own snapshot is copied and checksummed in pieces this big: each is still in cache when its

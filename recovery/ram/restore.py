@@ -6,7 +6,7 @@ choice — the newest step every rank can get from RAM, if it is at least the ne
 step — then each rank fetches and verifies its part (own store, else its buddy's copy). If any rank
 cannot, that step is excluded for all and the decision is taken again; the caller falls back to
 storage when no RAM step is left. Only snapshots of the current run and timeline (the tier's
-``timeline``, see ``ram.timeline``) taken on the same topology (world size, ranks per node, mesh,
+``timeline``, see ``recovery.timeline``) taken on the same topology (world size, ranks per node, mesh,
 tensor layout) are candidates; the others are listed in ``excluded`` with the reason.
 
 A snapshot belongs to the rank it was taken on (the rank is its place in the mesh, so its shard),
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resilient import dist as rdist
+from resilient.recovery.channel.server import ChannelError
+from resilient.recovery.channel.wire import Scatter
 from resilient.recovery.ram.buddy import snapshot_key
-from resilient.recovery.ram.channel import ChannelError
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
 from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
-from resilient.recovery.ram.wire import Scatter
 from resilient.state import Leaf, flatten_state, set_leaf
 
 if TYPE_CHECKING:

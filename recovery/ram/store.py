@@ -18,7 +18,7 @@ The store is ``<store_dir>/<key>``, ``store_dir`` being ``recovery.store_dir`` o
 and key a hash of the absolute run.dir, so a restarted worker of the same run finds it and two runs
 on one machine never share it; the job's ranks hold it (``recovery.ownership``) while they run.
 The path is only a place: which snapshots may restore is decided by the run identity and
-timeline every index carries (``ram.timeline``), so a new run in an old place never resumes the old
+timeline every index carries (``recovery.timeline``), so a new run in an old place never resumes the old
 run's snapshots, and retention drops those first.
 
 One ``RankStore`` directory per rank (``own/rank<R>`` for this node's ranks, ``buddy/rank<R>`` for
@@ -61,7 +61,7 @@ from resilient.errors import ConfigError
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import held
 from resilient.recovery.ram.node_id import sanitize
-from resilient.recovery.ram.timeline import Timeline, incarnation_of
+from resilient.recovery.timeline import Timeline, incarnation_of
 from resilient.state import Leaf, held_elsewhere
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class SnapshotIndex:
     nbytes: int = 0
     run_id: str = ""
     timeline: str = ""
-    """The run and timeline the snapshot was taken on (``ram.timeline``): it restores only into them."""
+    """The run and timeline the snapshot was taken on (``recovery.timeline``): it restores only into them."""
     node_id: str = ""
     """The identity of the node it was taken on (``ram.node_id``; simulated: ``node<N>``)."""
     local_rank: int = -1
@@ -470,7 +470,7 @@ def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> lis
 
 def run_dir_key(run_dir: str) -> str:
     """Stable across restarts of one run dir, different for two run dirs on one machine (a place,
-    not an identity: see ``ram.timeline``)."""
+    not an identity: see ``recovery.timeline``)."""
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
 
 

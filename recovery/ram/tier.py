@@ -9,7 +9,7 @@ arrives is not sent (recorded as "superseded").
 
 ``restore(state, persistent_step)`` is the collective RAM restore decision of
 ``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
-tiers, and sets ``timeline`` (``ram.timeline``): the run and timeline snapshots are tagged with,
+tiers, and sets ``timeline`` (``recovery.timeline``): the run and timeline snapshots are tagged with,
 and the only ones the decision may restore. ``start`` learns every rank's machine
 (``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank serves to and keeps
 for others) is ``ram.buddy``.
@@ -31,10 +31,10 @@ import torch
 from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
+from resilient.recovery.channel.server import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import StoreInUse, StoreLock, hold_store, job_identity
 from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
-from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
 from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing
@@ -54,7 +54,7 @@ from resilient.recovery.ram.store import (
     store_root,
     tensor_view,
 )
-from resilient.recovery.ram.timeline import UNTRACKED, Timeline
+from resilient.recovery.timeline import UNTRACKED, Timeline
 from resilient.runfiles import TIMELINE_FILE, read_json, write_json
 from resilient.state import flatten_state
 

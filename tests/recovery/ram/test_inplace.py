@@ -9,10 +9,10 @@ import crc32c
 import pytest
 import torch
 
-from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
+from resilient.recovery.channel.server import ReplicationClient, ReplicationServer
+from resilient.recovery.channel.wire import Scatter
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
 from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
-from resilient.recovery.ram.wire import Scatter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ from resilient.recovery.ram.store import (
     mark_store,
     tensor_view,
 )
-from resilient.recovery.ram.timeline import Timeline
+from resilient.recovery.timeline import Timeline
 from tests.recovery.ram.workers import write_snapshot
 
 pytestmark = pytest.mark.timeout(120)

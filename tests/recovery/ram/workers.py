@@ -101,7 +101,7 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
     """A restarted rank: restore into an empty state; report the outcome and the values. A copy
     fetched from a buddy lands in an anonymous mapping whatever its size (as snapshots of 8 MiB and
     more do), so these small states test that path too."""
-    from resilient.recovery.ram import wire
+    from resilient.recovery.channel import wire
 
     wire.MAPPED_BUFFER_MIN_BYTES = 1
     fresh = wire.fresh_buffer

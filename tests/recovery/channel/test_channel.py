@@ -15,8 +15,8 @@ import time
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery.ram import wire
-from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.channel import wire
+from resilient.recovery.channel.server import ChannelError, ReplicationClient, ReplicationServer
 
 pytestmark = pytest.mark.timeout(60)
 

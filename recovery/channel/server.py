@@ -5,7 +5,7 @@ collective, and nobody outside the job may plant or read a snapshot. Every peer 
 therefore authenticated with the job's secret (an HMAC key handed out through the rendezvous), and
 anything that fails a check is dropped before a byte of it is stored.
 
-The bytes on the wire (handshake, framing, MACs) are ``resilient.recovery.ram.wire``'s; this module
+The bytes on the wire (handshake, framing, MACs) are ``resilient.recovery.channel.wire``'s; this module
 holds the two ends that speak it: ``ReplicationServer`` (stores into and serves from a handler) and
 ``ReplicationClient``. Ops: ``put`` -> ``ok`` | ``error``; ``get`` -> ``value`` (meta + payload) |
 ``missing`` | ``error``.
@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable
 
 from resilient.errors import ConfigError
-from resilient.recovery.ram.handler import ChannelHandler, PutTarget
-from resilient.recovery.ram.wire import (
+from resilient.recovery.channel.handler import ChannelHandler, PutTarget
+from resilient.recovery.channel.wire import (
     DISCARD,
     EMPTY,
     ChannelError,

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient.errors import ConfigError
-from resilient.recovery.job_secret import SECRET_ENV
+from resilient.recovery.channel.secret import SECRET_ENV
 from resilient.recovery.ram import buddy
 from resilient.recovery.ram.buddy import shared_secret
 

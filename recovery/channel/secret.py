@@ -16,7 +16,7 @@ import os
 import secrets
 
 from resilient.errors import ConfigError
-from resilient.recovery.ram.wire import check_secret
+from resilient.recovery.channel.wire import check_secret
 from resilient.runfiles import JOB_KEY_FILE
 
 SECRET_ENV = "RESILIENT_JOB_SECRET"

@@ -35,7 +35,7 @@ Protocol, version 3 (integers big-endian, ``|`` is concatenation, ``sn``/``cn`` 
   counts as the sender's only once ``tag`` verifies: a destination must not publish it before
   ``receive`` returns.
 
-Nothing here opens, accepts or serves a connection (``resilient.recovery.ram.channel`` does); this
+Nothing here opens, accepts or serves a connection (``resilient.recovery.channel.server`` does); this
 module turns bytes on a connected socket into authenticated messages and back.
 """
 

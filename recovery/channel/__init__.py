@@ -1,0 +1,1 @@
+"""The authenticated transport every tier uses: the RAM tier's buddy copies and the live heals."""
