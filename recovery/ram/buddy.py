@@ -23,7 +23,8 @@ from resilient.errors import ConfigError, ResilientError
 from resilient.recovery.channel.handler import PutTarget
 from resilient.recovery.channel.secret import SECRET_ENV, job_secret
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import CrcAsItLands, RankStore, SnapshotIndex, first_corruption
+from resilient.recovery.ram.store import RankStore
+from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, first_corruption
 
 if TYPE_CHECKING:
     from resilient.recovery.ram.tier import RamTier

@@ -41,7 +41,13 @@ from resilient.recovery.channel.server import ChannelError
 from resilient.recovery.channel.wire import Scatter
 from resilient.recovery.ram.buddy import snapshot_key
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
-from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
+from resilient.recovery.snapshot_format import (
+    SnapshotIndex,
+    first_corruption,
+    layout_tensors,
+    local_tensors,
+    tensor_view,
+)
 from resilient.state import Leaf, flatten_state, set_leaf
 
 if TYPE_CHECKING:

@@ -41,17 +41,19 @@ from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import RamRestore, restore_from_ram
 from resilient.recovery.ram.store import (
     RankStore,
-    SnapshotIndex,
     check_private_dir,
-    checksum,
     clean_stale_stores,
-    json_values,
-    layout_tensors,
-    local_tensors,
     mark_store,
     node_store_dir,
     ranks_per_node,
     store_root,
+)
+from resilient.recovery.snapshot_format import (
+    SnapshotIndex,
+    checksum,
+    json_values,
+    layout_tensors,
+    local_tensors,
     tensor_view,
 )
 from resilient.recovery.timeline import UNTRACKED, Timeline

@@ -9,7 +9,8 @@ import pytest
 from resilient.errors import ResilientError
 from resilient.recovery.ram.buddy import BuddyHandler
 from resilient.recovery.ram.pairing import Pairing
-from resilient.recovery.ram.store import RankStore, SnapshotIndex, first_corruption
+from resilient.recovery.ram.store import RankStore
+from resilient.recovery.snapshot_format import SnapshotIndex, first_corruption
 from tests.recovery.ram.workers import write_snapshot
 
 pytestmark = pytest.mark.timeout(60)

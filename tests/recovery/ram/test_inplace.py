@@ -12,7 +12,7 @@ import torch
 from resilient.recovery.channel.server import ReplicationClient, ReplicationServer
 from resilient.recovery.channel.wire import Scatter
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
-from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
+from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,15 +9,9 @@ import os
 import torch
 
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import (
-    RankStore,
-    SnapshotIndex,
-    checksum,
-    layout_tensors,
-    local_tensors,
-    tensor_view,
-)
+from resilient.recovery.ram.store import RankStore
 from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.snapshot_format import SnapshotIndex, checksum, layout_tensors, local_tensors, tensor_view
 from resilient.state import flatten_state
 
 
