@@ -65,7 +65,7 @@ from resilient import dist as rdist
 from resilient.errors import ConfigError, IntegrityError, ResilientError, RestoreError, StorageError
 from resilient.manifest import MANIFEST, step_dir
 from resilient.recovery import timeline as timelines
-from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram import RamTier
 from resilient.recovery.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer

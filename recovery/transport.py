@@ -28,7 +28,7 @@ from datetime import timedelta
 from torchft.checkpointing.transport import CheckpointTransport
 
 from resilient.errors import ResilientError
-from resilient.recovery.channel.server import ReplicationClient, ReplicationServer
+from resilient.recovery.channel import ReplicationClient, ReplicationServer
 from resilient.recovery.heal_codec import decode_state, encode_state
 from resilient.recovery.quorum_auth import PROOF_KEY
 

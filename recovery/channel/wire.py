@@ -134,6 +134,20 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
+def check_positive(name: str, value: float) -> None:
+    """A channel end's timeout must be > 0 seconds."""
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
+
+
+def byte_view(data: bytes | bytearray | memoryview, key: str) -> memoryview:
+    """A flat byte view of ``data`` without copying it (tensors' memoryviews may be typed or N-D)."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ConfigError(f"payload for key {key!r} is not C-contiguous; pass a contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def _proof(secret: bytes, tag: bytes, server_nonce: bytes, client_nonce: bytes, rank: int, extra: bytes = b"") -> bytes:
     return hmac.new(secret, tag + server_nonce + client_nonce + _I64.pack(rank) + extra, hashlib.sha256).digest()
 

@@ -1,5 +1,4 @@
-"""The buddy side of the RAM tier: what a rank serves over the replication channel, the secret the
-channel is keyed with, and the address it listens on.
+"""The buddy side of the RAM tier: what a rank serves over the replication channel.
 
 Rank r's snapshots are copied to ``pairing.buddy_of(r)`` on another node; that rank's
 ``BuddyHandler`` stores each copy only after checking it (sender, key and size against the
@@ -10,27 +9,17 @@ of the state, whichever node that rank runs on now).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import socket
 from typing import TYPE_CHECKING
 
 import torch
 
-from resilient import dist as rdist
-from resilient.errors import ConfigError, ResilientError
-from resilient.recovery.channel.handler import PutTarget
-from resilient.recovery.channel.secret import SECRET_ENV, job_secret
-from resilient.recovery.config import RamTierConfig
+from resilient.errors import ResilientError
+from resilient.recovery.channel import PutTarget
 from resilient.recovery.ram.store import RankStore
 from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, first_corruption
 
 if TYPE_CHECKING:
     from resilient.recovery.ram.tier import RamTier
-
-# Domain separation: the heal channel is keyed with the job secret itself.
-RAM_KEY_LABEL = b"resilient/ram/v1/group/"
 
 
 def snapshot_key(rank: int, step: int) -> str:
@@ -112,43 +101,3 @@ def _publish_verified(
         store.publish(index)
     finally:
         store.release(slot)
-
-
-def shared_secret(run_dir: str, group: int) -> bytes:
-    """The channel key of replica group ``group``, the same on every rank (collective: a check).
-
-    Derived on every rank from the job secret (``recovery.channel.secret``) and never sent: the
-    group's process group runs over plain TCP across nodes, so a key sent on it could be read off
-    the wire. Each group gets its own key, so a buddy copy cannot be replayed into another group.
-    Every rank then shares a fingerprint of its key (HMAC of a fixed label: it reveals nothing of the
-    key), so ranks whose job secret differs (a node that made its own job.key) fail here, together,
-    with one line, rather than refusing each other's copies later.
-    """
-    keys: list[bytes] = []
-
-    def derive() -> str:
-        key = hmac.new(job_secret(run_dir), RAM_KEY_LABEL + str(group).encode(), hashlib.sha256).digest()
-        keys.append(key)
-        return hmac.new(key, b"fingerprint", hashlib.sha256).hexdigest()[:16]
-
-    fingerprints = rdist.agree(derive, what="RAM tier channel key")
-    if len(set(fingerprints)) > 1:
-        ranks = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
-        raise ConfigError(
-            f"ranks {ranks} hold another job secret than rank 0 (run dir {run_dir}): give every "
-            f"node the same ${SECRET_ENV}, or a run.dir on a filesystem every node shares"
-        )
-    return keys[0]
-
-
-def bind_host(config: RamTierConfig) -> str:
-    """``recovery.bind_host``, else the local address of the interface that reaches the job's master."""
-    if config.bind_host:
-        return config.bind_host
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
-    # The job's own network: connecting a UDP socket sends nothing, and gethostname() can resolve
-    # to 127.0.1.1.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((socket.gethostbyname(master), port))
-        return probe.getsockname()[0]

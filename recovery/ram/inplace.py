@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from resilient.recovery.channel.wire import Scatter
+from resilient.recovery.channel import Scatter
 from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex
 
 COPY_PIECE_BYTES = 1 << 20

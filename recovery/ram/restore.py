@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resilient import dist as rdist
-from resilient.recovery.channel.server import ChannelError
-from resilient.recovery.channel.wire import Scatter
+from resilient.recovery.channel import ChannelError, Scatter
 from resilient.recovery.ram.buddy import snapshot_key
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
 from resilient.recovery.snapshot_format import (

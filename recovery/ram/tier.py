@@ -31,10 +31,17 @@ import torch
 from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
-from resilient.recovery.channel.server import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
+from resilient.recovery.channel import (
+    ChannelError,
+    ReplicationClient,
+    ReplicationServer,
+    bind_host,
+    lower_thread_priority,
+    shared_secret,
+)
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import StoreInUse, StoreLock, hold_store, job_identity
-from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
+from resilient.recovery.ram.buddy import BuddyHandler, snapshot_key
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
 from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.recovery import transport as transport_module
-from resilient.recovery.channel import wire
-from resilient.recovery.channel.wire import ChannelError
+from resilient.recovery.channel import ChannelError, wire
 from resilient.recovery.heal_codec import LocalShard, adopt_shards, decode_state, encode_state
 from resilient.recovery.transport import HealTransport
 

@@ -12,9 +12,8 @@ import socket
 import numpy as np
 import pytest
 
-from resilient.recovery.channel import wire
+from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, wire
 from resilient.recovery.channel.handler import PutTarget
-from resilient.recovery.channel.server import ChannelError, ReplicationClient, ReplicationServer
 from tests.recovery.channel.test_channel import _wait_for
 
 pytestmark = pytest.mark.timeout(60)

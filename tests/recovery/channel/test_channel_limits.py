@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer
 from resilient.recovery.channel import server as channel
-from resilient.recovery.channel.server import ChannelError, ReplicationClient, ReplicationServer
 
 REPO = Path(__file__).resolve().parents[3]
 

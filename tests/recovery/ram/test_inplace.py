@@ -9,8 +9,7 @@ import crc32c
 import pytest
 import torch
 
-from resilient.recovery.channel.server import ReplicationClient, ReplicationServer
-from resilient.recovery.channel.wire import Scatter
+from resilient.recovery.channel import ReplicationClient, ReplicationServer, Scatter
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
 from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
 
