@@ -9,17 +9,13 @@ of the state, whichever node that rank runs on now).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from resilient.errors import ResilientError
 from resilient.recovery.channel import PutTarget
 from resilient.recovery.ram.store import RankStore
+from resilient.recovery.ram.view import RamView
 from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, first_corruption
-
-if TYPE_CHECKING:
-    from resilient.recovery.ram.tier import RamTier
 
 
 def snapshot_key(rank: int, step: int) -> str:
@@ -28,16 +24,16 @@ def snapshot_key(rank: int, step: int) -> str:
 
 
 class BuddyHandler:
-    """Serves the replication channel from this rank's node store."""
+    """Serves the replication channel from this rank's node store (``view``: the tier's, once started)."""
 
-    def __init__(self, tier: RamTier) -> None:
-        self._tier = tier
+    def __init__(self, view: RamView) -> None:
+        self._view = view
 
     def _checked_index(self, sender_rank: int, key: str, header: dict, nbytes: int) -> SnapshotIndex:
         """The copy's index, once sender, key and size agree with it and with the pairing."""
-        tier = self._tier
-        if tier.pairing.buddy_of(sender_rank) != tier.rank:
-            raise ResilientError(f"rank {tier.rank} does not keep rank {sender_rank}'s snapshots")
+        view = self._view
+        if view.pairing.buddy_of(sender_rank) != view.rank:
+            raise ResilientError(f"rank {view.rank} does not keep rank {sender_rank}'s snapshots")
         index = SnapshotIndex.from_json(header["index"])
         if index.rank != sender_rank or key != snapshot_key(sender_rank, index.step) or nbytes != index.nbytes:
             raise ResilientError(f"copy {key} from rank {sender_rank} does not match its index")
@@ -45,7 +41,7 @@ class BuddyHandler:
 
     def put(self, sender_rank: int, key: str, header: dict, payload: memoryview) -> None:
         index = self._checked_index(sender_rank, key, header, len(payload))
-        store = self._tier.buddy_store(sender_rank)
+        store = self._view.stores.kept(sender_rank)
         slot, data = store.reserve(index.nbytes)
         try:
             data.numpy()[:] = payload
@@ -63,7 +59,7 @@ class BuddyHandler:
         replication rate; figures in benchmarks/README.md, "Choices in the code")."""
         index = self._checked_index(sender_rank, key, header, nbytes)
         crc = CrcAsItLands(index)  # refuses overlapping tensors before a slot is leased
-        store = self._tier.buddy_store(sender_rank)
+        store = self._view.stores.kept(sender_rank)
         slot, data = store.reserve(index.nbytes)
 
         def commit() -> None:
@@ -75,13 +71,12 @@ class BuddyHandler:
         return PutTarget(memoryview(data.numpy())[: index.nbytes], commit, lambda: store.release(slot), crc)
 
     def get(self, requester_rank: int, key: str) -> tuple[dict, memoryview] | None:
-        tier = self._tier
         rank_part, _, step_part = key.partition("/")
         if rank_part != f"rank{requester_rank}":
             raise ResilientError(f"rank {requester_rank} may fetch only its own snapshots, not {key}")
         step = int(step_part.removeprefix("step-"))
         # The copy kept for it, else the own snapshot it left here under another rank numbering.
-        for store in tier.copies_of(requester_rank):
+        for store in self._view.copies_of(requester_rank):
             index = store.indexes().get(step)
             if index is not None and index.rank == requester_rank:
                 return {"index": index.to_json()}, memoryview(store.data(index).numpy())

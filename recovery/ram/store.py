@@ -245,6 +245,37 @@ class RankStore:
         return slot
 
 
+class NodeStores:
+    """The rank stores of one node directory (``own/rank<R>``, ``buddy/rank<R>``). The copies kept
+    for a rank are one store, which the channel's server threads and the restore share."""
+
+    def __init__(self, node_dir: str, keep: int, current: Callable[[], Timeline] | None = None) -> None:
+        self.node_dir, self.keep, self.current = node_dir, keep, current
+        self._kept: dict[int, RankStore] = {}
+        self._lock = threading.Lock()
+
+    def own(self, rank: int) -> RankStore:
+        """``rank``'s own store on this node (a new instance: the tier holds the one of its rank)."""
+        return RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), self.keep, self.current)
+
+    def kept(self, rank: int) -> RankStore:
+        """The copies this node keeps for ``rank``."""
+        with self._lock:
+            store = self._kept.get(rank)
+            if store is None:
+                directory = os.path.join(self.node_dir, "buddy", f"rank{rank}")
+                store = self._kept[rank] = RankStore(directory, self.keep, self.current)
+            return store
+
+    def ranks(self, kind: str) -> list[int]:
+        """The ranks with a directory under ``kind`` (``own`` or ``buddy``) on this node."""
+        try:
+            names = os.listdir(os.path.join(self.node_dir, kind))
+        except FileNotFoundError:
+            return []
+        return [int(name.removeprefix("rank")) for name in names if name.removeprefix("rank").isdigit()]
+
+
 def _abandoned(index: SnapshotIndex, current: Timeline, *, recorded: bool) -> bool:
     """Whether ``index``'s snapshot is known never to restore again (see ``RankStore._evict``;
     ``recorded``: ``current`` is the timeline the run's record names now)."""
