@@ -203,7 +203,7 @@ class RankStore:
     def drop_abandoned(self, current: Timeline) -> None:
         """Remove every snapshot ``current`` (the timeline the run's record names now) does not
         keep eligible (known abandoned, as ``_evict`` decides after a publish of it), then the
-        slots they used. For a store nothing publishes into any more (``RamTier.left_here``), which
+        slots they used. For a store nothing publishes into any more (``RamView.left_here``), which
         ``_evict`` never visits."""
         for step, index in self.indexes().items():
             if _abandoned(index, current, recorded=True):

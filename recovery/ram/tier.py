@@ -11,8 +11,9 @@ arrives is not sent (recorded as "superseded").
 ``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
 tiers, and sets ``timeline`` (``recovery.timeline``): the run and timeline snapshots are tagged with,
 and the only ones the decision may restore. ``start`` learns every rank's machine
-(``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank serves to and keeps
-for others) is ``ram.buddy``.
+(``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank
+serves to and keeps for others) is ``ram.buddy``. Both it and the restore decision read the tier
+through a ``RamView`` (``view()``), never the tier itself.
 """
 
 from __future__ import annotations
