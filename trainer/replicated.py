@@ -212,11 +212,11 @@ class ReplicatedTrainer(Trainer):
 
     # -- end of run --------------------------------------------------------------------------
 
-    def _final_committed_steps(self) -> list[int]:
-        """The last step is written by one group (``_saves_this_step``), maybe not this one: wait
-        for its commit, bounded by checkpoint.timeout_s. Rank 0 lists and judges the time for
-        the whole group, so every rank leaves the loop at the same poll."""
-        deadline, delay = time.monotonic() + self.config.checkpoint.timeout_s, 0.05
+    def _settled_steps(self, timeout_s: float) -> list[int]:
+        """The current step is written by one group (``_saves_this_step``), maybe not this one: wait
+        for its commit, bounded by ``timeout_s``. Rank 0 lists and judges the time for the whole
+        group, so every rank leaves the loop at the same poll."""
+        deadline, delay = time.monotonic() + timeout_s, 0.05
         while True:
             got = rdist.agree(
                 lambda: {"steps": self.checkpointer.steps(), "late": time.monotonic() > deadline},

@@ -22,8 +22,9 @@ from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.store import node_store_dir
 from resilient.runfiles import iter_jsonl
 from resilient.tools.train import main, parse_args
-from resilient.trainer.launching.launch import ReplicaLaunch, torchrun_command
+from resilient.trainer.launching.launch import ReplicaLaunch
 from resilient.trainer.launching.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
+from resilient.trainer.launching.torchrun import torchrun_command
 from resilient.trainer.observing.quiet import error_path
 from tests.procs import communicate_or_fail, kill_tree
 from tests.recovery.test_replica_e2e import _check_exactly_once

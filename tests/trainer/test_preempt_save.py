@@ -48,6 +48,9 @@ def _trainer(step: int, checkpointer: FakeCheckpointer, *, saved_step: int | Non
     trainer.checkpointer = checkpointer
     trainer.save = save
     trainer._committed_steps = lambda: sorted(checkpointer.committed)
+    trainer._settled_steps = lambda timeout_s: sorted(checkpointer.committed)
+    trainer._saves_this_step = lambda: True
+    trainer.config = SimpleNamespace(run=SimpleNamespace(preempt_grace_s=5.0, dir=""))
     trainer.observer = SimpleNamespace(paused=contextlib.nullcontext)
     trainer.outputs = SimpleNamespace(enabled=False, message=messages.append, messages=messages)
     return trainer
