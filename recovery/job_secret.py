@@ -12,6 +12,8 @@ sent over a process group (plain TCP across nodes). It comes from what every ran
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import secrets
 
@@ -76,3 +78,9 @@ def _read(path: str) -> bytes:
         return check_secret(bytes.fromhex(text))
     except ValueError as e:
         raise ConfigError(f"job key {path} is damaged ({e}); delete it to make a new one") from e
+
+
+def secret_fingerprint(secret: bytes) -> str:
+    """What may be shown of the job secret: an HMAC of a fixed label under it (it reveals nothing of
+    the secret), equal for equal secrets: two groups compare theirs through the checkpoint root."""
+    return hmac.new(secret, b"job secret fingerprint", hashlib.sha256).hexdigest()[:16]

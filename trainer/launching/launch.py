@@ -63,6 +63,9 @@ from resilient.trainer.launching.torchrun import shell_code
 from resilient.trainer.observing.quiet import ERROR_EXIT, RUNTIME_EXIT, final_claim_since
 from resilient.validate import check_int
 
+FINAL_STOP_S = 15.0
+"""How long the groups get to stop once a rank reported an error that no restart fixes."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ReplicaLaunch:
@@ -306,16 +309,21 @@ class ReplicaJob:
         A rank's error that no restart fixes (a setting, a full disk: ``final_claim_since``) ends the
         whole job at once with its code (2 for a setting, 1 for the machine): its torchrun would
         restart the group into the same error, and the other groups would train on without it, or
-        wait for it. They all get SIGTERM (what they have trained is saved, as on a preemption)."""
+        wait for it. They all get SIGTERM (what they have trained is saved, as on a preemption) and
+        ``FINAL_STOP_S`` to stop: one whose peer or lighthouse is gone may wait in a quorum that will
+        not come, and a save cut short leaves the previous step loadable."""
         final: str | None = None
         while any(p.poll() is None for p in self.groups.values()):
             self._supervise_lighthouse()
             if final is None and (final := final_claim_since(self.run_dir, self._started_t - 1.0)) is not None:
                 self.events.write("final_error", error=final)
                 self._signal_groups(signal.SIGTERM)
-                deadline = time.monotonic() + self.launch.grace_s
+                deadline = time.monotonic() + min(self.launch.grace_s, FINAL_STOP_S)
             if final is not None and time.monotonic() > deadline:
-                break  # stop() kills what is left
+                for proc in self.groups.values():
+                    if proc.poll() is None:
+                        kill_group(proc)  # the workers by their pid files: stop()
+                break
             time.sleep(poll_s)
         codes = {g: shell_code(p.returncode) for g, p in self.groups.items() if p.poll() is not None}
         for group, code in codes.items():
