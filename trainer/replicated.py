@@ -153,7 +153,7 @@ class ReplicatedTrainer(Trainer):
             secret=self._secret_fingerprint,
         )
         rdist.agree(check, src=0, what="reading the replica groups' shared-root tokens")
-        self._seen_members |= new
+        self._seen_members |= new - set(quorum.unproven)  # one that could not prove itself: asked again
 
     def close(self) -> None:
         try:
