@@ -152,7 +152,7 @@ class ReplicatedTrainer(Trainer):
             job=job_identity(),
             secret=self._secret_fingerprint,
         )
-        rdist.agree(check, src=0, what="reading the replica groups' shared-root tokens")
+        rdist.agree(check, src=0)  # its line names the setting and the groups: no more context needed
         self._seen_members |= new - set(quorum.unproven)  # one that could not prove itself: asked again
 
     def close(self) -> None:
