@@ -1,7 +1,8 @@
 """The many-small-tensors paths of format version 3 give what the general paths give: whole small
 tensors read in runs of a pack (``packread``) load the same values as the per-shard reader and
 check every crc32c before a byte lands; zarr.json documents from templates are ``json.dumps``'s
-bytes; the writev pieces of thousands of buffers hold the same bytes."""
+bytes; the writev pieces of thousands of buffers hold the same bytes; a one-process manifest built
+beside the pack write is the one built after it, and what that build finds fails the save."""
 
 from __future__ import annotations
 
@@ -171,3 +172,47 @@ def test_thousands_of_buffers_write_the_same_bytes(tmp_path, monkeypatch, thread
     assert files.write("obj", buffers, threads=threads) == len(want)
     files.close()
     assert (tmp_path / "obj").read_bytes() == want
+
+
+def _manifest_without_clock(root, step: int) -> dict:
+    manifest = json.loads((root / f"step-{step:09d}" / "manifest.json").read_text())
+    attempt = manifest["attempt"]
+    for key in ("created_unix", "created_at", "attempt", "step"):
+        manifest.pop(key)
+    return json.loads(json.dumps(manifest).replace(attempt, "ATTEMPT").replace(f"step-{step:09d}", "STEP"))
+
+
+def test_a_manifest_built_beside_the_write_is_the_one_built_after_it(tmp_path, monkeypatch):
+    from resilient.storage import persist
+
+    state = _state()
+    built: list[bool] = []
+    real = persist._ManifestAhead
+    with Checkpointer(str(tmp_path)) as ckpt:
+        monkeypatch.setattr(persist, "_ManifestAhead", lambda job, store: built.append(True) or real(job, store))
+        ckpt.save(1, state).wait()
+        monkeypatch.setattr(persist, "_ManifestAhead", lambda job, store: None)  # built after the write
+        ckpt.save(2, state).wait()
+    assert built == [True]
+    assert _manifest_without_clock(tmp_path, 1) == _manifest_without_clock(tmp_path, 2)
+
+
+def test_what_the_build_beside_the_write_finds_fails_the_save_at_the_commit(tmp_path, monkeypatch):
+    from resilient.errors import CommitError
+    from resilient.storage import persist
+
+    state = {"w": torch.ones(4)}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, state).wait()
+
+        def uncovered(plans, receipts, step):
+            raise CommitError(f"step {step} not committed: injected coverage gap")
+
+        monkeypatch.setattr(persist, "check_coverage", uncovered)
+        with pytest.raises(CommitError, match="injected coverage gap"):
+            ckpt.save(2, {"w": torch.full((4,), 2.0)}).wait()
+        assert ckpt.steps() == [1]
+        (attempt,) = (tmp_path / "step-000000002").glob("attempt-*")
+        assert (attempt / "failures" / "rank--0001.json").exists()  # the coordinator's decision
+        back = {"w": torch.zeros(4)}
+        assert ckpt.load(back) == 1 and torch.equal(back["w"], torch.ones(4))
