@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from resilient import dist as rdist
 from resilient.errors import CommitError, ResilientError
 from resilient.faults import fault_point
-from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram import RamTier
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer

@@ -30,9 +30,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.faults import fault_point
-from resilient.recovery.job_secret import job_secret
+from resilient.recovery.channel import bind_host, job_secret
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
-from resilient.recovery.ram.buddy import bind_host
 from resilient.recovery.restore import PeerHeal
 from resilient.runfiles import FINAL_DIGEST, EventLog, group_id
 from resilient.state import state_digest

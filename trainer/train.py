@@ -21,7 +21,7 @@ import torch.distributed as dist
 from resilient.dist import agree, free_port
 from resilient.errors import ConfigError
 from resilient.recovery.ownership import claim_run_dir, job_identity
-from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
 from resilient.storage.shared import check_shared_root
 from resilient.trainer.build import (

@@ -19,7 +19,7 @@ from resilient import Checkpointer
 from resilient.dist import free_port
 from resilient.errors import ConfigError
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import node_store_dir
+from resilient.recovery.ram import node_store_dir
 from resilient.runfiles import iter_jsonl
 from resilient.tools.train import main, parse_args
 from resilient.trainer.launching.launch import ReplicaLaunch, torchrun_command
