@@ -2,8 +2,8 @@
 many small objects (a manifest of thousands of arrays, its JSON, receipts, read plans).
 
 Each allocation-heavy phase otherwise triggers full collections, and a full collection walks every
-object of the process: in a trainer, torch's and the model's hundreds of thousands. Parsing one
-2,000-tensor manifest took 10 ms with the collector off and 140-230 ms with it on in a process
+object of the process: in a trainer, torch's and the model's hundreds of thousands. Parsing a
+many-tensor manifest took an order of magnitude longer with the collector on than off, in a process
 holding that state (benchmarks/README.md, "Choices in the code"). The objects made inside are
 freed by reference counting as usual; only cycles wait for the next collection after the phase.
 
