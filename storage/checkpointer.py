@@ -361,7 +361,8 @@ class Checkpointer:
         got = dist.agree(read, group=self.group, src=0)
         where = f"{self.url}/{step_dir(got['step'])}/{MANIFEST}"
         with gc_paused():  # a manifest of thousands of arrays (gcpause.py)
-            return got["step"], Manifest.loads(held.get("data") or got["manifest"].encode(), where=where)
+            data = held["data"] if "data" in held else got["manifest"].encode()  # b"" is a damaged manifest
+            return got["step"], Manifest.loads(data, where=where)
 
     def _resolve_step(self, step: int | None) -> int:
         self.store.check_root(create=False)

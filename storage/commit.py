@@ -355,7 +355,7 @@ def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
         log.warning("[rank %d] removing the failed attempt %s: %s", job.rank, job.attempt_key, e)
 
 
-def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None, prepared=None) -> None:
+def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None, prepared: Callable | None = None) -> None:
     receipts = wait_for_receipts(store, job, own) if prepared is None else []
     notice.clear_decisions()  # of earlier attempts: every rank is past them (it wrote this receipt)
     with gc_paused():  # a manifest of thousands of arrays, built, encoded and written (gcpause.py)

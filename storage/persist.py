@@ -172,7 +172,7 @@ def write_rank(
     """Encode every region's shards (on ``io_threads`` threads), lay them out into this rank's
     packs, write those; returns the receipt entries: each region's box, bytes and crc32c, and
     where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``).
-    ``alongside(entries)`` runs on this thread while the packs are written (it must not raise)."""
+    ``alongside(entries)`` runs beside the pack write, on a thread of its own (it must not raise)."""
     with gc_paused():  # thousands of small objects, alive until the packs are out (gcpause.py)
         builder, receipt = _lay_out(job, items)
         packs = builder.finish(job.io_threads)
