@@ -37,6 +37,7 @@ from resilient.trainer.launching.emit import (
     EMIT_KINDS,
     EmitSpec,
     check_k8s_root,
+    check_slurm_run_dir,
     emit_flag_error,
     k8s_manifest,
     slurm_script,
@@ -133,6 +134,11 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )
     emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
     emit.add_argument("--image", help="k8s (required): container image with resilient installed")
+    emit.add_argument(
+        "--run-volume",
+        metavar="CLAIM",
+        help="k8s (required): a ReadWriteMany PersistentVolumeClaim every pod mounts for run.dir",
+    )
     emit.add_argument("--time", default="24:00:00", help="slurm: the job's time limit, [DAYS-]HH:MM:SS")
     emit.add_argument("--cpus-per-node", type=int, default=0, help="CPUs per node (default: 8 per rank)")
     emit.add_argument(
@@ -159,6 +165,8 @@ def emit_files(args: argparse.Namespace) -> int:
         low, high = parse_nnodes(args.nnodes or "2")
         if args.emit == "k8s":
             check_k8s_root(config.checkpoint.url)
+        else:
+            check_slurm_run_dir(config.run.dir)
         if groups:
             _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
             per_node = groups // high * args.nproc_per_group
@@ -182,11 +190,14 @@ def emit_files(args: argparse.Namespace) -> int:
             trainer_args=trainer_args(args),
             preempt_grace_s=config.run.preempt_grace_s,
             preempt_signal=config.run.preempt_signal or "SIGUSR1",
+            run_dir=config.run.dir,
+            run_volume=args.run_volume or "",
         )
+        text = slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec), end="")
+    print(text, end="")
     return 0
 
 
