@@ -46,6 +46,9 @@ def test_a_restarted_rank0_pod_restores_from_ram_without_run_dir_or_storage(tmp_
         assert len(said) == 1 and "step 4" in said[0]
         # The new run dir has the restore's event and the branch record again.
         assert [(e["source"], e["step"]) for e in events(run)] == [("own", 4)]
+        # It names the snapshot's timeline and what the branch keeps eligible (chaos: ram_restores_on_branch).
+        (event,) = events(run)
+        assert (event["snapshot_timeline"], event["ancestors"]) == (first.timeline, [[first.timeline, 4]])
         assert (run / "group0" / "timeline.json").exists()
     finally:
         restarted.close()
