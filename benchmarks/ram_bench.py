@@ -67,7 +67,7 @@ def _state(mib: float, value: float) -> dict:
 
 def _tier(rank: int, store: str, run_dir: str, replication: bool = True, background_nice: int = 10):
     from resilient.recovery.config import RamTierConfig
-    from resilient.recovery.ram.tier import RamTier
+    from resilient.recovery.ram import RamTier
 
     config = RamTierConfig(
         store_dir=store,
@@ -108,7 +108,7 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats:
     variants of one kind alternate, so they meet the same conditions."""
     from resilient import Checkpointer
     from resilient.recovery.config import RamTierConfig
-    from resilient.recovery.ram.store import node_store_dir
+    from resilient.recovery.ram import node_store_dir
 
     # Plain tensors are replicated in a checkpoint: every rank holds the same values and loads them all.
     state = _state(mib, 1.0)
@@ -274,7 +274,7 @@ def overhead_bench(rank: int, mib: float, rounds: int, block_steps: int, batch: 
     for another's background copy; per block we keep the mean in-loop step time (what training
     sees while the copy overlaps) and the block's wall time including that drain, divided by the
     steps (the whole cost of the block when, as here, no core is idle to absorb background work)."""
-    from resilient.recovery.ram.tier import RamTier  # noqa: F401  (import cost outside the loop)
+    from resilient.recovery.ram import RamTier  # noqa: F401  (import cost outside the loop)
 
     width = int((mib * 2**20 / 3 / 4 / 4) ** 0.5)
     loops = {}

@@ -49,8 +49,7 @@ def channel_bench(mib: int = 256, repeats: int = 5) -> dict:
 
     import numpy as np
 
-    from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
-    from resilient.recovery.ram.handler import PutTarget
+    from resilient.recovery.channel import PutTarget, ReplicationClient, ReplicationServer
 
     source = np.random.default_rng(0).integers(0, 256, mib << 20, dtype=np.uint8)
 

@@ -50,14 +50,14 @@ def harness_overrides(job: JobSpec, run_dir: str, checkpoint_url: str) -> list[s
 def job_store_root(config: Any, run_dir: str) -> str:
     """The RAM tier's store root as the job resolves it: the launcher and every rank run with
     cwd = REPO_ROOT, so a relative ``recovery.store_dir`` is relative to the repo, not to the harness's cwd."""
-    from resilient.recovery.ram.store import store_root
+    from resilient.recovery.ram import store_root
 
     return store_root(_repo_relative(config.recovery), run_dir)
 
 
 def job_node_store_dir(config: Any, run_dir: str, group: int, node: int) -> str:
     """One simulated node's RAM store, resolved as the job does (see ``job_store_root``)."""
-    from resilient.recovery.ram.store import node_store_dir
+    from resilient.recovery.ram import node_store_dir
 
     return node_store_dir(_repo_relative(config.recovery), run_dir, group, node)
 

@@ -5,7 +5,7 @@ payload is::
 
     index_len(u64) | index JSON | pad to 64 | tensor bytes, back to back at 64-byte aligned offsets
 
-The index is the RAM tier's vocabulary (``ram.store.TensorEntry``: dtype name, shape, offset,
+The index is the RAM tier's vocabulary (``snapshot_format.TensorEntry``: dtype name, shape, offset,
 nbytes) plus a skeleton of the tree: ``{"tensor": i}`` (a DTensor also names its global shape and
 placements), ``{"dict": {...}}``, ``{"list": [...]}`` or ``{"json": value}``. Decoding parses
 JSON and views bytes as tensors of whitelisted dtypes: a payload can be wrong, never code. It is
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from resilient.dtypes import itemsize, torch_dtype
 from resilient.errors import IntegrityError, RestoreError, StateError
-from resilient.recovery.ram.store import ALIGN, TensorEntry, layout_tensors, tensor_view
+from resilient.recovery.snapshot_format import ALIGN, TensorEntry, layout_tensors, tensor_view
 from resilient.state import check_json_value, contains_tensor
 
 FORMAT = "resilient-heal/1"

@@ -30,8 +30,7 @@ import binascii
 import concurrent.futures
 import logging
 
-from resilient.recovery.ram.channel import ReplicationClient
-from resilient.recovery.ram.wire import ChannelError
+from resilient.recovery.channel import ChannelError, ReplicationClient
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Top to bottom, the first tier that has the state wins:
 2. ``own``         the RAM tier's newest step every rank of the group can get, if it is not older
 3. ``buddy``       than the newest committed persistent step: each rank's own snapshot, else its
                    buddy node's copy (``resilient.recovery.ram.restore``); only snapshots of this
-                   run's current timeline (``resilient.recovery.ram.timeline``);
+                   run's current timeline (``resilient.recovery.timeline``);
 4. ``persistent``  the newest committed checkpoint that loads, on any mesh;
 5. ``fresh``       nothing to restore: step 0.
 
@@ -29,7 +29,7 @@ the damaged steps passed are set aside (their manifest renamed), because the run
 numbers again. Any other error (storage
 unreachable, a state that does not match) is raised on every rank: an older step would not help.
 
-Timelines: every restore starts a new timeline of the run (``ram.timeline``). One that does not come
+Timelines: every restore starts a new timeline of the run (``recovery.timeline``). One that does not come
 from RAM (persistent, fresh, ``checkpoint.resume`` off, a peer heal: the live group may have rewound
 since this group's snapshots were taken) keeps no RAM snapshot of the history it left eligible. A
 RAM restore to step S branches: the parent's snapshots up to S stay eligible, none after S (a node
@@ -64,9 +64,9 @@ from typing import Any
 from resilient import dist as rdist
 from resilient.errors import ConfigError, IntegrityError, ResilientError, RestoreError, StorageError
 from resilient.manifest import MANIFEST, step_dir
-from resilient.recovery.ram import timeline as timelines
-from resilient.recovery.ram.tier import RamTier
-from resilient.recovery.ram.timeline import Timeline
+from resilient.recovery import timeline as timelines
+from resilient.recovery.ram import RamTier
+from resilient.recovery.timeline import Timeline
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.offline.catalog import open_checkpoint
@@ -217,7 +217,7 @@ def _from_tiers(
         result.timeline = _shared_timeline(begin, checkpointer, run_dir, ram)
     else:
         # From RAM: a branch at the restored step. Snapshots after it, on a node absent now, must
-        # never restore later beside the steps retrained here (``ram.timeline``).
+        # never restore later beside the steps retrained here (``recovery.timeline``).
         branch = functools.partial(timelines.branch, parent=current, step=result.step)
         result.timeline = _shared_timeline(branch, checkpointer, run_dir, ram)
     if result.loaded:

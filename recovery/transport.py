@@ -2,7 +2,7 @@
 
 torchft's own HTTP transport serves the state as a pickle to anyone who asks and unpickles what it
 fetches: a stranger on the network could read a group's weights, or make a healing group run code.
-Here the heal is the RAM tier's channel (``ram.channel``: mutual HMAC handshake with the job's
+Here the heal is the RAM tier's channel (``recovery.channel``: mutual HMAC handshake with the job's
 secret, every message MAC'd) carrying the no-pickle format of ``heal_codec`` (tensors + JSON):
 
 - ``send_checkpoint`` encodes the state into one buffer (a copy: the trainer may change its state
@@ -28,9 +28,9 @@ from datetime import timedelta
 from torchft.checkpointing.transport import CheckpointTransport
 
 from resilient.errors import ResilientError
+from resilient.recovery.channel import ReplicationClient, ReplicationServer
 from resilient.recovery.heal_codec import decode_state, encode_state
 from resilient.recovery.quorum_auth import PROOF_KEY
-from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ and the tools all ask here.
       pids/group<G>-rank<R>   pid files; pids/lighthouse
       group<G>/metrics.jsonl  ranks.jsonl  samples.jsonl  skipped.jsonl  saves.jsonl  ram.jsonl
       group<G>/config.json  final.json  incarnation.json  hang/
-      group<G>/timeline.json  the RAM tier's current timeline (recovery/ram/timeline.py)
+      group<G>/timeline.json  the RAM tier's current timeline (recovery/timeline.py)
       ckpt/                   default checkpoint.url
 
 JSON-lines files are appended one record per ``write`` on an ``O_APPEND`` descriptor: records from
@@ -56,10 +56,10 @@ HOOK_EVENTS_FILE = "hook_events.jsonl"
 """``<run.dir>/chaos/hook_events.jsonl``: what the chaos step hook did (holds, corruptions)."""
 FINAL_DIGEST = "final.json"
 """``group<G>/final.json``: sha256 of the final full parameters and optimizer state."""
-JOB_KEY_FILE = "job.key"  # the replica groups' shared heal key (recovery/job_secret.py), mode 0600
+JOB_KEY_FILE = "job.key"  # the replica groups' shared heal key (recovery/channel/secret.py), mode 0600
 TIMELINE_FILE = "timeline.json"
 """``group<G>/timeline.json``: run id, incarnation and timeline of the group's RAM snapshots
-(``resilient.recovery.ram.timeline``)."""
+(``resilient.recovery.timeline``)."""
 
 GROUP_ENV = "RESILIENT_GROUP"
 """Replica-group id of this torchrun job (0 while a run has one group)."""

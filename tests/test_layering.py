@@ -13,6 +13,10 @@ what must be longer is named in ``LONG_FUNCTIONS`` with the reason.
 Seams: no module imports another module's ``_private`` names (a split that needs them is one
 concern cut in two), and no two modules of one folder import each other, directly or round a
 circle (imports under ``if TYPE_CHECKING:`` aside).
+
+Faces: a package in ``FACED_PACKAGES`` is imported through its ``__init__`` from everywhere outside
+it (source, tools, benchmarks, examples and tests alike); only its own modules and its own tests
+(``tests/`` + the package's path, which test its internals) import its modules.
 """
 
 from __future__ import annotations
@@ -48,6 +52,18 @@ ALLOWED_CIRCLES: dict[str, str] = {}
 """``"a <-> b"`` (sorted) -> why those modules import each other (keep this empty)."""
 LONG_FILES: dict[str, str] = {}
 """``"path"`` -> why that file is longer than MAX_FILE_LINES (keep this empty)."""
+FACED_PACKAGES = ("resilient.recovery.ram", "resilient.recovery.channel")
+"""Packages whose ``__init__`` exports what the rest of the code uses (the RAM tier; the channel
+every tier shares): nobody outside imports ``<package>.<module>``."""
+FACE_EXCEPTIONS: dict[str, str] = {
+    "tests/recovery/ram/workers.py::resilient.recovery.channel.wire": "a RAM restore test counts the buffers "
+    "a buddy fetch lands in by replacing wire.fresh_buffer (the in-place receive is the behaviour under test)",
+    "tests/recovery/test_transport.py::resilient.recovery.channel.wire": "a heal test lowers "
+    "wire.MAPPED_BUFFER_MIN_BYTES so a small state takes the mapped-buffer path",
+}
+"""``"path::module"`` -> why that file imports a module behind a face (keep this short)."""
+FACE_FOLDERS = ("tests", "benchmarks", "examples")
+"""Checked for faces too, besides the source folders."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +90,11 @@ def module_of(path: Path, root: Path = ROOT) -> str:
 def imports_of(path: Path, root: Path = ROOT) -> list[Import]:
     tree = ast.parse(path.read_text(), filename=str(path))
     rel = str(path.relative_to(root))
-    package = module_of(path, root).split(".")
-    if path.name != "__init__.py":
-        package = package[:-1]
+    package: list[str] = []  # outside the source folders (tests, benchmarks), relative imports never reach resilient
+    if path.relative_to(root).parts[0] in FOLDERS:
+        package = module_of(path, root).split(".")
+        if path.name != "__init__.py":
+            package = package[:-1]
     annotations_only = _type_checking_nodes(tree)
     out = []
     for node in ast.walk(tree):
@@ -190,6 +208,35 @@ def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(list(g) for g in groups)
 
 
+def _behind_face(target: str, root: Path) -> tuple[str, str] | None:
+    """(package, module) when ``target`` is a module inside a faced package, else None."""
+    for package in FACED_PACKAGES:
+        if target.startswith(package + "."):
+            module = ".".join(target.split(".")[: package.count(".") + 2])
+            folder = root.joinpath(*module.split(".")[1:])
+            if folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file():
+                return package, module
+    return None
+
+
+def face_violations(root: Path = ROOT) -> list[str]:
+    """Imports of a module behind a face (``FACED_PACKAGES``) from outside its package and its tests."""
+    files = source_files(root) + sorted(f for folder in FACE_FOLDERS for f in (root / folder).rglob("*.py"))
+    out = []
+    for path in files:
+        rel = str(path.relative_to(root))
+        for imp in imports_of(path, root):
+            behind = _behind_face(imp.target, root)
+            if behind is None or f"{rel}::{behind[1]}" in FACE_EXCEPTIONS:
+                continue
+            package, module = behind
+            inside = "/".join(package.split(".")[1:])
+            if rel.startswith((f"{inside}/", f"tests/{inside}/")):
+                continue
+            out.append(f"{rel}:{imp.line} imports {module}: import it from the face, {package}")
+    return out
+
+
 def budget_files(root: Path = ROOT) -> list[Path]:
     return source_files(root) + sorted((root / "benchmarks").glob("*.py"))
 
@@ -219,6 +266,19 @@ def test_no_module_imports_another_s_private_names() -> None:
 
 def test_no_import_circles_inside_a_folder() -> None:
     assert import_circles() == []
+
+
+def test_packages_with_a_face_are_imported_through_it() -> None:
+    assert face_violations() == []
+
+
+def test_every_face_exception_is_still_there() -> None:
+    present = set()
+    for folder in (*FOLDERS, *FACE_FOLDERS):
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = str(path.relative_to(ROOT))
+            present |= {f"{rel}::{b[1]}" for i in imports_of(path) if (b := _behind_face(i.target, ROOT))}
+    assert sorted(set(FACE_EXCEPTIONS) - present) == [], "drop these from FACE_EXCEPTIONS"
 
 
 def test_every_allowed_private_import_is_still_there() -> None:
@@ -318,3 +378,33 @@ def test_the_seam_checks_catch_private_names_circles_and_long_benchmarks(tmp_pat
     # a -> b -> c -> a is a circle (the lazy import counts); d <-> e is not (d's import is for hints).
     assert import_circles(root) == ["resilient.storage.a <-> resilient.storage.b <-> resilient.storage.c"]
     assert size_violations(root) == ["benchmarks/big_bench.py: 501 lines (budget 500: split it by concern)"]
+
+
+def test_the_face_check_catches_imports_behind_a_face(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "recovery/ram/__init__.py": "from resilient.recovery.ram.tier import RamTier\n",
+            "recovery/ram/tier.py": "from resilient.recovery.ram.store import RankStore\nfrom . import store\n",
+            "recovery/ram/store.py": "from resilient.recovery.channel import Scatter\n",
+            "recovery/ram/buddy.py": "from resilient.recovery.channel.handler import PutTarget\n",
+            "recovery/channel/__init__.py": "from resilient.recovery.channel.handler import PutTarget\n",
+            "recovery/channel/handler.py": "PutTarget = 1\n",
+            "recovery/restore.py": "from resilient.recovery.ram import RamTier\n",
+            "trainer/loop.py": "from resilient.recovery.ram.tier import RamTier\n",
+            "tools/demo.py": "def f():\n    import resilient.recovery.ram.store\n",
+            "tests/recovery/ram/test_store.py": "from resilient.recovery.ram import store\n",
+            "tests/chaos/test_inject.py": "from resilient.recovery.ram import store\n",
+            "benchmarks/ram_bench.py": "from resilient.recovery.ram.store import node_store_dir\n",
+        },
+    )
+    assert face_violations(root) == [
+        "recovery/ram/buddy.py:1 imports resilient.recovery.channel.handler: import it from the face, "
+        "resilient.recovery.channel",
+        "tools/demo.py:2 imports resilient.recovery.ram.store: import it from the face, resilient.recovery.ram",
+        "trainer/loop.py:1 imports resilient.recovery.ram.tier: import it from the face, resilient.recovery.ram",
+        "benchmarks/ram_bench.py:1 imports resilient.recovery.ram.store: import it from the face, "
+        "resilient.recovery.ram",
+        "tests/chaos/test_inject.py:1 imports resilient.recovery.ram.store: import it from the face, "
+        "resilient.recovery.ram",
+    ]

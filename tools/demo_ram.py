@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from resilient.recovery.ram.store import node_store_dir
+from resilient.recovery.ram import node_store_dir
 from resilient.runfiles import (
     EVENTS_FILE,
     METRICS_FILE,

@@ -42,14 +42,7 @@ from resilient.trainer.launching.emit import (
     k8s_manifest,
     slurm_script,
 )
-from resilient.trainer.launching.launch import (
-    ReplicaLaunch,
-    check_nproc,
-    run,
-    run_replicated,
-    torchrun_command,
-    trainer_args,
-)
+from resilient.trainer.launching.launch import ReplicaLaunch, run_replicated
 from resilient.trainer.launching.multinode import (
     MULTINODE_RESTARTS,
     NODE_RANK_ENV,
@@ -59,12 +52,15 @@ from resilient.trainer.launching.multinode import (
     rendezvous_of,
     split_ranks,
 )
+from resilient.trainer.launching.torchrun import check_nproc, run, torchrun_command, trainer_args
 from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 from resilient.trainer.preempt import (
     PREEMPTED_EXIT,
     forwarded_signals,
     launcher_grace_s,
     preempt_flags,
+    preempted_events,
+    preempted_exit,
     preempted_since,
 )
 
@@ -257,10 +253,15 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     code = run_replicated(launch, forwarded_signals(config))
     line = reported_since(config.run.dir, started)
-    # A group stopped for a preemption; 143 (resumable) only if no group failed for a reason of its
-    # own (one that failed writing the stop step says so, and a rerun would not fix it by itself).
-    if preempted_since(config.run.dir, started) and line is None:
-        return PREEMPTED_EXIT
+    # The groups stopped for a preemption: 143 (resumable from the stop step) only if every group
+    # that stopped saw that one step committed and none failed for a reason of its own (one that
+    # failed writing the stop step says so, and a rerun would not fix it by itself).
+    stopped = preempted_events(config.run.dir, started, launch.groups_here())
+    if stopped and line is None:
+        code, why = preempted_exit(stopped)
+        if why:
+            print(why, file=sys.stderr)
+        return code
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     elif code != 0 or line:

@@ -1,5 +1,4 @@
-"""The buddy side of the RAM tier: what a rank serves over the replication channel, the secret the
-channel is keyed with, and the address it listens on.
+"""The buddy side of the RAM tier: what a rank serves over the replication channel.
 
 Rank r's snapshots are copied to ``pairing.buddy_of(r)`` on another node; that rank's
 ``BuddyHandler`` stores each copy only after checking it (sender, key and size against the
@@ -10,26 +9,13 @@ of the state, whichever node that rank runs on now).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import socket
-from typing import TYPE_CHECKING
-
 import torch
 
-from resilient import dist as rdist
-from resilient.errors import ConfigError, ResilientError
-from resilient.recovery.config import RamTierConfig
-from resilient.recovery.job_secret import SECRET_ENV, job_secret
-from resilient.recovery.ram.handler import PutTarget
-from resilient.recovery.ram.store import CrcAsItLands, RankStore, SnapshotIndex, first_corruption
-
-if TYPE_CHECKING:
-    from resilient.recovery.ram.tier import RamTier
-
-# Domain separation: the heal channel is keyed with the job secret itself.
-RAM_KEY_LABEL = b"resilient/ram/v1/group/"
+from resilient.errors import ResilientError
+from resilient.recovery.channel import PutTarget
+from resilient.recovery.ram.store import RankStore
+from resilient.recovery.ram.view import RamView
+from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, first_corruption
 
 
 def snapshot_key(rank: int, step: int) -> str:
@@ -38,16 +24,16 @@ def snapshot_key(rank: int, step: int) -> str:
 
 
 class BuddyHandler:
-    """Serves the replication channel from this rank's node store."""
+    """Serves the replication channel from this rank's node store (``view``: the tier's, once started)."""
 
-    def __init__(self, tier: RamTier) -> None:
-        self._tier = tier
+    def __init__(self, view: RamView) -> None:
+        self._view = view
 
     def _checked_index(self, sender_rank: int, key: str, header: dict, nbytes: int) -> SnapshotIndex:
         """The copy's index, once sender, key and size agree with it and with the pairing."""
-        tier = self._tier
-        if tier.pairing.buddy_of(sender_rank) != tier.rank:
-            raise ResilientError(f"rank {tier.rank} does not keep rank {sender_rank}'s snapshots")
+        view = self._view
+        if view.pairing.buddy_of(sender_rank) != view.rank:
+            raise ResilientError(f"rank {view.rank} does not keep rank {sender_rank}'s snapshots")
         index = SnapshotIndex.from_json(header["index"])
         if index.rank != sender_rank or key != snapshot_key(sender_rank, index.step) or nbytes != index.nbytes:
             raise ResilientError(f"copy {key} from rank {sender_rank} does not match its index")
@@ -55,7 +41,7 @@ class BuddyHandler:
 
     def put(self, sender_rank: int, key: str, header: dict, payload: memoryview) -> None:
         index = self._checked_index(sender_rank, key, header, len(payload))
-        store = self._tier.buddy_store(sender_rank)
+        store = self._view.stores.kept(sender_rank)
         slot, data = store.reserve(index.nbytes)
         try:
             data.numpy()[:] = payload
@@ -73,7 +59,7 @@ class BuddyHandler:
         replication rate; figures in benchmarks/README.md, "Choices in the code")."""
         index = self._checked_index(sender_rank, key, header, nbytes)
         crc = CrcAsItLands(index)  # refuses overlapping tensors before a slot is leased
-        store = self._tier.buddy_store(sender_rank)
+        store = self._view.stores.kept(sender_rank)
         slot, data = store.reserve(index.nbytes)
 
         def commit() -> None:
@@ -85,13 +71,12 @@ class BuddyHandler:
         return PutTarget(memoryview(data.numpy())[: index.nbytes], commit, lambda: store.release(slot), crc)
 
     def get(self, requester_rank: int, key: str) -> tuple[dict, memoryview] | None:
-        tier = self._tier
         rank_part, _, step_part = key.partition("/")
         if rank_part != f"rank{requester_rank}":
             raise ResilientError(f"rank {requester_rank} may fetch only its own snapshots, not {key}")
         step = int(step_part.removeprefix("step-"))
         # The copy kept for it, else the own snapshot it left here under another rank numbering.
-        for store in tier.copies_of(requester_rank):
+        for store in self._view.copies_of(requester_rank):
             index = store.indexes().get(step)
             if index is not None and index.rank == requester_rank:
                 return {"index": index.to_json()}, memoryview(store.data(index).numpy())
@@ -111,43 +96,3 @@ def _publish_verified(
         store.publish(index)
     finally:
         store.release(slot)
-
-
-def shared_secret(run_dir: str, group: int) -> bytes:
-    """The channel key of replica group ``group``, the same on every rank (collective: a check).
-
-    Derived on every rank from the job secret (``recovery.job_secret``) and never sent: the
-    group's process group runs over plain TCP across nodes, so a key sent on it could be read off
-    the wire. Each group gets its own key, so a buddy copy cannot be replayed into another group.
-    Every rank then shares a fingerprint of its key (HMAC of a fixed label: it reveals nothing of the
-    key), so ranks whose job secret differs (a node that made its own job.key) fail here, together,
-    with one line, rather than refusing each other's copies later.
-    """
-    keys: list[bytes] = []
-
-    def derive() -> str:
-        key = hmac.new(job_secret(run_dir), RAM_KEY_LABEL + str(group).encode(), hashlib.sha256).digest()
-        keys.append(key)
-        return hmac.new(key, b"fingerprint", hashlib.sha256).hexdigest()[:16]
-
-    fingerprints = rdist.agree(derive, what="RAM tier channel key")
-    if len(set(fingerprints)) > 1:
-        ranks = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
-        raise ConfigError(
-            f"ranks {ranks} hold another job secret than rank 0 (run dir {run_dir}): give every "
-            f"node the same ${SECRET_ENV}, or a run.dir on a filesystem every node shares"
-        )
-    return keys[0]
-
-
-def bind_host(config: RamTierConfig) -> str:
-    """``recovery.bind_host``, else the local address of the interface that reaches the job's master."""
-    if config.bind_host:
-        return config.bind_host
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
-    # The job's own network: connecting a UDP socket sends nothing, and gethostname() can resolve
-    # to 127.0.1.1.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((socket.gethostbyname(master), port))
-        return probe.getsockname()[0]

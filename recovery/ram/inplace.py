@@ -6,7 +6,7 @@ faults in and zeroes every new page, and the bytes are then copied once more int
 are resident, so the restore can put the bytes there at once: a buddy's copy is received into
 them (the wire MACs each piece as it lands), an own snapshot is copied into them, and in both
 cases each piece's crc32c is taken right after it lands, while it is still in cache, instead of
-in a pass of its own (``store.CrcAsItLands``).
+in a pass of its own (``snapshot_format.CrcAsItLands``).
 
 Only plain dense tensors in host memory can take the bytes; one that cannot (on a GPU, strided,
 a tensor subclass) sends the whole restore of that rank the old way.
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex
-from resilient.recovery.ram.wire import Scatter
+from resilient.recovery.channel import Scatter
+from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex
 
 COPY_PIECE_BYTES = 1 << 20
 """An own snapshot is copied and checksummed in pieces this big: each is still in cache when its

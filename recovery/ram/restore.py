@@ -6,7 +6,7 @@ choice — the newest step every rank can get from RAM, if it is at least the ne
 step — then each rank fetches and verifies its part (own store, else its buddy's copy). If any rank
 cannot, that step is excluded for all and the decision is taken again; the caller falls back to
 storage when no RAM step is left. Only snapshots of the current run and timeline (the tier's
-``timeline``, see ``ram.timeline``) taken on the same topology (world size, ranks per node, mesh,
+``timeline``, see ``recovery.timeline``) taken on the same topology (world size, ranks per node, mesh,
 tensor layout) are candidates; the others are listed in ``excluded`` with the reason.
 
 A snapshot belongs to the rank it was taken on (the rank is its place in the mesh, so its shard),
@@ -32,30 +32,52 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
 from resilient import dist as rdist
+from resilient.recovery.channel import ChannelError, Scatter
 from resilient.recovery.ram.buddy import snapshot_key
-from resilient.recovery.ram.channel import ChannelError
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
-from resilient.recovery.ram.store import SnapshotIndex, first_corruption, layout_tensors, local_tensors, tensor_view
-from resilient.recovery.ram.wire import Scatter
+from resilient.recovery.ram.view import RamView
+from resilient.recovery.snapshot_format import (
+    SnapshotIndex,
+    first_corruption,
+    layout_tensors,
+    local_tensors,
+    tensor_view,
+)
 from resilient.state import Leaf, flatten_state, set_leaf
-
-if TYPE_CHECKING:
-    from resilient.recovery.ram.tier import RamTier
 
 log = logging.getLogger(__name__)
 
-Fetched = tuple[str, SnapshotIndex, torch.Tensor | None]
-"""(source, index, data) of a verified snapshot; data None when it was received into the tensors."""
+
+class Fetched(NamedTuple):
+    """A verified snapshot of this rank."""
+
+    source: str  # "own" | "buddy"
+    index: SnapshotIndex
+    data: torch.Tensor | None  # None: it was received into the training tensors already
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one look at a snapshot gave: the verified snapshot, or why there is none."""
+
+    fetched: Fetched | None = None
+    reason: str | None = None
+
+    @classmethod
+    def checked(cls, reason: str | None, fetched: Fetched) -> Verdict:
+        """``fetched`` if its check found nothing wrong (``reason`` None), else ``reason``."""
+        return cls(reason=reason) if reason else cls(fetched=fetched)
+
 
 Report = dict[str, Any]
 """One rank's offer: ``{"own": [steps], "kept": {"<rank>": [steps]}}`` (JSON: rank keys are strings).
 "kept" holds the copies it keeps for its buddies and, on a node's first rank, the snapshots other
-ranks left on this node under an earlier rank numbering (``RamTier.left_here``)."""
+ranks left on this node under an earlier rank numbering (``RamView.left_here``)."""
 
 
 @dataclass(slots=True)
@@ -75,7 +97,7 @@ class RamRestore:
 
 
 def restore_from_ram(
-    tier: RamTier, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None
+    view: RamView, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None
 ) -> RamRestore:
     """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it is
     not older than ``persistent_step`` nor newer than ``newest`` (``checkpoint.load_step``).
@@ -85,24 +107,24 @@ def restore_from_ram(
     start = time.perf_counter()
     # Receiving in place is safe only if a step that is not restored after all is overwritten by
     # the persistent load the caller falls back to (see ``ram.inplace``).
-    decision = _Decision(tier, flatten_state(state), newest, in_place=persistent_step is not None)
+    decision = _Decision(view, flatten_state(state), newest, in_place=persistent_step is not None)
     reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
     ruled_out: set[int] = set()
     while True:
         step = choose_step(reports, ruled_out)
         if step is None or (persistent_step is not None and step < persistent_step):
             return RamRestore(None, None, excluded=decision.excluded, seconds=time.perf_counter() - start)
-        verdicts = rdist.agree(functools.partial(decision.fetch, step, reports), what=f"RAM restore of step {step}")
-        if all(verdicts):
+        votes = rdist.agree(functools.partial(decision.fetch, step, reports), what=f"RAM restore of step {step}")
+        if all(votes):
             rdist.agree(functools.partial(decision.apply, step), what=f"RAM restore of step {step}")
             assert decision.fetched is not None
             source, index, _ = decision.fetched
             seconds = time.perf_counter() - start
-            restored = RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(verdicts))
+            restored = RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(votes))
             restored.snapshot_timeline = index.timeline
             return restored
-        failed = [r for r, ok in enumerate(verdicts) if not ok]
-        log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", tier.rank, step, failed)
+        failed = [r for r, ok in enumerate(votes) if not ok]
+        log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", view.rank, step, failed)
         ruled_out.add(step)
 
 
@@ -120,18 +142,42 @@ def choose_step(reports: list[Report], ruled_out: set[int]) -> int | None:
 
 
 class _Decision:
-    """This rank's side of one decision: what it offers, what it fetched, what it excluded and why."""
+    """This rank's side of one decision: what it offers, what it fetched, what it excluded and why.
+    It reads the tier only through ``view``."""
 
     def __init__(
-        self, tier: RamTier, leaves: dict[str, Leaf], newest: int | None = None, *, in_place: bool = False
+        self, view: RamView, leaves: dict[str, Leaf], newest: int | None = None, *, in_place: bool = False
     ) -> None:
-        self.tier, self.leaves, self.newest, self.in_place = tier, leaves, newest, in_place
+        self.view, self.leaves, self.newest, self.in_place = view, leaves, newest, in_place
         self.excluded: list[dict[str, Any]] = []
         self.fetched: Fetched | None = None
-        """(source, index, data): data None when the snapshot was received into the tensors themselves."""
 
     def _exclude(self, step: int | None, source: str, reason: str) -> None:
         self.excluded.append({"step": step, "source": source, "reason": reason})
+
+    def why_not(self, index: SnapshotIndex, *, rank: int | None = None, fits: bool = True) -> str | None:
+        """Why ``index`` may not restore (None: it may, once its bytes verify): taken on another
+        rank than ``rank`` (when given: found outside that rank's own store); of another run or
+        timeline, or after the step asked for; and, with ``fits``, taken on another topology or
+        with another tensor layout or other JSON values than this training state (a copy kept for
+        another rank is fitted by that rank: ``fits=False``)."""
+        if rank is not None and index.rank != rank:
+            return f"taken on rank {index.rank}, not {rank}"
+        reason = self.view.timeline.why_not(index.run_id, index.timeline, index.step)
+        if reason is None and self.newest is not None and index.step > self.newest:
+            reason = f"newer than the step asked for (checkpoint.load_step={self.newest})"
+        if reason is not None or not fits:
+            return reason
+        if index.topology != self.view.topology:
+            return f"taken on another topology {index.topology} (now {self.view.topology})"
+        layout = {e.fqn: (e.dtype, e.shape) for e in index.tensors}
+        current = {e.fqn: (e.dtype, e.shape) for e in layout_tensors(local_tensors(self.leaves))[0]}
+        if layout != current:
+            differ = sorted(set(layout.items()) ^ set(current.items()), key=str)[:3]
+            return f"tensor layout differs from the training state (e.g. {differ})"
+        if set(index.values) != {fqn for fqn, leaf in self.leaves.items() if not leaf.is_tensor}:
+            return "JSON values differ from the training state"
+        return None
 
     # -- report ------------------------------------------------------------------------------
 
@@ -144,18 +190,18 @@ class _Decision:
             return {"own": [], "kept": {}}
 
     def _report(self) -> Report:
-        tier = self.tier
+        view = self.view
         own = []
-        indexes = tier.own.indexes()
-        for reason in tier.own.unreadable:
+        indexes = view.own.indexes()
+        for reason in view.own.unreadable:
             self._exclude(None, "own", reason)
         for step, index in sorted(indexes.items()):
-            reason = self.incompatible(index)
+            reason = self.why_not(index)
             if reason is None:
                 own.append(step)
             else:
                 self._exclude(step, "own", reason)
-        ranks = sorted({*tier.pairing.kept_by(tier.rank), *tier.left_here()})
+        ranks = sorted({*view.pairing.kept_by(view.rank), *view.left_here()})
         kept = {str(r): self._kept(r) for r in ranks}
         return {"own": own, "kept": kept}
 
@@ -163,47 +209,14 @@ class _Decision:
         """The steps of ``rank``'s snapshots on this node this rank may offer (their layout is
         checked by ``rank``)."""
         offered = set()
-        for store in self.tier.copies_of(rank):
+        for store in self.view.copies_of(rank):
             for step, index in sorted(store.indexes().items()):
-                reason = self.ineligible(index) or self._not_of(index, rank)
+                reason = self.why_not(index, rank=rank, fits=False)
                 if reason is None:
                     offered.add(step)
                 else:
                     self._exclude(step, "buddy", f"copy kept for rank {rank}: {reason}")
         return sorted(offered)
-
-    def unfit(self, index: SnapshotIndex) -> str | None:
-        """Why a snapshot found outside this rank's own store may not go into its state: another
-        rank's, or incompatible (None: it may, once its bytes verify)."""
-        return self._not_of(index, self.tier.rank) or self.incompatible(index)
-
-    @staticmethod
-    def _not_of(index: SnapshotIndex, rank: int) -> str | None:
-        return None if index.rank == rank else f"taken on rank {index.rank}, not {rank}"
-
-    def ineligible(self, index: SnapshotIndex) -> str | None:
-        """Why ``index`` may not restore now whatever its contents: another run or timeline, or a
-        step after the one asked for (None: it may)."""
-        reason = self.tier.timeline.why_not(index.run_id, index.timeline, index.step)
-        if reason is None and self.newest is not None and index.step > self.newest:
-            reason = f"newer than the step asked for (checkpoint.load_step={self.newest})"
-        return reason
-
-    def incompatible(self, index: SnapshotIndex) -> str | None:
-        """Why ``index`` cannot go into this training state (None: it can)."""
-        reason = self.ineligible(index)
-        if reason is not None:
-            return reason
-        if index.topology != self.tier.topology:
-            return f"taken on another topology {index.topology} (now {self.tier.topology})"
-        layout = {e.fqn: (e.dtype, e.shape) for e in index.tensors}
-        current = {e.fqn: (e.dtype, e.shape) for e in layout_tensors(local_tensors(self.leaves))[0]}
-        if layout != current:
-            differ = sorted(set(layout.items()) ^ set(current.items()), key=str)[:3]
-            return f"tensor layout differs from the training state (e.g. {differ})"
-        if set(index.values) != {fqn for fqn, leaf in self.leaves.items() if not leaf.is_tensor}:
-            return "JSON values differ from the training state"
-        return None
 
     # -- fetch -------------------------------------------------------------------------------
 
@@ -215,23 +228,23 @@ class _Decision:
             self.fetched = self._fetch(step, reports)
         except Exception as e:
             self._exclude(step, "own", f"{type(e).__name__}: {e}")
-        return None if self.fetched is None else self.fetched[0]
+        return None if self.fetched is None else self.fetched.source
 
     def _fetch(self, step: int, reports: list[Report]) -> Fetched | None:
-        rank = self.tier.rank
+        rank = self.view.rank
         if step in reports[rank]["own"]:
             own = self._own_verified(step)
-            if not isinstance(own, str):
-                return own
-            self._exclude(step, "own", own)
-            log.warning("[rank %d] own RAM snapshot of step %d unusable: %s", rank, step, own)
+            if own.fetched is not None:
+                return own.fetched
+            self._exclude(step, "own", own.reason)
+            log.warning("[rank %d] own RAM snapshot of step %d unusable: %s", rank, step, own.reason)
         here = self._here(step)
         if here is not None:
             return here
         holders = [h for h, report in enumerate(reports) if step in report["kept"].get(str(rank), [])]
-        buddy = self.tier.pairing.buddy_of(rank)
+        buddy = self.view.pairing.buddy_of(rank)
         for holder in sorted(holders, key=lambda h: h != buddy):  # the buddy first, then the rest
-            if holder not in self.tier.pairing.ranks_on(self.tier.node):
+            if holder not in self.view.node_ranks:
                 fetched = self._fetch_from_buddy(step, holder)
                 if fetched is not None:
                     return fetched
@@ -240,46 +253,46 @@ class _Decision:
     def _here(self, step: int) -> Fetched | None:
         """This rank's snapshot of ``step`` from another store of this node (left here when the
         ranks were renumbered): read in place, no network."""
-        for store in self.tier.copies_of(self.tier.rank):
+        for store in self.view.copies_of(self.view.rank):
             try:
                 index = store.indexes().get(step)
                 if index is None:
                     continue
-                fetched = self._verified("own", index, store.data(index))
+                verdict = self._verified("own", index, store.data(index))
             except Exception as e:  # a missing slot file, an I/O error: another copy may still do
-                fetched = f"{type(e).__name__}: {e}"
-            if not isinstance(fetched, str):
-                return fetched
-            self._exclude(step, "own", f"{store.directory}: {fetched}")
+                verdict = Verdict(reason=f"{type(e).__name__}: {e}")
+            if verdict.fetched is not None:
+                return verdict.fetched
+            self._exclude(step, "own", f"{store.directory}: {verdict.reason}")
         return None
 
-    def _own_verified(self, step: int) -> Fetched | str:
-        """This rank's own snapshot of ``step`` if it verifies, else why not."""
+    def _own_verified(self, step: int) -> Verdict:
+        """This rank's own snapshot of ``step``, if it verifies."""
         try:
-            index = self.tier.own.indexes().get(step)
+            index = self.view.own.indexes().get(step)
             if index is None:
-                return "gone from the store"
-            return self._verified("own", index, self.tier.own.data(index), own=True)
+                return Verdict(reason="gone from the store")
+            return self._verified("own", index, self.view.own.data(index), own=True)
         except Exception as e:  # a missing slot file, an I/O error: the buddy's copy may still do
-            return f"{type(e).__name__}: {e}"
+            return Verdict(reason=f"{type(e).__name__}: {e}")
 
-    def _verified(self, source: str, index: SnapshotIndex, data: torch.Tensor, *, own: bool = False) -> Fetched | str:
+    def _verified(self, source: str, index: SnapshotIndex, data: torch.Tensor, *, own: bool = False) -> Verdict:
         """``index``'s snapshot in ``data`` if it verifies (and, found outside this rank's own
-        store, is this rank's and fits the state), else why not. In place (``ram.inplace``), it is
-        copied into the training tensors as it is checked."""
-        reason = None if own else self.unfit(index)
+        store, is this rank's and fits the state). In place (``ram.inplace``), it is copied into the
+        training tensors as it is checked."""
+        reason = None if own else self.why_not(index, rank=self.view.rank)
         if reason is not None:
-            return reason
+            return Verdict(reason=reason)
         targets = tensor_targets(index, local_tensors(self.leaves)) if self.in_place else None
         if targets is None:
-            return first_corruption(index, data) or (source, index, data)
-        return copy_verified(index, data, targets) or (source, index, None)
+            return Verdict.checked(first_corruption(index, data), Fetched(source, index, data))
+        return Verdict.checked(copy_verified(index, data, targets), Fetched(source, index, None))
 
     def _fetch_from_buddy(self, step: int, holder: int) -> Fetched | None:
         into = _IntoTensors(self)
         try:
-            with self.tier.connect_to(holder) as client:
-                reply = client.get(snapshot_key(self.tier.rank, step), into=into)
+            with self.view.connect(holder) as client:
+                reply = client.get(snapshot_key(self.view.rank, step), into=into)
         except ChannelError as e:
             self._exclude(step, "buddy", f"fetch from rank {holder} failed: {e}")
             return None
@@ -288,16 +301,16 @@ class _Decision:
             return None
         header, payload = reply
         if into.landing is not None:  # received into the training tensors, checksummed as it landed
-            fetched: Fetched | str = into.landing.corruption() or ("buddy", into.landing.index, None)
+            landing = into.landing
+            verdict = Verdict.checked(landing.corruption(), Fetched("buddy", landing.index, None))
         else:
             # The client hands over the memory it received into (wire.fresh_buffer): no further
             # copy; the tensor keeps that memory alive.
             data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-            fetched = self._verified("buddy", SnapshotIndex.from_json(header["index"]), data)
-        if isinstance(fetched, str):
-            self._exclude(step, "buddy", fetched)
-            return None
-        return fetched
+            verdict = self._verified("buddy", SnapshotIndex.from_json(header["index"]), data)
+        if verdict.fetched is None:
+            self._exclude(step, "buddy", verdict.reason)
+        return verdict.fetched
 
     # -- apply -------------------------------------------------------------------------------
 
@@ -314,9 +327,10 @@ class _Decision:
             set_leaf(self.leaves[fqn], value)
         # Snapshots after the restored step belong to the abandoned timeline: hidden, so a later
         # decision can never mix them with snapshots of the new one.
-        self.tier.own.remove_newer(step)
-        for rank in {*self.tier.pairing.kept_by(self.tier.rank), *self.tier.left_here(), self.tier.rank}:
-            for store in self.tier.copies_of(rank):
+        view = self.view
+        view.own.remove_newer(step)
+        for rank in {*view.pairing.kept_by(view.rank), *view.left_here(), view.rank}:
+            for store in view.copies_of(rank):
                 store.remove_newer(step)
 
 
@@ -337,7 +351,7 @@ class _IntoTensors:
             index = SnapshotIndex.from_json(header["index"])
         except Exception:  # a malformed index is excluded after the receive, with its reason
             return None
-        if nbytes != index.nbytes or decision.unfit(index):
+        if nbytes != index.nbytes or decision.why_not(index, rank=decision.view.rank):
             return None
         targets = tensor_targets(index, local_tensors(decision.leaves))
         if targets is None:

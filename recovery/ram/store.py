@@ -18,7 +18,7 @@ The store is ``<store_dir>/<key>``, ``store_dir`` being ``recovery.store_dir`` o
 and key a hash of the absolute run.dir, so a restarted worker of the same run finds it and two runs
 on one machine never share it; the job's ranks hold it (``recovery.ownership``) while they run.
 The path is only a place: which snapshots may restore is decided by the run identity and
-timeline every index carries (``ram.timeline``), so a new run in an old place never resumes the old
+timeline every index carries (``recovery.timeline``), so a new run in an old place never resumes the old
 run's snapshots, and retention drops those first.
 
 One ``RankStore`` directory per rank (``own/rank<R>`` for this node's ranks, ``buddy/rank<R>`` for
@@ -29,6 +29,9 @@ the copies kept for a buddy node). A snapshot is two files:
   resident (a fresh allocation per snapshot pays the page faults every time);
 - ``step-<S>.json``: the index (tensor FQN, dtype, shape, offset, crc32c; the JSON leaves; the
   topology it was taken on). It is written last, by rename: a snapshot is visible only complete.
+
+Both are the packing format of ``recovery.snapshot_format`` (``SnapshotIndex``, ``layout_tensors``),
+which a live heal's state uses too.
 
 A slot is reused only once no visible index points at it and its lease is released (``reserve``
 leases it until the snapshot is published and copied to the buddy), so a replication in flight
@@ -41,7 +44,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import mmap
 import os
 import re
@@ -49,184 +51,21 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
-import crc32c
 import torch
-from torch.distributed.tensor import DTensor
 
-from resilient.dtypes import itemsize, torch_dtype, zarr_name
 from resilient.errors import ConfigError
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import held
 from resilient.recovery.ram.node_id import sanitize
-from resilient.recovery.ram.timeline import Timeline, incarnation_of
-from resilient.state import Leaf, held_elsewhere
+from resilient.recovery.snapshot_format import SnapshotIndex
+from resilient.recovery.timeline import Timeline, incarnation_of
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_ROOT = "/dev/shm/resilient"
-INDEX_VERSION = 2  # 2: run_id and timeline (an index of version 1 is skipped as unreadable)
-ALIGN = 64
 STORE_MARKER = "store.json"
 _INDEX_RE = re.compile(r"^step-(\d{9})\.json$")
-
-
-@dataclass(slots=True)
-class TensorEntry:
-    fqn: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-    crc32c: int = 0
-
-
-@dataclass(slots=True)
-class SnapshotIndex:
-    """What a snapshot holds and how to check it (JSON, one file per snapshot)."""
-
-    step: int
-    rank: int
-    topology: dict[str, Any]
-    tensors: list[TensorEntry]
-    values: dict[str, Any]
-    slot: str = ""
-    nbytes: int = 0
-    run_id: str = ""
-    timeline: str = ""
-    """The run and timeline the snapshot was taken on (``ram.timeline``): it restores only into them."""
-    node_id: str = ""
-    """The identity of the node it was taken on (``ram.node_id``; simulated: ``node<N>``)."""
-    local_rank: int = -1
-    """The taking rank's index on that node."""
-    created: float = field(default_factory=time.time)
-    version: int = INDEX_VERSION
-
-    def to_json(self) -> dict[str, Any]:
-        """The index with ``index_crc32c`` over everything else: the data cursor, RNG and offsets
-        are checked too, not only the tensor bytes."""
-        body = asdict(self)
-        return {**body, "index_crc32c": _json_crc(body)}
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> SnapshotIndex:
-        raw = dict(raw)
-        if raw.get("version") != INDEX_VERSION:
-            raise ValueError(f"snapshot index version {raw.get('version')!r}, expected {INDEX_VERSION}")
-        stored = raw.pop("index_crc32c", None)
-        if stored != _json_crc(raw):
-            raise ValueError("index_crc32c mismatch: the index itself is corrupt")
-        tensors = [TensorEntry(**t) for t in raw["tensors"]]
-        index = cls(**{**raw, "tensors": tensors})
-        index.check_layout()
-        return index
-
-    def check_layout(self) -> None:
-        """Every tensor inside ``nbytes`` with the byte count its dtype and shape need."""
-        for t in self.tensors:
-            need = itemsize(t.dtype) * math.prod(t.shape)
-            if t.nbytes != need or t.offset < 0 or t.offset + t.nbytes > self.nbytes:
-                raise ValueError(f"tensor {t.fqn!r} does not fit the index ({t.offset}+{t.nbytes} of {self.nbytes})")
-
-
-def _json_crc(body: dict[str, Any]) -> int:
-    return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-
-
-def local_tensors(leaves: dict[str, Leaf]) -> dict[str, torch.Tensor]:
-    """This rank's own bytes of every tensor leaf (a DTensor's local shard): what a snapshot holds.
-    A placeholder (another pipeline stage's parameter) holds no bytes here and is left out."""
-    out = {}
-    for fqn, leaf in leaves.items():
-        if leaf.is_tensor and not held_elsewhere(leaf.value):
-            value = leaf.value
-            out[fqn] = value.to_local() if isinstance(value, DTensor) else value
-    return out
-
-
-def json_values(leaves: dict[str, Leaf]) -> dict[str, Any]:
-    """The non-tensor leaves (data cursor, RNG, counters): a snapshot's index holds them as JSON."""
-    return {fqn: leaf.value for fqn, leaf in leaves.items() if not leaf.is_tensor}
-
-
-def layout_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
-    """Aligned offsets for ``tensors`` (in the given order) and the total size."""
-    entries, offset = [], 0
-    for fqn, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(fqn, zarr_name(t.dtype, fqn=fqn), list(t.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return entries, offset
-
-
-def tensor_view(data: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """``entry``'s tensor inside the uint8 buffer ``data`` (no copy)."""
-    raw = data[entry.offset : entry.offset + entry.nbytes]
-    return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
-
-
-def checksum(data: torch.Tensor, entry: TensorEntry) -> int:
-    raw = data[entry.offset : entry.offset + entry.nbytes]
-    return crc32c.crc32c(raw.numpy()) if entry.nbytes else 0
-
-
-class CrcAsItLands:
-    """The crc32c of each of ``index``'s tensors, taken from the payload's pieces as they arrive
-    in order (each still in cache), instead of a pass over the bytes once they are all there."""
-
-    def __init__(self, index: SnapshotIndex) -> None:
-        self.index = index
-        self._order = sorted(range(len(index.tensors)), key=lambda i: _span(index.tensors[i]))
-        end = 0
-        for i in self._order:  # pieces are cut by position: tensors sharing bytes could not be told apart
-            entry = index.tensors[i]
-            if entry.nbytes and entry.offset < end:
-                raise ValueError(f"tensor {entry.fqn!r} overlaps the one before it in the snapshot")
-            end = max(end, entry.offset + entry.nbytes)
-        if end > index.nbytes:
-            raise ValueError(f"the snapshot's tensors end at byte {end}, past its {index.nbytes} bytes")
-        self._crcs = [0] * len(index.tensors)
-        self._next = 0  # position in _order of the first tensor not yet complete
-        self.received = 0
-
-    def __call__(self, piece: memoryview) -> None:
-        start, end = self.received, self.received + piece.nbytes
-        while self._next < len(self._order):
-            i = self._order[self._next]
-            entry = self.index.tensors[i]
-            low, high = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
-            if low < high:
-                self._crcs[i] = crc32c.crc32c(piece[low - start : high - start], self._crcs[i])
-            if entry.offset + entry.nbytes > end:
-                break
-            self._next += 1
-        self.received = end
-
-    def corruption(self) -> str | None:
-        """None if every tensor matches its crc32c; else which does not (all pieces must have landed)."""
-        if self.received != self.index.nbytes:
-            return f"{self.received} of the snapshot's {self.index.nbytes} bytes were checksummed"
-        for crc, entry in zip(self._crcs, self.index.tensors, strict=True):
-            if crc != entry.crc32c:
-                return f"crc32c mismatch in tensor {entry.fqn!r}"
-        return None
-
-
-def _span(entry: TensorEntry) -> tuple[int, int]:
-    """Payload order: by offset, an empty tensor before a non-empty one at the same offset."""
-    return entry.offset, entry.nbytes
-
-
-def first_corruption(index: SnapshotIndex, data: torch.Tensor) -> str | None:
-    """None if every tensor's bytes match its crc32c; else which tensor does not."""
-    if data.numel() < index.nbytes:
-        return f"snapshot data is {data.numel()} bytes, the index says {index.nbytes}"
-    for entry in index.tensors:
-        if checksum(data, entry) != entry.crc32c:
-            return f"crc32c mismatch in tensor {entry.fqn!r}"
-    return None
 
 
 class _Slot:
@@ -364,7 +203,7 @@ class RankStore:
     def drop_abandoned(self, current: Timeline) -> None:
         """Remove every snapshot ``current`` (the timeline the run's record names now) does not
         keep eligible (known abandoned, as ``_evict`` decides after a publish of it), then the
-        slots they used. For a store nothing publishes into any more (``RamTier.left_here``), which
+        slots they used. For a store nothing publishes into any more (``RamView.left_here``), which
         ``_evict`` never visits."""
         for step, index in self.indexes().items():
             if _abandoned(index, current, recorded=True):
@@ -404,6 +243,37 @@ class RankStore:
             with self._lock:
                 self._slots[name] = slot
         return slot
+
+
+class NodeStores:
+    """The rank stores of one node directory (``own/rank<R>``, ``buddy/rank<R>``). The copies kept
+    for a rank are one store, which the channel's server threads and the restore share."""
+
+    def __init__(self, node_dir: str, keep: int, current: Callable[[], Timeline] | None = None) -> None:
+        self.node_dir, self.keep, self.current = node_dir, keep, current
+        self._kept: dict[int, RankStore] = {}
+        self._lock = threading.Lock()
+
+    def own(self, rank: int) -> RankStore:
+        """``rank``'s own store on this node (a new instance: the tier holds the one of its rank)."""
+        return RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), self.keep, self.current)
+
+    def kept(self, rank: int) -> RankStore:
+        """The copies this node keeps for ``rank``."""
+        with self._lock:
+            store = self._kept.get(rank)
+            if store is None:
+                directory = os.path.join(self.node_dir, "buddy", f"rank{rank}")
+                store = self._kept[rank] = RankStore(directory, self.keep, self.current)
+            return store
+
+    def ranks(self, kind: str) -> list[int]:
+        """The ranks with a directory under ``kind`` (``own`` or ``buddy``) on this node."""
+        try:
+            names = os.listdir(os.path.join(self.node_dir, kind))
+        except FileNotFoundError:
+            return []
+        return [int(name.removeprefix("rank")) for name in names if name.removeprefix("rank").isdigit()]
 
 
 def _abandoned(index: SnapshotIndex, current: Timeline, *, recorded: bool) -> bool:
@@ -470,7 +340,7 @@ def clean_stale_stores(parent: str, keep_root: str, stale_after_s: float) -> lis
 
 def run_dir_key(run_dir: str) -> str:
     """Stable across restarts of one run dir, different for two run dirs on one machine (a place,
-    not an identity: see ``ram.timeline``)."""
+    not an identity: see ``recovery.timeline``)."""
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
 
 

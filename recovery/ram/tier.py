@@ -9,10 +9,11 @@ arrives is not sent (recorded as "superseded").
 
 ``restore(state, persistent_step)`` is the collective RAM restore decision of
 ``resilient.recovery.ram.restore``; ``resilient.recovery.restore`` puts it in its place among the
-tiers, and sets ``timeline`` (``ram.timeline``): the run and timeline snapshots are tagged with,
+tiers, and sets ``timeline`` (``recovery.timeline``): the run and timeline snapshots are tagged with,
 and the only ones the decision may restore. ``start`` learns every rank's machine
-(``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank serves to and keeps
-for others) is ``ram.buddy``.
+(``ram.node_id``) and recomputes the nodes and buddies from them. The buddy side (what this rank
+serves to and keeps for others) is ``ram.buddy``. Both it and the restore decision read the tier
+through a ``RamView`` (``view()``), never the tier itself.
 """
 
 from __future__ import annotations
@@ -31,30 +32,40 @@ import torch
 from resilient import dist as rdist
 from resilient.errors import StorageError
 from resilient.metrics import JsonlSink
+from resilient.recovery.channel import (
+    ChannelError,
+    ReplicationClient,
+    ReplicationServer,
+    bind_host,
+    lower_thread_priority,
+    shared_secret,
+)
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import StoreInUse, StoreLock, hold_store, job_identity
-from resilient.recovery.ram.buddy import BuddyHandler, bind_host, shared_secret, snapshot_key
-from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer, lower_thread_priority
+from resilient.recovery.ram.buddy import BuddyHandler, snapshot_key
 from resilient.recovery.ram.node_id import exchange as exchange_node_ids
 from resilient.recovery.ram.node_id import resolve_node_id
 from resilient.recovery.ram.pairing import Pairing
 from resilient.recovery.ram.restore import RamRestore, restore_from_ram
 from resilient.recovery.ram.store import (
-    RankStore,
-    SnapshotIndex,
+    NodeStores,
     check_private_dir,
-    checksum,
     clean_stale_stores,
-    json_values,
-    layout_tensors,
-    local_tensors,
     mark_store,
     node_store_dir,
     ranks_per_node,
     store_root,
+)
+from resilient.recovery.ram.view import RamView
+from resilient.recovery.snapshot_format import (
+    SnapshotIndex,
+    checksum,
+    json_values,
+    layout_tensors,
+    local_tensors,
     tensor_view,
 )
-from resilient.recovery.ram.timeline import UNTRACKED, Timeline
+from resilient.recovery.timeline import UNTRACKED, Timeline
 from resilient.runfiles import TIMELINE_FILE, read_json, write_json
 from resilient.state import flatten_state
 
@@ -87,8 +98,6 @@ class RamTier:
         self.run_dir, self.fingerprint = run_dir, fingerprint
         self.root = store_root(config, run_dir)
         self.stats = JsonlSink(stats_path)
-        self._buddy_stores: dict[int, RankStore] = {}
-        self._stores_lock = threading.Lock()
         self._pruned = False
         # Simulated nodes until ``start`` learns every rank's machine (``_place``).
         self._place(Pairing(world_size, ranks_per_node(config, world_size), tuple(config.failure_domains)))
@@ -129,9 +138,8 @@ class RamTier:
         named = bool(pairing.identities)
         self.node_id = pairing.identities[self.rank] if named else f"node{self.node}"
         self.node_dir = node_store_dir(self.config, self.run_dir, self.group, self.node_id if named else self.node)
-        self.own = RankStore(os.path.join(self.node_dir, "own", f"rank{self.rank}"), self.keep, self._current)
-        with self._stores_lock:
-            self._buddy_stores.clear()
+        self.stores = NodeStores(self.node_dir, self.keep, self._current)
+        self.own = self.stores.own(self.rank)
         self.topology = {
             "world_size": pairing.world_size,
             "ranks_per_node": pairing.ranks_per_node,
@@ -199,7 +207,7 @@ class RamTier:
             self._open_store()
             self._server = ReplicationServer(
                 self._secret,
-                BuddyHandler(self),
+                BuddyHandler(self.view()),
                 host=bind_host(self.config),
                 timeout_s=self.config.replication_timeout_s,
                 thread_nice=self.config.background_nice,
@@ -243,46 +251,13 @@ class RamTier:
             self._lock.close()
             self._lock = None
 
-    def buddy_store(self, rank: int) -> RankStore:
-        with self._stores_lock:  # server threads and the restore path share one store per rank
-            store = self._buddy_stores.get(rank)
-            if store is None:
-                directory = os.path.join(self.node_dir, "buddy", f"rank{rank}")
-                store = self._buddy_stores[rank] = RankStore(directory, self.keep, self._current)
-            return store
-
-    def copies_of(self, rank: int) -> list[RankStore]:
-        """The stores of this node that may hold ``rank``'s snapshots besides its own store: the
-        copies kept for it, and, when ``rank`` now runs on another node (ranks were renumbered), the
-        own store it left here."""
-        stores = [self.buddy_store(rank)]
-        if rank not in self.pairing.ranks_on(self.node):
-            stores.append(RankStore(os.path.join(self.node_dir, "own", f"rank{rank}"), self.keep, self._current))
-        return stores
-
-    def left_here(self) -> list[int]:
-        """The ranks with a store on this node that no rank of this node keeps now (taken under
-        another numbering); reported by the node's first rank only, so each is offered once."""
-        if self.rank != self.pairing.ranks_on(self.node)[0]:
-            return []
-        here = self.pairing.ranks_on(self.node)
-        kept = {r for r in range(self.pairing.world_size) if self.pairing.buddy_of(r) in here}
-        found: set[int] = set()
-        for kind, claimed in (("own", set(here)), ("buddy", kept)):
-            with contextlib.suppress(FileNotFoundError):
-                for name in os.listdir(os.path.join(self.node_dir, kind)):
-                    rank = name.removeprefix("rank")
-                    if rank.isdigit() and int(rank) < self.pairing.world_size and int(rank) not in claimed:
-                        found.add(int(rank))
-        return sorted(found)
-
     def _drop_abandoned_left_here(self) -> None:
         """Free the abandoned snapshots of the stores a renumbering left on this node: nothing
         publishes into them any more, so the eviction that follows a publish never visits them.
         Once per tier, after its first publish of the timeline the run's record names now."""
-        current = self._current()
-        for rank in self.left_here():
-            for store in self.copies_of(rank):
+        current, view = self._current(), self.view()
+        for rank in view.left_here():
+            for store in view.copies_of(rank):
                 store.drop_abandoned(current)
 
     def _current(self) -> Timeline:
@@ -293,6 +268,18 @@ class RamTier:
         """A new channel client to ``rank``'s server (the restore fetches its buddy copy with it)."""
         return ReplicationClient(
             self._secret, tuple(self._addresses[rank]), rank=self.rank, timeout_s=self.config.replication_timeout_s
+        )
+
+    def view(self) -> RamView:
+        """What the restore decision and the buddy handler read of this tier (``ram.view``)."""
+        return RamView(
+            rank=self.rank,
+            pairing=self.pairing,
+            own=self.own,
+            stores=self.stores,
+            timeline=self.timeline,
+            topology=self.topology,
+            connect=self.connect_to,
         )
 
     # -- snapshot ----------------------------------------------------------------------------
@@ -360,7 +347,7 @@ class RamTier:
         limit = self.config.max_store_bytes
         if not limit:
             return
-        stores = [self.own, *(self.buddy_store(r) for r in self.pairing.kept_by(self.rank))]
+        stores = [self.own, *(self.stores.kept(r) for r in self.pairing.kept_by(self.rank))]
         if sum(s.bytes_used() for s in stores) + nbytes <= limit:
             return
         for store in stores:
@@ -469,4 +456,4 @@ class RamTier:
         Returns what was decided (source None: not from RAM; with ``persistent_step`` given, the
         state's tensors are then undefined and the caller must load a committed step, or fail); see
         ``resilient.recovery.ram.restore``."""
-        return restore_from_ram(self, state, persistent_step, newest=newest)
+        return restore_from_ram(self.view(), state, persistent_step, newest=newest)

@@ -17,7 +17,7 @@ from resilient.chaos.inject import FaultRecord, InjectContext, advance
 from resilient.chaos.job import job_node_store_dir, job_store_root
 from resilient.chaos.scenario import REPO_ROOT, FaultSpec
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import run_dir_key
+from resilient.recovery.ram import run_dir_key
 from resilient.runfiles import pid_path
 
 pytestmark = [pytest.mark.timeout(60)]

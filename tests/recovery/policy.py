@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.ram import RamTier
 from resilient.recovery.restore import RestoreResult, restore
 from resilient.runfiles import read_events
 from resilient.storage.checkpointer import Checkpointer

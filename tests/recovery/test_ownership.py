@@ -19,7 +19,7 @@ from resilient.errors import ConfigError, StorageError
 from resilient.recovery import ownership
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ownership import claim_run_dir, held, hold_store, job_identity
-from resilient.recovery.ram.store import node_store_dir
+from resilient.recovery.ram import node_store_dir
 from resilient.runfiles import read_json, write_json
 from tests.recovery.ram.workers import tier
 

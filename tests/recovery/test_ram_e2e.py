@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import node_store_dir, store_root
+from resilient.recovery.ram import node_store_dir, store_root
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import communicate_or_fail
 from tests.trainer.e2e_runs import load_tensors

@@ -1,4 +1,4 @@
-"""Pipeline placeholders in the RAM tier (``recovery/ram/store.py`` ``local_tensors``): another
+"""Pipeline placeholders in the RAM tier (``recovery/snapshot_format.py`` ``local_tensors``): another
 stage's parameter holds no bytes on this rank, so a snapshot leaves it out, and a restore leaves
 it a placeholder while the rank's own tensors come back."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient.recovery.ram.store import json_values, layout_tensors, local_tensors
+from resilient.recovery.snapshot_format import json_values, layout_tensors, local_tensors
 from resilient.state import flatten_state, held_elsewhere, placeholder
 from tests.recovery.ram import workers
 

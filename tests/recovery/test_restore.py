@@ -17,7 +17,7 @@ import torch
 from resilient.dist import barrier
 from resilient.errors import StorageError
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import node_store_dir
+from resilient.recovery.ram import node_store_dir
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, describe
 from resilient.storage.checkpointer import Checkpointer
 from tests.dist import run_world

@@ -1,6 +1,6 @@
 """RAM snapshots restore only into the run and timeline they were taken on (issue 13, item 2).
 
-``recovery/ram/timeline.py`` and its use by the restore policy: a new checkpoint root is a new run,
+``recovery/timeline.py`` and its use by the restore policy: a new checkpoint root is a new run,
 and a restore that does not come from RAM abandons every snapshot taken before it, for good. One
 process, a Checkpointer on a temporary directory, a RamTier with a configured store directory
 (the node store outlives run directories, as ``/dev/shm`` does).
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.recovery.ram.timeline import Timeline
 from resilient.recovery.restore import PeerHeal
+from resilient.recovery.timeline import Timeline
 from resilient.storage.checkpointer import Checkpointer
 from tests.recovery.policy import events, restore_with, save, snapshot, start_run, state, tier
 

@@ -22,9 +22,8 @@ import torch.distributed as dist
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.recovery import transport as transport_module
+from resilient.recovery.channel import ChannelError, wire
 from resilient.recovery.heal_codec import LocalShard, adopt_shards, decode_state, encode_state
-from resilient.recovery.ram import wire
-from resilient.recovery.ram.wire import ChannelError
 from resilient.recovery.transport import HealTransport
 
 TIMEOUT = timedelta(seconds=10)

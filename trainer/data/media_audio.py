@@ -3,7 +3,8 @@ window of the source timeline, from wav/flac (read directly or through libsndfil
 track FFmpeg decodes.
 
 Every decoder produces mono samples at the file's own rate over a span of the native timeline; one
-function resamples and cuts the window out of it. The span starts on the "phase grid": instants
+converter resamples them (the FFmpeg path feeds it as frames are decoded, never holding the span
+whole at the native rate) and the window is cut out of its output. The span starts on the "phase grid": instants
 that are whole samples at both the native and the target rate (every 441 samples = 20 ms for
 22.05 kHz -> 16 kHz, every 3 for 48 kHz). A resampler fed from such an instant produces output
 samples exactly on k / 16000 s; fed from anywhere else, its output is shifted by a fraction of a
@@ -21,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterator
 from fractions import Fraction
 
 import av
@@ -46,10 +48,18 @@ _AUDIO_PREROLL_S = 0.25
 # Audio decoded on both sides of a window that gets resampled, so the resampler's filter sees real
 # signal at the window's edges instead of a cut (its transient would otherwise land inside the window).
 _RESAMPLE_MARGIN_S = 0.01
+# Opening a file decodes a few frames of every stream to learn their parameters; an mp4's H.264
+# track costs more to probe that way than its whole AAC track costs to decode. These options reach
+# only those probe decoders (not the one that decodes the audio): video decoders then skip every
+# frame, audio decoders do not look at skip_frame.
+PROBE_AUDIO_ONLY = {"skip_frame": "all"}
 # Native samples handed to the resampler per call. libswresample's output does not depend on how
 # its input is cut (tests hold it), but its cost does: one call with a whole clip runs several times
 # slower than the same samples in pieces of this size (benchmarks/README.md, data_bench).
-RESAMPLE_CHUNK = 1 << 16
+RESAMPLE_CHUNK = 1 << 15
+# Mono samples on their way to the resampler: an array, or a mono float-plane frame as FFmpeg's
+# sample FIFO hands it out (passed on without a round trip through numpy).
+Piece = np.ndarray | av.AudioFrame
 
 
 def native_span(start_s: float, duration_s: float | None, native_rate: int, sample_rate: int) -> tuple[int, int | None]:
@@ -66,12 +76,17 @@ def window_from_native(
     mono: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
 ) -> np.ndarray:
     """The output window from native samples whose sample 0 is native index ``first`` (on the grid)."""
-    if native_rate != sample_rate:
-        mono = resample(mono, native_rate, sample_rate)
+    return place_window(resample(mono, native_rate, sample_rate), first, native_rate, start_s, duration_s, sample_rate)
+
+
+def place_window(
+    samples: np.ndarray, first: int, native_rate: int, start_s: float, duration_s: float | None, sample_rate: int
+) -> np.ndarray:
+    """The output window from samples at ``sample_rate`` whose sample 0 is native index ``first``."""
     # first * sample_rate / native_rate is a whole number: the grid guarantees it.
     offset = first * sample_rate // native_rate - round(start_s * sample_rate)
     length = None if duration_s is None else round(duration_s * sample_rate)
-    return _place(mono, offset, length)
+    return _place(samples, offset, length)
 
 
 def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
@@ -90,23 +105,58 @@ def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
 
 
 def resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
+    """``mono`` at ``to_rate`` (the same array when the rates are equal)."""
+    converter = _RateConverter(from_rate, to_rate)
+    converter.feed(mono)
+    return converter.result()
+
+
+class _RateConverter:
+    """Mono float samples fed piece by piece, as they come, and handed back at the target rate.
+
+    libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
     so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
-    so output sample 0 is the input's first instant."""
-    if not len(mono):  # a window past the end; PyAV cannot build an empty frame
-        return mono
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
-    out: list[av.AudioFrame] = []
-    for begin in range(0, len(mono), RESAMPLE_CHUNK):
-        piece = np.ascontiguousarray(mono[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
-        frame = av.AudioFrame.from_ndarray(piece, format="flt", layout="mono")
-        frame.sample_rate, frame.pts, frame.time_base = from_rate, begin, Fraction(1, from_rate)
-        out.extend(resampler.resample(frame))
-    out.extend(resampler.resample(None))
-    if not out:
-        return np.zeros(0, dtype=np.float32)
-    return np.concatenate([f.to_ndarray().reshape(-1) for f in out]).astype(np.float32, copy=False)
+    so output sample 0 is the first piece's first instant. How the input is cut into pieces does
+    not change the output (tests hold it); each call gets at most RESAMPLE_CHUNK samples."""
+
+    def __init__(self, from_rate: int, to_rate: int) -> None:
+        self.from_rate = from_rate
+        self.resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate) if from_rate != to_rate else None
+        self.out: list[np.ndarray | av.AudioFrame] = []  # resampled frames, or the pieces themselves
+        self.fed = 0
+
+    def feed(self, piece: Piece) -> None:
+        if self.resampler is None:
+            self.out.append(piece)
+            return
+        for frame in _mono_frames(piece):
+            frame.sample_rate, frame.pts, frame.time_base = self.from_rate, self.fed, Fraction(1, self.from_rate)
+            self.out.extend(self.resampler.resample(frame))
+            self.fed += frame.samples
+
+    def result(self) -> np.ndarray:
+        if self.resampler is not None and self.fed:  # (PyAV cannot build an empty frame to flush)
+            self.out.extend(self.resampler.resample(None))
+        if len(self.out) == 1 and isinstance(self.out[0], np.ndarray):
+            return self.out[0]
+        if not self.out:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate([_samples(piece) for piece in self.out]).astype(np.float32, copy=False)
+
+
+def _mono_frames(piece: Piece) -> Iterator[av.AudioFrame]:
+    """``piece`` as mono float-plane frames of at most RESAMPLE_CHUNK samples."""
+    if isinstance(piece, av.AudioFrame):
+        yield piece
+        return
+    for begin in range(0, len(piece), RESAMPLE_CHUNK):
+        chunk = np.ascontiguousarray(piece[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
+        yield av.AudioFrame.from_ndarray(chunk, format="fltp", layout="mono")
+
+
+def _samples(piece: Piece) -> np.ndarray:
+    return piece.to_ndarray().reshape(-1) if isinstance(piece, av.AudioFrame) else piece
 
 
 def _downmix(samples: np.ndarray) -> np.ndarray:
@@ -162,7 +212,7 @@ def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
 
 
 def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
-    with av.open(io.BytesIO(data), mode="r") as container:
+    with av.open(io.BytesIO(data), mode="r", options=PROBE_AUDIO_ONLY) as container:
         if not container.streams.audio:
             raise MediaError(f"cannot decode audio from .{ext}: the file has no audio stream")
         stream = container.streams.audio[0]
@@ -176,7 +226,13 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
         if seek_s > 0 and _sample_exact_timestamps(stream, native_rate):
             # backward=True lands on the last packet at or before seek_s, so nothing of the span is missed.
             container.seek(seek_pts(seek_s + origin, stream.time_base), stream=stream, backward=True)
-        timeline = _AudioTimeline(origin=origin, rate=native_rate)
+        declared_s = declared_duration(container, stream)
+        # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
+        declared_end = None if declared_s is None else round(declared_s * native_rate)
+        converter = _RateConverter(native_rate, sample_rate)
+        timeline = _AudioTimeline(
+            origin=origin, rate=native_rate, first=first, cap=declared_end if last is None else last, out=converter
+        )
         for frame in decoded_frames(container, stream, packet_budget(data)):
             if frame.pts is None:
                 raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
@@ -184,15 +240,13 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
             if last is not None and timeline.end >= last:
                 break
         else:  # decoded to the end of the file: it must be as long as its header says
-            declared_s = declared_duration(container, stream)
             check_complete(ext, declared_s, timeline.end / native_rate)
-            if last is None and declared_s is not None:
-                # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
-                last = min(timeline.end, round(declared_s * native_rate))
+            if last is None and declared_end is not None:
+                last = min(timeline.end, declared_end)
     if last is None:
         last = timeline.end
-    mono = timeline.mono(first, max(last, first))
-    return window_from_native(mono, first, native_rate, start_s, duration_s, sample_rate)
+    samples = timeline.finish(max(last, first))
+    return place_window(samples, first, native_rate, start_s, duration_s, sample_rate)
 
 
 def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: int) -> bool:
@@ -204,22 +258,34 @@ def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: i
 
 
 class _AudioTimeline:
-    """Decoded samples, float at the native rate, in runs: each run starts at the native sample
-    index of its first frame (pts * time_base, less the origin) and its frames follow each other
-    contiguously. Matroska stores pts in milliseconds, and placing every 21 ms AAC frame by its
-    rounded pts would open or overlap a few samples at each seam; only a jump larger than _GAP_S
-    (a real hole in the stream) starts a new run, placed by its timestamp.
+    """Decoded frames laid on the native timeline and fed on, mono, as they come: native samples
+    [first, cap) go to a _RateConverter in order, what no frame covers as zeros, so the clip is never
+    held whole at the native rate (a 48 kHz clip held whole costs more in fresh memory pages than
+    resampling it).
 
-    Per frame, each channel's samples are copied out of the decoder's buffer (which it then reuses)
-    and nothing else: per-frame work in Python is most of what a 21 ms AAC frame costs after the
-    decoder itself. Runs are joined and mixed down once, at the end."""
+    A frame is placed by its timestamp (pts * time_base, less the origin) when it starts a run, and
+    follows the previous frame contiguously otherwise: Matroska stores pts in milliseconds, and
+    placing every 21 ms AAC frame by its rounded pts would open or overlap a few samples at each
+    seam; only a jump larger than _GAP_S (a real hole in the stream) starts a new run, placed by its
+    timestamp. A run that goes back in time (a broken stream) does not overwrite what was decoded
+    before it: only its samples past those are used.
+
+    The current run's samples wait in an FFmpeg sample FIFO: per frame, one call copies every
+    channel out of the decoder's buffer (which it then reuses), with no Python object per plane;
+    per-frame work in Python is most of what a 21 ms AAC frame costs after the decoder itself."""
 
     _GAP_S = 0.02
 
-    def __init__(self, *, origin: float, rate: int) -> None:
+    def __init__(self, *, origin: float, rate: int, first: int, cap: int | None, out: _RateConverter) -> None:
         self.origin, self.rate = origin, rate
-        self.runs: list[tuple[int, list[list[np.ndarray]]]] = []  # (first index, per channel: pieces)
-        self.end = 0
+        self.cap = cap  # no native sample at or past it is fed (None: no bound)
+        self.out = out
+        self.fed = first  # the next native index to feed: everything before it is fed or dropped
+        self.end = 0  # past the furthest decoded sample
+        self._fifo = av.AudioFifo()
+        self._head: int | None = None  # native index of the FIFO's first sample
+        self._tail = 0  # native index past the FIFO's last sample
+        self._gap = self._GAP_S * rate
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
         # Converts any sample format to float planes at the native rate (no rate change, so no filter
         # delay, and no layout change: channels are averaged like the wav/flac path does). AAC, MP3
@@ -227,32 +293,52 @@ class _AudioTimeline:
         self._to_float = av.AudioResampler(format="fltp", rate=rate)
 
     def add(self, frame: av.AudioFrame) -> None:
-        if self._tick is None:
-            self._tick = (frame.time_base.numerator, frame.time_base.denominator)
-        numerator, denominator = self._tick
+        # Runs once per 21 ms AAC frame: locals instead of repeated attribute lookups.
+        tick = self._tick
+        if tick is None:
+            tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
         # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
-        stamped = round((frame.pts * numerator / denominator - self.origin) * self.rate)
-        if not self.runs or abs(stamped - self.end) > self._GAP_S * self.rate:
-            self.runs.append((stamped, [[] for _ in frame.planes]))
-            self.end = stamped
-        channels = self.runs[-1][1]
+        stamped = round((frame.pts * tick[0] / tick[1] - self.origin) * self.rate)
+        tail, fifo = self._tail, self._fifo
+        if self._head is None or abs(stamped - tail) > self._gap:
+            self._drain(whole=True)
+            self._head = tail = stamped
         for converted in self._to_float.resample(frame):
-            count = converted.samples
-            for pieces, plane in zip(channels, converted.planes, strict=True):
-                pieces.append(np.frombuffer(plane, np.float32, count).copy())
-            self.end += count
+            converted.pts = None  # the FIFO would check it against a count from 0; placement is done here
+            fifo.write(converted)
+            tail += converted.samples
+        self._tail = tail
+        if tail > self.end:
+            self.end = tail
+        if fifo.samples >= RESAMPLE_CHUNK:
+            self._drain(whole=False)
 
-    def mono(self, first: int, last: int) -> np.ndarray:
-        """Mono samples of native indices [first, last); what no frame covers is zero."""
-        runs = [(position, channels) for position, channels in self.runs if channels[0]]
-        count = len(runs[0][1]) if runs else 1
-        out = np.zeros((count, last - first), dtype=np.float32)
-        for position, channels in runs:
-            for channel, pieces in enumerate(channels):
-                samples = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-                lo, hi = max(position, first), min(position + len(samples), last)
-                if count == 1 and len(runs) == 1 and (lo, hi) == (first, last):
-                    return samples[lo - position : hi - position]  # the common case: one mono run covers it
-                if lo < hi:
-                    out[channel, lo - first : hi - first] = samples[lo - position : hi - position]
-        return out[0] if count == 1 else out.mean(axis=0, dtype=np.float32)
+    def finish(self, last: int) -> np.ndarray:
+        """Native samples [first, last) at the converter's rate; what no frame covered is zero."""
+        self.cap = last if self.cap is None else min(self.cap, last)
+        self._drain(whole=True)
+        if self.fed < last:
+            self.out.feed(np.zeros(last - self.fed, dtype=np.float32))
+        return self.out.result()
+
+    def _drain(self, *, whole: bool) -> None:
+        """Feeds the FIFO's samples on, a chunk at a time: all of them, or whole chunks only."""
+        while self._fifo.samples >= (1 if whole else RESAMPLE_CHUNK):
+            frame = self._fifo.read(min(RESAMPLE_CHUNK, self._fifo.samples))
+            lo = self._head
+            self._head += frame.samples
+            start, stop = max(lo, self.fed), self._head if self.cap is None else min(self._head, self.cap)
+            if start >= stop:
+                continue  # before the span (a seek's lead-in), past its cap, or decoded already
+            if start > self.fed:  # a hole in the stream
+                self.out.feed(np.zeros(start - self.fed, dtype=np.float32))
+            if (start, stop) == (lo, self._head) and len(frame.planes) == 1:
+                self.out.feed(frame)
+            else:
+                self.out.feed(_mix(frame.to_ndarray()[:, start - lo : stop - lo]))
+            self.fed = stop
+
+
+def _mix(planes: np.ndarray) -> np.ndarray:
+    """[channels, samples] float32 to mono, as ``_downmix`` does for [samples, channels]."""
+    return planes[0] if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)

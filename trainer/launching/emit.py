@@ -359,7 +359,7 @@ def _meeting_point(spec: EmitSpec) -> str:
     return "job's torchft lighthouse" if spec.replica_groups else "c10d rendezvous store"
 
 
-# -- the job's secret (recovery.job_secret; README "Security") --------------------------------
+# -- the job's secret (recovery/channel/secret.py; README "Security") --------------------------------
 
 
 def _slurm_job_secret() -> list[str]:

@@ -13,7 +13,7 @@ import torch
 
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram.tier import RamTier
-from resilient.recovery.ram.timeline import Timeline
+from resilient.recovery.timeline import Timeline
 from tests.recovery.ram.workers import empty_state, state_of
 
 

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from resilient.errors import ResilientError
+from resilient.recovery.channel import ReplicationClient
 from resilient.recovery.ram.buddy import BuddyHandler
 from resilient.recovery.ram.pairing import Pairing
-from resilient.recovery.ram.store import RankStore, SnapshotIndex, first_corruption
+from resilient.recovery.ram.store import NodeStores, RankStore
+from resilient.recovery.ram.view import RamView
+from resilient.recovery.snapshot_format import SnapshotIndex, first_corruption
+from resilient.recovery.timeline import UNTRACKED
 from tests.recovery.ram.workers import write_snapshot
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _rank1_handler(tmp_path) -> BuddyHandler:
+    """Rank 1's handler in a world of two one-rank nodes: it keeps rank 0's copies in
+    ``tmp_path/buddy/rank0``."""
+
+    def no_network(rank: int) -> ReplicationClient:
+        raise AssertionError("the buddy handler never connects to another rank")
+
+    stores = NodeStores(str(tmp_path), keep=2)
+    pairing = Pairing(world_size=2, ranks_per_node=1)
+    view = RamView(1, pairing, stores.own(1), stores, UNTRACKED, topology={}, connect=no_network)
+    return BuddyHandler(view)
 
 
 def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
@@ -23,9 +38,7 @@ def test_a_received_copy_is_stored_under_its_own_slot_and_verifies(tmp_path):
     index.rank = 0
     assert index.slot != "slot0.bin"
     kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
-    handler = BuddyHandler(
-        SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
-    )
+    handler = _rank1_handler(tmp_path)
     handler.put(0, "rank0/step-000000003", {"index": index.to_json()}, memoryview(sender.data(index).numpy()))
     copy = kept.indexes()[3]
     assert copy.slot == "slot0.bin" and first_corruption(copy, kept.data(copy)) is None
@@ -39,9 +52,7 @@ def _rank1_keeping_step5_of_rank0(tmp_path) -> tuple[SnapshotIndex, memoryview, 
     index = sender.indexes()[5]
     index.rank = 0
     kept = RankStore(str(tmp_path / "buddy" / "rank0"), keep=2)
-    handler = BuddyHandler(
-        SimpleNamespace(pairing=Pairing(world_size=2, ranks_per_node=1), rank=1, buddy_store=lambda rank: kept)
-    )
+    handler = _rank1_handler(tmp_path)
     return index, memoryview(sender.data(index).numpy())[: index.nbytes], kept, handler
 
 

@@ -9,10 +9,9 @@ import crc32c
 import pytest
 import torch
 
-from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
+from resilient.recovery.channel import ReplicationClient, ReplicationServer, Scatter
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
-from resilient.recovery.ram.store import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
-from resilient.recovery.ram.wire import Scatter
+from resilient.recovery.snapshot_format import CrcAsItLands, SnapshotIndex, checksum, layout_tensors, tensor_view
 
 pytestmark = pytest.mark.timeout(60)
 

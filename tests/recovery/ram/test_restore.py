@@ -1,4 +1,5 @@
-"""The RAM tier's one collective restore decision (``recovery/ram/restore.py``), on real gloo ranks."""
+"""The RAM tier's one collective restore decision (``recovery/ram/restore.py``), on real gloo ranks,
+and on one process over a ``RamView`` of plain stores (no tier)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from resilient.recovery.channel import ReplicationClient
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.restore import choose_step
-from resilient.recovery.ram.store import RankStore, node_store_dir
+from resilient.recovery.ram.pairing import Pairing
+from resilient.recovery.ram.restore import choose_step, restore_from_ram
+from resilient.recovery.ram.store import NodeStores, RankStore, node_store_dir
+from resilient.recovery.ram.view import RamView
+from resilient.recovery.timeline import Timeline
 from tests.dist import run_world
 from tests.recovery.ram import workers
 
@@ -131,3 +137,33 @@ def test_the_choice_is_the_newest_step_every_rank_gets_from_its_own_store_or_its
     assert choose_step(reports, {2, 4}) is None
     # one node: no buddies, own snapshots only
     assert choose_step([{"own": [1, 3], "kept": {}}, {"own": [3], "kept": {}}], set()) == 3
+
+
+def test_the_decision_needs_only_a_view_and_says_why_each_snapshot_cannot_restore(tmp_path):
+    # One rank, one process (``dist.agree`` runs locally): the stores, timeline and topology come
+    # from the view alone. Each snapshot that cannot restore is excluded with its one reason.
+    def no_network(rank: int) -> ReplicationClient:
+        raise AssertionError("nothing to fetch from another rank")
+
+    stores = NodeStores(str(tmp_path), keep=4)
+    own, current = stores.own(0), ("run", "0-aa")
+    workers.write_snapshot(own, 2, 2.0, tags=current)
+    workers.write_snapshot(own, 3, 3.0, tags=("run", "0-old"))  # an abandoned timeline
+    workers.write_snapshot(own, 5, 5.0, tags=current)  # after the step asked for
+    kept = stores.kept(0)
+    workers.write_snapshot(kept, 4, 4.0, tags=current)
+    stray = kept.indexes()[4]
+    stray.rank = 1  # another rank's snapshot, in the copies kept for rank 0 (left by a renumbering)
+    kept.publish(stray)
+    view = RamView(0, Pairing(1, 1), own, stores, Timeline("run", 0, "0-aa"), topology={}, connect=no_network)
+    state = {"a": torch.zeros(5, 3), "b": torch.zeros(4).bfloat16(), "v": 0.0}
+    result = restore_from_ram(view, state, None, newest=4)
+    assert (result.step, result.source, result.sources) == (2, "own", ["own"])
+    assert state["v"] == 2.0 and torch.equal(state["a"], torch.full((5, 3), 2.0))
+    reasons = {e["step"]: (e["source"], e["reason"]) for e in result.excluded}
+    assert reasons == {
+        3: ("own", "timeline '0-old' was abandoned: a restore not from RAM or a load_step began '0-aa'"),
+        5: ("own", "newer than the step asked for (checkpoint.load_step=4)"),
+        4: ("buddy", "copy kept for rank 0: taken on rank 1, not 0"),
+    }
+    assert sorted(own.indexes()) == [2] and kept.indexes() == {}  # the abandoned steps after 2 are hidden

@@ -8,15 +8,9 @@ import time
 import pytest
 import torch
 
-from resilient.recovery.ram.store import (
-    RankStore,
-    check_private_dir,
-    clean_stale_stores,
-    first_corruption,
-    mark_store,
-    tensor_view,
-)
-from resilient.recovery.ram.timeline import Timeline
+from resilient.recovery.ram.store import RankStore, check_private_dir, clean_stale_stores, mark_store
+from resilient.recovery.snapshot_format import first_corruption, tensor_view
+from resilient.recovery.timeline import Timeline
 from tests.recovery.ram.workers import write_snapshot
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,15 +9,9 @@ import os
 import torch
 
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import (
-    RankStore,
-    SnapshotIndex,
-    checksum,
-    layout_tensors,
-    local_tensors,
-    tensor_view,
-)
+from resilient.recovery.ram.store import RankStore
 from resilient.recovery.ram.tier import RamTier
+from resilient.recovery.snapshot_format import SnapshotIndex, checksum, layout_tensors, local_tensors, tensor_view
 from resilient.state import flatten_state
 
 
@@ -101,7 +95,7 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
     """A restarted rank: restore into an empty state; report the outcome and the values. A copy
     fetched from a buddy lands in an anonymous mapping whatever its size (as snapshots of 8 MiB and
     more do), so these small states test that path too."""
-    from resilient.recovery.ram import wire
+    from resilient.recovery.channel import wire
 
     wire.MAPPED_BUFFER_MIN_BYTES = 1
     fresh = wire.fresh_buffer

@@ -12,10 +12,9 @@ import socket
 import numpy as np
 import pytest
 
-from resilient.recovery.ram import wire
-from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer
-from resilient.recovery.ram.handler import PutTarget
-from tests.recovery.ram.test_channel import _wait_for
+from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, wire
+from resilient.recovery.channel.handler import PutTarget
+from tests.recovery.channel.test_channel import _wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

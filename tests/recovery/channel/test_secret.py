@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery.job_secret import SECRET_ENV, job_secret
+from resilient.recovery.channel.secret import SECRET_ENV, job_secret
 from resilient.runfiles import JOB_KEY_FILE as KEY_FILE
 
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from resilient.recovery.ram.channel import ReplicationClient, ReplicationServer
+from resilient.recovery.channel import ReplicationClient, ReplicationServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
 """A replication server in a process with almost no file descriptors left (``RLIMIT_NOFILE``):
-``python -m tests.recovery.ram.fd_server SECRET_HEX SPARE_FDS`` prints its port, serves ``key`` ->
+``python -m tests.recovery.channel.fd_server SECRET_HEX SPARE_FDS`` prints its port, serves ``key`` ->
 b"value" until stdin closes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import resource
 import sys
 
-from resilient.recovery.ram.channel import ReplicationServer
+from resilient.recovery.channel.server import ReplicationServer
 
 
 class _One:

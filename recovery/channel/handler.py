@@ -1,5 +1,5 @@
 """What a replication channel server stores into and serves from: the handler's side of
-``resilient.recovery.ram.channel`` (the RAM tier's is ``ram.buddy.BuddyHandler``)."""
+``resilient.recovery.channel.server`` (the RAM tier's is ``ram.buddy.BuddyHandler``)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""Authenticated TCP channel that copies RAM-tier snapshots to a buddy rank on another node.
+"""The server end of the replication channel: accepts authenticated peers and stores into and
+serves from a handler (``handler.ChannelHandler``: the RAM tier's buddy store, a heal source), and
+the address it listens on (``bind_host``).
 
-The copy never travels over the training process group: a slow or dead buddy must not stall a
-collective, and nobody outside the job may plant or read a snapshot. Every peer and every message is
-therefore authenticated with the job's secret (an HMAC key handed out through the rendezvous), and
-anything that fails a check is dropped before a byte of it is stored.
-
-The bytes on the wire (handshake, framing, MACs) are ``resilient.recovery.ram.wire``'s; this module
-holds the two ends that speak it: ``ReplicationServer`` (stores into and serves from a handler) and
-``ReplicationClient``. Ops: ``put`` -> ``ok`` | ``error``; ``get`` -> ``value`` (meta + payload) |
-``missing`` | ``error``.
-
-No bounce buffers: a put's payload is sent from the caller's memory (e.g. the mapped snapshot slot),
-encrypted chunk by chunk as it goes out; a handler with ``reserve_put`` has it decrypted straight into
-its own memory (e.g. a buddy store slot), chunk by chunk as it lands, and ``get(key, into=...)``
-does the same for the client (into one buffer, or scattered over several: the training tensors).
-The wire MAC covers every payload byte, so nothing here re-checksums.
+No bounce buffers: a handler with ``reserve_put`` has a put's payload decrypted straight into its
+own memory (e.g. a buddy store slot), chunk by chunk as it lands. The wire MAC covers every payload
+byte, so nothing here re-checksums.
 
 A protocol violation closes the connection and its reason goes to
 ``ReplicationServer.rejected``; a handler exception becomes an ``error`` reply and the connection
@@ -38,29 +28,28 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from resilient.errors import ConfigError
-from resilient.recovery.ram.handler import ChannelHandler, PutTarget
-from resilient.recovery.ram.wire import (
+from resilient.recovery.channel.handler import ChannelHandler, PutTarget
+from resilient.recovery.channel.wire import (
     DISCARD,
     EMPTY,
     ChannelError,
-    Destination,
     Message,
     OversizedMessage,
     Scatter,
     Session,
+    byte_view,
+    check_positive,
     check_secret,
-    client_handshake,
     describe,
     encode_header,
     server_handshake,
 )
+from resilient.recovery.config import RamTierConfig
 
 log = logging.getLogger(__name__)
 
-_MAX_KEY_CHARS = 4096
 _POLL_S = 0.25  # how often idle waits look at the closing flag
 MAX_UNAUTHENTICATED = 16
 """Connections that have not finished the handshake, at most: more are closed at once, so that
@@ -68,24 +57,6 @@ idle strangers cannot take every file descriptor (nor thread) of the process."""
 HANDSHAKE_S = 5.0
 """The handshake's deadline (a peer of the job answers in milliseconds), shorter than ``timeout_s``."""
 _ACCEPT_BACKOFF_S = (0.01, 1.0)
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not key or len(key) > _MAX_KEY_CHARS:
-        raise ConfigError(f"key must be a non-empty str of at most {_MAX_KEY_CHARS} chars, got {key!r:.80}")
-
-
-def _byte_view(data: bytes | bytearray | memoryview, key: str) -> memoryview:
-    """A flat byte view of ``data`` without copying it (tensors' memoryviews may be typed or N-D)."""
-    view = memoryview(data)
-    if not view.c_contiguous:
-        raise ConfigError(f"payload for key {key!r} is not C-contiguous; pass a contiguous buffer")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -122,7 +93,7 @@ class ReplicationServer:
     ) -> None:
         self._secret = check_secret(secret)
         self._thread_nice = thread_nice
-        _check_positive("timeout_s", timeout_s)
+        check_positive("timeout_s", timeout_s)
         if not 0 <= max_message_bytes < 1 << 64:
             raise ConfigError(f"max_message_bytes must be in [0, 2**64), got {max_message_bytes}")
         self._handler = handler
@@ -312,7 +283,7 @@ class ReplicationServer:
                 return "missing", {}, EMPTY
             meta, data = held
             encode_header("value", key, meta)  # a bad header must become an error reply, not a half-sent one
-            return "value", meta, _byte_view(data, key)
+            return "value", meta, byte_view(data, key)
         except Exception as e:
             return self._handler_failed("get", rank, key, e)
 
@@ -355,7 +326,7 @@ class _Landing:
             self.refused = e
             return DISCARD
         try:
-            buffer = _byte_view(target.buffer, key)
+            buffer = byte_view(target.buffer, key)
         except Exception as e:  # a reservation made but unusable: give it back, then refuse as above
             target.abort()
             self.refused = e
@@ -371,129 +342,14 @@ class _Landing:
             self.target.abort()
 
 
-class ReplicationClient:
-    """Sends snapshots to, and fetches them back from, one buddy's ``ReplicationServer``.
-
-    Connects lazily and keeps the connection for later requests; one request at a time (a lock).
-    After any failure the connection is dropped (its stream position is unknown) and the next
-    request reconnects.
-    """
-
-    def __init__(
-        self,
-        secret: bytes,
-        address: tuple[str, int],
-        *,
-        rank: int,
-        timeout_s: float = 30.0,
-        bytes_per_s: float = 0.0,
-    ) -> None:
-        self._secret = check_secret(secret)
-        _check_positive("timeout_s", timeout_s)
-        if bytes_per_s < 0:
-            raise ConfigError(f"bytes_per_s must be >= 0 (0 = unthrottled), got {bytes_per_s}")
-        self.address = (address[0], int(address[1]))
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.bytes_per_s = bytes_per_s
-        self._lock = threading.Lock()
-        self._session: Session | None = None
-        self._max_message_bytes = 0
-
-    def __repr__(self) -> str:
-        return f"ReplicationClient(rank={self.rank}, address={self.address}, connected={self._session is not None})"
-
-    def __enter__(self) -> ReplicationClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def put(self, key: str, header: dict, payload: bytes | bytearray | memoryview) -> None:
-        """Store ``payload`` under ``key`` on the buddy; raises ChannelError if refused, failed or timed out."""
-        _check_key(key)
-        view = _byte_view(payload, key)
-        encode_header("put", key, header)  # fail on a bad header before touching the network
-        with self._lock:
-            self._request("put", key, header, view, expected=("ok",))
-
-    def get(
-        self, key: str, into: Callable[[dict, int], memoryview | Scatter | None] | None = None
-    ) -> tuple[dict, bytearray | memoryview | Scatter] | None:
-        """The buddy's copy of ``key`` (header, payload), or None when the buddy does not hold it.
-
-        The payload is the memory it was received into, no copy of a possibly huge snapshot: fresh
-        memory (``wire.fresh_buffer``: a bytearray, or from 8 MiB a memoryview over an anonymous
-        mapping), or what ``into(header, nbytes)`` returned when given (called once the header is
-        authenticated): one writable view, or a ``wire.Scatter`` of them filled in order; None there
-        means fresh memory. Those views hold the sender's bytes only if ``get`` returns without
-        raising.
-        """
-        _check_key(key)
-
-        def destination(op: str, reply_key: str, meta: dict, nbytes: int) -> memoryview | Scatter | None:
-            target = into(meta, nbytes) if into is not None and op == "value" else None
-            if isinstance(target, Scatter):
-                return Scatter([_byte_view(view, key) for view in target.views], target.landed)
-            return None if target is None else _byte_view(target, key)
-
-        with self._lock:
-            reply = self._request("get", key, {}, EMPTY, expected=("value", "missing"), destination=destination)
-        return None if reply.op == "missing" else (reply.meta, reply.payload)
-
-    def close(self) -> None:
-        with self._lock:
-            self._drop()
-
-    def _request(
-        self,
-        op: str,
-        key: str,
-        meta: dict,
-        payload: memoryview,
-        expected: tuple[str, ...],
-        destination: Destination | None = None,
-    ) -> Message:
-        where = f"replication {op} of key {key!r} by rank {self.rank} to {self.address[0]}:{self.address[1]}"
-        try:
-            session = self._connect()
-            if payload.nbytes > self._max_message_bytes:
-                raise ChannelError(
-                    f"payload of {payload.nbytes} bytes exceeds the server's max_message_bytes="
-                    f"{self._max_message_bytes}; raise it on the buddy or send smaller pieces"
-                )
-            session.send(op, key, meta, payload, self.bytes_per_s)
-            reply = session.receive(self._max_message_bytes, destination)
-        except (ChannelError, OSError) as e:
-            self._drop()
-            raise ChannelError(f"{where} failed: {describe(e)}") from e
-        except BaseException:  # e.g. from get's ``into``: the reply is half read, so the stream is lost
-            self._drop()
-            raise
-        if reply.op == "error":
-            raise ChannelError(f"{where} refused by the server: {reply.meta.get('message', 'no reason given')}")
-        if reply.op not in expected or reply.key != key:
-            self._drop()
-            raise ChannelError(f"{where} got an unexpected reply {reply.op!r} for key {reply.key!r}")
-        return reply
-
-    def _connect(self) -> Session:
-        if self._session is not None:
-            return self._session
-        try:
-            sock = socket.create_connection(self.address, timeout=self.timeout_s)
-        except OSError as e:
-            raise ChannelError(f"cannot connect: {describe(e)}") from e
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._session, self._max_message_bytes = client_handshake(sock, self._secret, self.rank, self.timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        log.debug("[rank %d] replication channel connected to %s:%d", self.rank, *self.address)
-        return self._session
-
-    def _drop(self) -> None:
-        if self._session is not None:
-            self._session.sock.close()
-            self._session = None
+def bind_host(config: RamTierConfig) -> str:
+    """``recovery.bind_host``, else the local address of the interface that reaches the job's master."""
+    if config.bind_host:
+        return config.bind_host
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    # The job's own network: connecting a UDP socket sends nothing, and gethostname() can resolve
+    # to 127.0.1.1.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(master), port))
+        return probe.getsockname()[0]

@@ -15,8 +15,7 @@ import time
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.recovery.ram import wire
-from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
 """The secret every rank of one job shares: it keys the heal channel across groups, and each
-group's RAM tier channel key is derived from it (``ram.buddy.shared_secret``), so no key is ever
+group's RAM tier channel key is derived from it (``shared_secret``), so no key is ever
 sent over a process group (plain TCP across nodes). It comes from what every rank shares:
 
 1. ``$RESILIENT_JOB_SECRET`` (hex, at least 16 bytes) when set: multi-node jobs hand it out like
@@ -12,14 +12,19 @@ sent over a process group (plain TCP across nodes). It comes from what every ran
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import secrets
 
+from resilient import dist as rdist
 from resilient.errors import ConfigError
-from resilient.recovery.ram.wire import check_secret
+from resilient.recovery.channel.wire import check_secret
 from resilient.runfiles import JOB_KEY_FILE
 
 SECRET_ENV = "RESILIENT_JOB_SECRET"
+# Domain separation: the heal channel is keyed with the job secret itself.
+RAM_KEY_LABEL = b"resilient/ram/v1/group/"
 _SECRET_BYTES = 32
 
 
@@ -76,3 +81,36 @@ def _read(path: str) -> bytes:
         return check_secret(bytes.fromhex(text))
     except ValueError as e:
         raise ConfigError(f"job key {path} is damaged ({e}); delete it to make a new one") from e
+
+
+def shared_secret(run_dir: str, group: int) -> bytes:
+    """The channel key of replica group ``group``, the same on every rank (collective: a check).
+
+    Derived on every rank from the job secret (``job_secret``) and never sent: the
+    group's process group runs over plain TCP across nodes, so a key sent on it could be read off
+    the wire. Each group gets its own key, so a buddy copy cannot be replayed into another group.
+    Every rank then shares a fingerprint of its key (HMAC of a fixed label: it reveals nothing of the
+    key), so ranks whose job secret differs (a node that made its own job.key) fail here, together,
+    with one line, rather than refusing each other's copies later.
+    """
+    keys: list[bytes] = []
+
+    def derive() -> str:
+        key = hmac.new(job_secret(run_dir), RAM_KEY_LABEL + str(group).encode(), hashlib.sha256).digest()
+        keys.append(key)
+        return hmac.new(key, b"fingerprint", hashlib.sha256).hexdigest()[:16]
+
+    fingerprints = rdist.agree(derive, what="RAM tier channel key")
+    if len(set(fingerprints)) > 1:
+        ranks = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+        raise ConfigError(
+            f"ranks {ranks} hold another job secret than rank 0 (run dir {run_dir}): give every "
+            f"node the same ${SECRET_ENV}, or a run.dir on a filesystem every node shares"
+        )
+    return keys[0]
+
+
+def secret_fingerprint(secret: bytes) -> str:
+    """What may be shown of the job secret: an HMAC of a fixed label under it (it reveals nothing of
+    the secret), equal for equal secrets: two groups compare theirs through the checkpoint root."""
+    return hmac.new(secret, b"job secret fingerprint", hashlib.sha256).hexdigest()[:16]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.recovery.ram import channel
-from resilient.recovery.ram.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer
+from resilient.recovery.channel import server as channel
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[3]
 def test_idle_strangers_past_the_fd_limit_do_not_stop_the_server():
     secret = secrets.token_bytes(32)
     server = subprocess.Popen(
-        [sys.executable, "-m", "tests.recovery.ram.fd_server", secret.hex(), "6"],
+        [sys.executable, "-m", "tests.recovery.channel.fd_server", secret.hex(), "6"],
         cwd=REPO,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -35,7 +35,7 @@ Protocol, version 3 (integers big-endian, ``|`` is concatenation, ``sn``/``cn`` 
   counts as the sender's only once ``tag`` verifies: a destination must not publish it before
   ``receive`` returns.
 
-Nothing here opens, accepts or serves a connection (``resilient.recovery.ram.channel`` does); this
+Nothing here opens, accepts or serves a connection (``resilient.recovery.channel.server`` does); this
 module turns bytes on a connected socket into authenticated messages and back.
 """
 
@@ -132,6 +132,20 @@ def check_secret(secret: bytes) -> bytes:
             f"secret must be bytes of at least {_MIN_SECRET_BYTES} (use secrets.token_bytes(32) from the rendezvous)"
         )
     return bytes(secret)
+
+
+def check_positive(name: str, value: float) -> None:
+    """A channel end's timeout must be > 0 seconds."""
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
+
+
+def byte_view(data: bytes | bytearray | memoryview, key: str) -> memoryview:
+    """A flat byte view of ``data`` without copying it (tensors' memoryviews may be typed or N-D)."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ConfigError(f"payload for key {key!r} is not C-contiguous; pass a contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _proof(secret: bytes, tag: bytes, server_nonce: bytes, client_nonce: bytes, rank: int, extra: bytes = b"") -> bytes:

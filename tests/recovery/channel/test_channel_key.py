@@ -10,9 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from resilient.errors import ConfigError
-from resilient.recovery.job_secret import SECRET_ENV
-from resilient.recovery.ram import buddy
-from resilient.recovery.ram.buddy import shared_secret
+from resilient.recovery.channel import secret
+from resilient.recovery.channel.secret import SECRET_ENV, shared_secret
 
 
 @pytest.mark.timeout(10)
@@ -36,6 +35,6 @@ def test_key_is_derived_per_group_and_never_broadcast(tmp_path: Path, monkeypatc
 def test_ranks_with_another_job_secret_fail_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "ab" * 32)
     # Rank 1 of a two-rank group derived its key from another secret (its own node's job.key).
-    monkeypatch.setattr(buddy.rdist, "agree", lambda fn, **kw: [fn(), "0" * 16])
+    monkeypatch.setattr(secret.rdist, "agree", lambda fn, **kw: [fn(), "0" * 16])
     with pytest.raises(ConfigError, match=r"ranks \[1\] hold another job secret.*RESILIENT_JOB_SECRET"):
         shared_secret(str(tmp_path), 0)
