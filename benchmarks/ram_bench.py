@@ -367,7 +367,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue, s3_u
         dist.destroy_process_group()
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mib", type=float, default=256, help="state per rank for the restore comparison")
     parser.add_argument("--loop-mib", type=float, default=64, help="model + AdamW state per rank in the loop")
@@ -406,7 +406,11 @@ def main() -> None:
         default=moto_available(),
         help="also restore from S3 on a loopback moto_server (default: on when the venv has moto_server)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.s3 and not moto_available():
         raise SystemExit(f"--s3 needs moto_server at {moto_path()} and boto3: pip install 'moto[server]' boto3")
     if args.rounds < 1 or args.block_steps < 1 or args.restore_repeats < 1:
