@@ -4,7 +4,8 @@ Off unless ``RESILIENT_FAULTS`` is set, e.g. ``persist.first_region_issued=pause
 at that point, rank 1 writes ``<RESILIENT_FAULTS_DIR>/<point>.rank1`` (so a test knows it got
 there) and sleeps 30 s, long enough to be SIGKILLed mid-write. Actions: ``pause:SECONDS``,
 ``raise`` (an OSError, as a failing disk would), ``enospc`` (the OSError of a full disk), ``exit``
-(os._exit(43), a crash).
+(os._exit(43), a crash). ``@group1`` (or ``@group1rank0``) limits a fault to replica group 1
+(``RESILIENT_GROUP``): every group has a rank 0.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _targets() -> tuple[str, ...]:
+    rank, group = f"rank{_rank()}", f"group{os.environ.get('RESILIENT_GROUP', '0')}"
+    return (rank, group, group + rank)
+
+
 def _matching(point: str) -> str | None:
     spec = os.environ.get("RESILIENT_FAULTS", "")
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, action = item.partition("=")
         action, _, who = action.partition("@")
-        if name == point and (not who or who == f"rank{_rank()}"):
+        if name == point and (not who or who in _targets()):
             return action
     return None
 

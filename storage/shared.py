@@ -55,3 +55,59 @@ def _write_token(store: ObjectStore) -> dict[str, str]:
     key = f"{CHECK_PREFIX}{token}.json"
     store.write(key, json.dumps({"token": token}).encode())
     return {"key": key, "url": store.location.url}
+
+
+# -- across replica groups ---------------------------------------------------------------------
+#
+# Groups share no process group, only the quorum: each group's rank 0 leaves a token under the
+# root before the group first joins a quorum, and names in it the member id the quorum lists it
+# by. A group that sees a member in its quorum reads that member's token: a member whose token it
+# cannot find writes to another place. The check above already holds every rank of a group to its
+# rank 0's root, so rank 0's view stands for its group.
+
+GROUP_TOKEN = CHECK_PREFIX + "group{group}.json"
+"""One token per group, overwritten by each of its starts (its member id changes with each)."""
+
+
+def write_group_token(store: ObjectStore, group: int, *, member: str, job: str, secret: str) -> None:
+    """Rank 0 of ``group``: the token its quorum peers read (``member``: its id in the quorum;
+    ``job``: the job's identity; ``secret``: a fingerprint of the job secret, never the secret)."""
+    record = {"member": member, "job": job, "secret": secret, "host": socket.gethostname()}
+    store.write(GROUP_TOKEN.format(group=group), json.dumps(record).encode())
+
+
+def remove_group_token(store: ObjectStore, group: int) -> None:
+    store.delete_prefix(GROUP_TOKEN.format(group=group))
+
+
+def check_group_tokens(
+    store: ObjectStore, group: int, members: dict[int, tuple[str, bool]], *, job: str, secret: str
+) -> None:
+    """Rank 0 of ``group``: ConfigError unless every other member group of its quorum left its token
+    under this root. ``members``: group -> (member id, proven: it showed it holds the job secret).
+    A member that could not prove itself may be a stranger: only a token of this job that names
+    another job secret is held against it (its run.dir made a job key of its own)."""
+    unseen, other_secret, hosts = [], [], set()
+    for other, (member, proven) in sorted(members.items()):
+        data = store.read(GROUP_TOKEN.format(group=other))
+        token = json.loads(data) if data is not None else {}
+        # This job's token: the member's own, or (the same job) a newer start's of that group.
+        ours = token.get("job") == job or (proven and token.get("member") == member)
+        if proven and not ours:
+            unseen.append(other)
+        elif ours and token.get("secret") != secret:
+            other_secret.append(other)
+            hosts.add(token.get("host", "?"))
+    if unseen:
+        raise ConfigError(
+            f"checkpoint.url={store.location.url} is not shared between the replica groups: group {group} (on "
+            f"{socket.gethostname()}) does not see the file group(s) {unseen} wrote there, so they would commit "
+            "steps it never sees; set checkpoint.url to a directory every node mounts (a shared filesystem) or "
+            "to an s3:// URL"
+        )
+    if other_secret:
+        raise ConfigError(
+            f"replica group(s) {other_secret} (on {', '.join(sorted(hosts))}) hold another job secret than group "
+            f"{group}: each made its own <run.dir>/job.key because run.dir is not shared between the nodes; set "
+            "$RESILIENT_JOB_SECRET to the same value on every node, or run.dir to a directory every node mounts"
+        )

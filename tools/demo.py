@@ -48,7 +48,8 @@ from resilient.runfiles import (
 from resilient.tools.demo_media import run_media_phase
 from resilient.tools.demo_ram import run_ram_phase
 from resilient.trainer.config import load_config
-from resilient.trainer.launching.launch import ReplicaJob, ReplicaLaunch, run, torchrun_command
+from resilient.trainer.launching.launch import ReplicaJob, ReplicaLaunch
+from resilient.trainer.launching.torchrun import run, torchrun_command
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "demo.toml")
 RUN_DIR = os.path.abspath(os.environ.get("RESILIENT_DEMO_DIR", "runs/demo"))

@@ -20,7 +20,7 @@ from collections import Counter
 
 from resilient.runfiles import SAMPLES_FILE, SKIPPED_FILE, group_file, read_jsonl, read_jsonl_by_step
 from resilient.trainer.data.shards.format import SKIPPED as BUILD_SKIPPED_FILE
-from resilient.trainer.launching.launch import run, torchrun_command
+from resilient.trainer.launching.torchrun import run, torchrun_command
 
 FIRST_STEPS, MORE_STEPS = 4, 5
 SETTINGS = [

@@ -37,18 +37,12 @@ from resilient.trainer.launching.emit import (
     EMIT_KINDS,
     EmitSpec,
     check_k8s_root,
+    check_slurm_run_dir,
     emit_flag_error,
     k8s_manifest,
     slurm_script,
 )
-from resilient.trainer.launching.launch import (
-    ReplicaLaunch,
-    check_nproc,
-    run,
-    run_replicated,
-    torchrun_command,
-    trainer_args,
-)
+from resilient.trainer.launching.launch import ReplicaLaunch, run_replicated
 from resilient.trainer.launching.multinode import (
     MULTINODE_RESTARTS,
     NODE_RANK_ENV,
@@ -58,12 +52,15 @@ from resilient.trainer.launching.multinode import (
     rendezvous_of,
     split_ranks,
 )
+from resilient.trainer.launching.torchrun import check_nproc, run, torchrun_command, trainer_args
 from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 from resilient.trainer.preempt import (
     PREEMPTED_EXIT,
     forwarded_signals,
     launcher_grace_s,
     preempt_flags,
+    preempted_events,
+    preempted_exit,
     preempted_since,
 )
 
@@ -133,6 +130,11 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )
     emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
     emit.add_argument("--image", help="k8s (required): container image with resilient installed")
+    emit.add_argument(
+        "--run-volume",
+        metavar="CLAIM",
+        help="k8s (required): a ReadWriteMany PersistentVolumeClaim every pod mounts for run.dir",
+    )
     emit.add_argument("--time", default="24:00:00", help="slurm: the job's time limit, [DAYS-]HH:MM:SS")
     emit.add_argument("--cpus-per-node", type=int, default=0, help="CPUs per node (default: 8 per rank)")
     emit.add_argument(
@@ -159,6 +161,8 @@ def emit_files(args: argparse.Namespace) -> int:
         low, high = parse_nnodes(args.nnodes or "2")
         if args.emit == "k8s":
             check_k8s_root(config.checkpoint.url)
+        else:
+            check_slurm_run_dir(config.run.dir)
         if groups:
             _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
             per_node = groups // high * args.nproc_per_group
@@ -182,11 +186,14 @@ def emit_files(args: argparse.Namespace) -> int:
             trainer_args=trainer_args(args),
             preempt_grace_s=config.run.preempt_grace_s,
             preempt_signal=config.run.preempt_signal or "SIGUSR1",
+            run_dir=config.run.dir,
+            run_volume=args.run_volume or "",
         )
+        text = slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec), end="")
+    print(text, end="")
     return 0
 
 
@@ -246,10 +253,15 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     code = run_replicated(launch, forwarded_signals(config))
     line = reported_since(config.run.dir, started)
-    # A group stopped for a preemption; 143 (resumable) only if no group failed for a reason of its
-    # own (one that failed writing the stop step says so, and a rerun would not fix it by itself).
-    if preempted_since(config.run.dir, started) and line is None:
-        return PREEMPTED_EXIT
+    # The groups stopped for a preemption: 143 (resumable from the stop step) only if every group
+    # that stopped saw that one step committed and none failed for a reason of its own (one that
+    # failed writing the stop step says so, and a rerun would not fix it by itself).
+    stopped = preempted_events(config.run.dir, started, launch.groups_here())
+    if stopped and line is None:
+        code, why = preempted_exit(stopped)
+        if why:
+            print(why, file=sys.stderr)
+        return code
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     elif code != 0 or line:

@@ -39,14 +39,7 @@ from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, f
 from resilient.trainer.observing.observe import RunObserver
 from resilient.trainer.observing.outputs import RunOutputs, StepStats, sort_sample_ids
 from resilient.trainer.observing.peak import Peak
-from resilient.trainer.preempt import (
-    Preempted,
-    PreemptWatch,
-    preempt_signals,
-    save_stop_step,
-    stop_line,
-    stop_preempted,
-)
+from resilient.trainer.preempt import Preempted, PreemptWatch, preempt_signals, stop_trainer
 from resilient.trainer.state import TrainingParts, apply_state, capture_state
 from resilient.trainer.sync import LocalSync, StepSync
 
@@ -66,6 +59,9 @@ class StepResult:
     """The sync committed the step: the optimizer stepped (else it is retried on the same batch)."""
     data_skipped: int = 0
     """Documents of the global batch that could not be built (their slots were padding)."""
+    preempt: int = 0
+    """The preemption signal some rank (of any participating group) got before this committed step's
+    sums: every rank stops after this step (``trainer.preempt``); 0 if none did."""
 
 
 class Trainer:
@@ -91,6 +87,7 @@ class Trainer:
         self.dp_group = mesh["dp_shard"].get_group()
         self.pp_group = mesh["pp"].get_group() if parts.stages is not None else None
         """The ranks of this rank's pipeline (None without pipelining)."""
+        self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
         first_stage = parts.stages is None or mesh["pp"].get_local_rank() == 0
         self._logs_group_skips = first_stage and mesh["tp"].get_local_rank() == 0
         """Whether this rank speaks for the ranks that share its rows (tp peers, pipeline stages)."""
@@ -191,30 +188,16 @@ class Trainer:
 
     def _stop_preempted(self, signum: int) -> Preempted:
         """Save the current step (if this group writes it), wait for its commit, record the event."""
-        wrote, ckpt, steps, writes = [False], self.checkpointer, self._committed_steps, self._saves_this_step
-
-        def save() -> None:
-            wrote[0] = save_stop_step(self.step, wait=ckpt.wait, committed=steps, writes=writes, save=self.save)
-
-        def record(event: str, **fields: Any) -> None:
-            if self.outputs.enabled:
-                write_event(self.config.run.dir, event, group=group_id(), wrote=wrote[0], **fields)
-            ours = wrote[0] or isinstance(self.sync, LocalSync)  # a lone group wrote every step it has
-            self.outputs.message(stop_line(self.step, committed=fields["committed"], ours=ours))
-
         with self.observer.paused():  # the save may take long: not a hang
-            return stop_preempted(self.step, signum, save=save, committed=self._committed_steps, record=record)
+            return stop_trainer(self, signum)
 
     # -- one step ----------------------------------------------------------------------------
 
     def _iteration(self) -> None:
         """One step attempt. A committed step moves the data cursor and the step count, saves and
         snapshots when due, logs and runs the step hooks; a step the sync did not commit changes
-        nothing and is tried again (same global batch). First the ranks agree whether the job was
-        asked to stop (a preemption signal on any rank): then the current step is saved instead."""
-        signum = self.preemption.agreed()
-        if signum:
-            raise self._stop_preempted(signum)
+        nothing and is tried again (same global batch). A committed step whose sums say the job was
+        asked to stop (a preemption signal on any rank) is saved, and the run stops there."""
         self.observer.attempt(self.step)
         start = time.perf_counter()
         batch, data_wait = self._next_batch()
@@ -245,6 +228,8 @@ class Trainer:
             self.outputs.samples(self.step, sort_sample_ids(set(self.parts.data.sample_ids_for_step(cursor))))
         for hook in self.step_hooks:
             hook(self.step, self)
+        if result.preempt and self.step < self.config.run.steps:  # the last step ends the run anyway
+            raise self._stop_preempted(result.preempt)
 
     def _next_batch(self) -> tuple[dict[str, Any], float]:
         """This rank's share of the global batch at the data cursor (prefetched), and the seconds
@@ -260,6 +245,7 @@ class Trainer:
         """Forward, backward, clip and, if the step commits, update, on this rank's share of a global
         batch. Every sum runs over dp_shard (the process group), then over the replica groups (the
         sync), in that order."""
+        stop_flags = self.preemption.start_flags(self.tp_group)
         with self.phases.timed("compute_s"):
             # Tests and resilient-chaos make one rank slow here, before the step's first collective:
             # its peers then wait in that collective (grad_sync_s). Later in the step a slow rank
@@ -280,8 +266,9 @@ class Trainer:
             self.sync.allreduce_gradients(self.parts.model.parameters())
             grad_norm = self._clip_gradients()
         sums = self._loss_sums(outs, len(batch.get("skipped", ())), self.device)
-        # The durable interval's vote rides on the step's sums: [vote, 1] summed like the loss.
-        sums = torch.cat([sums, torch.tensor([self.cadence.vote, 1.0], dtype=sums.dtype, device=sums.device)])
+        # The durable interval's vote and the preemption flags ride on the step's sums, summed like the loss.
+        riders = [self.cadence.vote, 1.0, *stop_flags.wait()]
+        sums = torch.cat([sums, torch.tensor(riders, dtype=sums.dtype, device=sums.device)])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
         if self.pp_group is not None:  # only the last stage's ranks hold the loss
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.pp_group)
@@ -297,7 +284,7 @@ class Trainer:
                 self.parts.optimizer.step()
                 self.parts.scheduler.step()
             self.parts.optimizer.zero_grad(set_to_none=True)
-        loss, text_sum, text_tokens, data_skipped, votes, voters = sums.tolist()
+        loss, text_sum, text_tokens, data_skipped, votes, voters, *stops = sums.tolist()
         if committed:  # an uncommitted step's sums may hold only this group's vote
             self._cadence_events(self.cadence.voted(votes, voters))
         return StepResult(
@@ -308,6 +295,7 @@ class Trainer:
             lr=lr,
             committed=committed,
             data_skipped=int(data_skipped),
+            preempt=self.preemption.agreed_signal(stops) if committed else 0,
         )
 
     def _forward_backward(self, inputs: dict[str, torch.Tensor], global_tokens: torch.Tensor) -> list[OmniOutput]:
@@ -479,8 +467,13 @@ class Trainer:
             )
 
     def _final_committed_steps(self) -> list[int]:
-        """Committed steps, as every rank sees them at the end (replica groups wait for the group
-        that writes the last step)."""
+        """Committed steps, as every rank sees them at the end."""
+        return self._settled_steps(self.config.checkpoint.timeout_s)
+
+    def _settled_steps(self, timeout_s: float) -> list[int]:
+        """Committed steps once the current step's writer had its chance (collective): a lone group
+        wrote and waited for it itself; replica groups wait up to ``timeout_s`` for the group that
+        writes it."""
         return self._committed_steps()
 
     def close(self) -> None:

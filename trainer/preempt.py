@@ -7,20 +7,25 @@ periodic save would be lost. With it:
 
 1. the signal handler only records the signal (a handler that raised could do so inside a
    collective or a half-written save);
-2. before every step, the ranks agree whether any of them got one (a MAX all-reduce of one
-   integer over the group): the signal reaches ranks at different moments, the stop step must be
-   the same on all of them;
-3. the ranks save that step (unless it is already committed) and wait until it is committed: a RAM
-   snapshot alone would die with the pod, so this is a persistent save, agreed like every save.
-   With replica groups only the group that writes the step saves it; the others do not wait for
-   that group, so their step may not be committed yet when they stop (and is lost if that group
-   fails: the next start then resumes from an older committed step);
+2. every step carries each rank's signal flags (one count per preemption signal) in the sums it
+   already reduces over the data-parallel ranks, the pipeline stages and, with replica groups, over
+   every participating group (``StopFlags``): no collective of its own. A committed step's sums are
+   the same on every rank of every participating group, so all of them stop after that same step
+   (the one in flight when the signal came), though the signal reaches nodes and groups at
+   different moments. Tensor-parallel peers share their sums without reducing them, so their flags
+   are first combined over the tp group, started when the step starts and waited for when the sums
+   are built (it overlaps the step's compute);
+3. the group that writes the step (a lone group; with replica groups the one the trainer's rule
+   names) saves it unless it is already committed, and waits until it is committed: a RAM snapshot
+   alone would die with the pod, so this is a persistent save, agreed like every save. The other
+   groups wait (up to ``run.preempt_grace_s``) until they see that step committed;
 4. each group's rank 0 records a ``preempted`` event (``step``, ``signal``, ``seconds``,
    ``committed``: seen committed when it stopped, ``wrote``: this group wrote it), and every rank
-   exits 143 (128 + SIGTERM): the run is not finished, so neither a launcher nor a scheduler takes
-   it for done, and the next start resumes from the newest committed step. A save that fails is an
-   error like any other (exit 1 or 2, not 143); the replica-group launcher returns 143 only when no
-   group reported an error.
+   exits 143 (128 + SIGTERM) when the step is committed: the run is not finished, so neither a
+   launcher nor a scheduler takes it for done, and the next start resumes from that step. A step
+   not committed within the grace exits 1 (the next start resumes from an older step); a save that
+   fails is an error like any other (exit 1 or 2, not 143). The replica-group launcher returns 143
+   only when every group that stopped saw the same step committed and no group reported an error.
 
 The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``) that covers
 ``run.preempt_grace_s``: torchrun kills its workers that long after passing the signal on.
@@ -28,6 +33,7 @@ The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``)
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
@@ -37,10 +43,11 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from resilient.errors import CommitError
-from resilient.runfiles import read_events
+from resilient.runfiles import group_id, read_events, write_event
 
 if TYPE_CHECKING:
     from resilient.trainer.config import TrainConfig
+    from resilient.trainer.loop import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +60,14 @@ writer, the loader workers and the process group after the save."""
 
 
 class Preempted(Exception):  # noqa: N818 - a stop, not an error: nothing may catch it as a ResilientError
-    """The ranks stopped at ``step`` because the job was asked to (a signal): not a failure."""
+    """The ranks stopped at ``step`` because the job was asked to (a signal): not a failure.
+    ``committed``: the step was seen committed (exit 143), else exit 1."""
 
-    def __init__(self, step: int, signum: int) -> None:
+    def __init__(self, step: int, signum: int, committed: bool = True) -> None:
         super().__init__(f"preempted by {signal.Signals(signum).name} at step {step}")
         self.step = step
         self.signum = signum
+        self.committed = committed
 
 
 def preempt_signals(preempt_signal: str) -> list[signal.Signals]:
@@ -71,7 +80,7 @@ def preempt_signals(preempt_signal: str) -> list[signal.Signals]:
 
 class PreemptWatch:
     """Records the preemption signals this process receives (``install`` / ``uninstall``, or as a
-    context manager); ``agreed`` tells every rank alike whether any rank got one."""
+    context manager); ``flags`` and ``agreed_signal`` turn them into what a step's sums carry."""
 
     def __init__(self, signals: list[signal.Signals]) -> None:
         self.signals = signals
@@ -97,17 +106,41 @@ class PreemptWatch:
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
 
-    def agreed(self, group: Any = None) -> int:
-        """The signal some rank of ``group`` received (the largest number if several), 0 if none
-        did; the same answer on every rank (collective). A one-rank world asks nobody."""
+    def flags(self) -> list[float]:
+        """This rank's flags, one per watched signal (1.0: received): summed over ranks and groups,
+        a flag stays non-zero and a signal cannot be mistaken for another."""
+        return [1.0 if self.received == sig else 0.0 for sig in self.signals]
+
+    def agreed_signal(self, counts: list[float]) -> int:
+        """The signal the summed ``counts`` say some rank received (the largest number if several,
+        the same on every rank that summed the same counts); 0 if none."""
+        return max((int(sig) for sig, n in zip(self.signals, counts, strict=True) if n > 0), default=0)
+
+    def start_flags(self, group: Any = None) -> StopFlags:
+        """This rank's flags as they stand, combined (MAX) over ``group`` in the background: the
+        ranks of ``group`` must all put the same flags in sums they do not reduce among themselves."""
+        return StopFlags(self.flags(), group)
+
+
+class StopFlags:
+    """One step's preemption flags: started when the step starts, read (``wait``) when the step
+    builds its sums. Over a group of more than one rank an ``async_op`` all-reduce (MAX) runs
+    meanwhile, so the step's compute hides it."""
+
+    def __init__(self, flags: list[float], group: Any = None) -> None:
         import torch  # here: the launcher reads this module's constants without importing torch
         import torch.distributed as dist
 
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64)  # over gloo, also on a CUDA job
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return int(flag.item())
+        self._work = None
+        self._tensor = torch.tensor(flags, dtype=torch.float64)  # over gloo, also on a CUDA job
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            self._work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def wait(self) -> list[float]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor.tolist()
 
 
 def save_stop_step(
@@ -133,13 +166,15 @@ def save_stop_step(
     return wrote
 
 
-def stop_line(step: int, *, committed: bool, ours: bool) -> str:
+def stop_line(step: int, *, committed: bool, ours: bool, grace_s: float = 0.0) -> str:
     """What a group says when it stops: only the group that wrote the step (or a lone group) says it
     is committed without saying by whom."""
     if not committed:
-        where = "is not committed here (a peer group writes it)"
-    else:
-        where = "is committed" if ours else "is committed (by a peer group)"
+        return (
+            f"preempted: step {step} is not committed (the group that writes it did not commit it within "
+            f"run.preempt_grace_s={grace_s:g}); exiting 1: the next start resumes from an older step"
+        )
+    where = "is committed" if ours else "is committed (by a peer group)"
     return f"preempted: step {step} {where}; exiting {PREEMPTED_EXIT} to be resumed"
 
 
@@ -149,19 +184,20 @@ def stop_preempted(
     *,
     save: Callable[[], None],
     committed: Callable[[], list[int]],
+    settled: Callable[[], list[int]],
     record: Callable[..., None],
 ) -> Preempted:
-    """Make ``step`` durable if this group writes it, and say what it saw: ``save`` saves (if this
-    group writes the step) and waits for its commit (collective; it raises on every rank alike when
-    the save fails), ``committed`` lists the committed steps
-    (collective), ``record(event, **fields)`` writes the event (rank 0) and says whether the step
-    is committed (``committed``). Returns the error to raise."""
+    """Make ``step`` durable and say what happened: ``save`` saves (if this group writes the step)
+    and waits for its commit (collective; it raises on every rank alike when the save fails),
+    ``committed`` lists the committed steps now and ``settled`` once the step's writer had its
+    chance (both collective), ``record(event, **fields)`` writes the event (rank 0) and says whether
+    the step is committed. Returns the stop to raise."""
     start = time.monotonic()
     durable = step == 0 or step in committed()
     if not durable:
         save()
         # Another replica group may be the one that writes this step (and may not have yet).
-        durable = step in committed()
+        durable = step in settled()
     record(
         PREEMPTED_EVENT,
         step=step,
@@ -169,7 +205,28 @@ def stop_preempted(
         seconds=round(time.monotonic() - start, 3),
         committed=durable,
     )
-    return Preempted(step, signum)
+    return Preempted(step, signum, committed=durable)
+
+
+def stop_trainer(trainer: Trainer, signum: int) -> Preempted:
+    """``trainer``'s stop at its current step (``Trainer._stop_preempted``): save it if this group
+    writes it, wait until it is committed (by whichever group writes it), record the event."""
+    from resilient.trainer.sync import LocalSync  # here: it imports torch (see ``StopFlags``)
+
+    step, grace, wrote = trainer.step, trainer.config.run.preempt_grace_s, [False]
+    steps, writes, ckpt = trainer._committed_steps, trainer._saves_this_step, trainer.checkpointer
+
+    def save() -> None:
+        wrote[0] = save_stop_step(step, wait=ckpt.wait, committed=steps, writes=writes, save=trainer.save)
+
+    def record(event: str, **fields: Any) -> None:
+        if trainer.outputs.enabled:
+            write_event(trainer.config.run.dir, event, group=group_id(), wrote=wrote[0], **fields)
+        ours = wrote[0] or isinstance(trainer.sync, LocalSync)  # a lone group wrote every step it has
+        trainer.outputs.message(stop_line(step, committed=fields["committed"], ours=ours, grace_s=grace))
+
+    settled = functools.partial(trainer._settled_steps, grace)
+    return stop_preempted(step, signum, save=save, committed=steps, settled=settled, record=record)
 
 
 # -- the launcher's side ---------------------------------------------------------------------
@@ -200,4 +257,30 @@ def forwarded_signals(config: TrainConfig | None) -> tuple[signal.Signals, ...]:
 
 def preempted_since(run_dir: str, since: float) -> dict | None:
     """The ``preempted`` event a group wrote at or after ``since`` (``time.time()``), if any."""
-    return next((e for e in read_events(run_dir) if e.get("event") == PREEMPTED_EVENT and e["t"] >= since), None)
+    return next(iter(preempted_events(run_dir, since)), None)
+
+
+def preempted_events(run_dir: str, since: float, groups: list[int] | None = None) -> list[dict]:
+    """The ``preempted`` events written at or after ``since``, of ``groups`` only when given."""
+    return [
+        e
+        for e in read_events(run_dir)
+        if e.get("event") == PREEMPTED_EVENT and e["t"] >= since and (groups is None or e.get("group") in groups)
+    ]
+
+
+def preempted_exit(events: list[dict]) -> tuple[int, str]:
+    """What a replica-group launcher exits with after its groups stopped for a preemption
+    (``events``: their ``preempted`` events, at least one): 143 when every group that stopped saw
+    one and the same step committed; else 1 and the line that says why the run is not resumable
+    from the stop step."""
+    steps = sorted({int(e["step"]) for e in events})
+    late = sorted(e.get("group", 0) for e in events if not e.get("committed"))
+    if len(steps) == 1 and not late:
+        return PREEMPTED_EXIT, ""
+    if len(steps) > 1:
+        return 1, f"error: the replica groups stopped at different steps {steps} when preempted (a bug)"
+    return 1, (
+        f"error: preempted at step {steps[0]} but group(s) {late} did not see it committed within "
+        "run.preempt_grace_s: the next start resumes from the newest committed step"
+    )

@@ -14,11 +14,15 @@ the same global batch with the new quorum). What is replica-specific lives here:
 - a persistent checkpoint is written once per step, by the group of participating rank 0 (the
   storage commit protocol makes a group dying mid-save leave no committed step);
 - ``samples.jsonl`` lists the whole job's sample ids of every step this group committed;
-- rank 0 of each group appends the step's quorum to ``<run.dir>/events.jsonl``.
+- rank 0 of each group appends the step's quorum to ``<run.dir>/events.jsonl``;
+- every group sees the same checkpoint root: each group's rank 0 leaves a token there before it
+  first joins a quorum, and reads the token of each member of its quorums it has not seen before
+  (``storage.shared.check_group_tokens``), refusing the run with a ConfigError otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,11 +34,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from resilient import dist as rdist
 from resilient.errors import ResilientError
 from resilient.faults import fault_point
-from resilient.recovery.channel import bind_host, job_secret
+from resilient.recovery.channel import bind_host, job_secret, secret_fingerprint
+from resilient.recovery.ownership import job_identity
 from resilient.recovery.quorum import QuorumInfo, ReplicaGroupSync
 from resilient.recovery.restore import PeerHeal
 from resilient.runfiles import FINAL_DIGEST, EventLog, group_id
 from resilient.state import state_digest
+from resilient.storage.shared import check_group_tokens, remove_group_token, write_group_token
 from resilient.trainer.loop import StepResult, Trainer
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
 
@@ -61,6 +67,10 @@ class ReplicatedTrainer(Trainer):
         # step becomes 1). A group serving a heal does that; do it in EVERY group up front so the
         # numerics never depend on who served whom (a storage restore overwrites it anyway).
         get_state_dict(self.parts.model, self.parts.optimizer)
+        secret = job_secret(self.config.run.dir)
+        self._secret_fingerprint = secret_fingerprint(secret)
+        self._seen_members: set[str] = set()
+        """Quorum members whose token this group found under the checkpoint root."""
         self.sync = ReplicaGroupSync(
             self.config.replica,
             group=self.group,
@@ -68,13 +78,18 @@ class ReplicatedTrainer(Trainer):
             world_size=self.mesh.size(),
             state_dict=self._heal_state,
             load_state_dict=self._load_heal_state,
-            secret=job_secret(self.config.run.dir),
+            secret=secret,
             host=bind_host(self.config.recovery),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def run(self) -> None:
+        store, job, group = self.checkpointer.store, job_identity(), self.group
+        token = functools.partial(
+            write_group_token, store, group, member=self.sync.replica_id, job=job, secret=self._secret_fingerprint
+        )
+        rdist.agree(token, src=0, what="writing the group's shared-root token")  # before any quorum sees us
         self._joined = self._first_quorum()
         if self.step >= self.config.run.steps:
             self.persist_restored()
@@ -83,6 +98,8 @@ class ReplicatedTrainer(Trainer):
         self.finish()
         self.write_final_digest()
         self.events.write("done", group=self.group, step=self.step)
+        if self.rank == 0:  # no later quorum lists this group's member id: nobody reads its token
+            remove_group_token(self.checkpointer.store, self.group)
 
     def _first_quorum(self) -> QuorumInfo | None:
         """Where this group's state comes from: a live peer if the quorum has one ahead (healed
@@ -95,6 +112,7 @@ class ReplicatedTrainer(Trainer):
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.events.write("joining", group=self.group, attempt=attempt)
         quorum = self.sync.start_step()
+        self._check_shared_root(quorum)
         if quorum.healed and quorum.step > 0:
             heal = self.heals[-1] if self.heals else {"bytes": 0}
             self.resume(peer=PeerHeal(step=self.step, bytes=heal["bytes"], seconds=quorum.heal_s))
@@ -111,6 +129,30 @@ class ReplicatedTrainer(Trainer):
             heal_bytes=self.heals[-1]["bytes"] if self.heals else 0,
         )
         return quorum
+
+    def _check_shared_root(self, quorum: QuorumInfo) -> None:
+        """Every member of the quorum writes to the checkpoint root this group reads: rank 0 reads
+        each new member's token (collective; the same ConfigError on every rank otherwise). A member
+        that could not prove it holds the job secret counts only if its token is this job's.
+
+        The run directory need not be one place for every group: what a group reads there it wrote
+        itself (events, metrics, its timeline record), except the job secret when
+        ``$RESILIENT_JOB_SECRET`` is unset (``<run.dir>/job.key``); a group that made its own
+        names another secret's fingerprint in its token, refused here, naming run.dir."""
+        new = {m for m in quorum.members if m != self.sync.replica_id and m not in self._seen_members}
+        if not new:
+            return
+        members = {_group_of(m): (m, m not in quorum.unproven) for m in new}
+        check = functools.partial(
+            check_group_tokens,
+            self.checkpointer.store,
+            self.group,
+            members,
+            job=job_identity(),
+            secret=self._secret_fingerprint,
+        )
+        rdist.agree(check, src=0)  # its line names the setting and the groups: no more context needed
+        self._seen_members |= new - set(quorum.unproven)  # one that could not prove itself: asked again
 
     def close(self) -> None:
         try:
@@ -154,6 +196,7 @@ class ReplicatedTrainer(Trainer):
         the global batch at the cursor. The wait excludes the time spent in the quorum."""
         start = time.perf_counter()
         quorum, self._joined = self._joined or self.sync.start_step(), None
+        self._check_shared_root(quorum)
         self.last_quorum = quorum
         if quorum.unproven and quorum.unproven != self._unproven:
             # A member that cannot prove it holds the job secret: this group does not commit (nor
@@ -211,11 +254,11 @@ class ReplicatedTrainer(Trainer):
 
     # -- end of run --------------------------------------------------------------------------
 
-    def _final_committed_steps(self) -> list[int]:
-        """The last step is written by one group (``_saves_this_step``), maybe not this one: wait
-        for its commit, bounded by checkpoint.timeout_s. Rank 0 lists and judges the time for
-        the whole group, so every rank leaves the loop at the same poll."""
-        deadline, delay = time.monotonic() + self.config.checkpoint.timeout_s, 0.05
+    def _settled_steps(self, timeout_s: float) -> list[int]:
+        """The current step is written by one group (``_saves_this_step``), maybe not this one: wait
+        for its commit, bounded by ``timeout_s``. Rank 0 lists and judges the time for the whole
+        group, so every rank leaves the loop at the same poll."""
+        deadline, delay = time.monotonic() + timeout_s, 0.05
         while True:
             got = rdist.agree(
                 lambda: {"steps": self.checkpointer.steps(), "late": time.monotonic() > deadline},
@@ -242,3 +285,8 @@ class ReplicatedTrainer(Trainer):
             with open(os.path.join(self.outputs.directory, FINAL_DIGEST), "w") as f:
                 json.dump(digest, f, indent=1)
         return digest
+
+
+def _group_of(member: str) -> int:
+    """The replica group a quorum member id names (``group00001:...``, ``replica_name``)."""
+    return int(member.split(":", 1)[0].removeprefix("group"))

@@ -37,7 +37,7 @@ from resilient.trainer.loop import Trainer
 from resilient.trainer.observing.observe import RunObserver
 from resilient.trainer.observing.outputs import RunOutputs
 from resilient.trainer.observing.peak import find_peak, model_matmul_shapes
-from resilient.trainer.observing.quiet import report_failure
+from resilient.trainer.observing.quiet import RUNTIME_EXIT, report_failure
 from resilient.trainer.observing.timing import StartupClock, process_start_time
 from resilient.trainer.preempt import PREEMPTED_EXIT, Preempted
 
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         # run's outputs are mixed with that job's, so it does not end as a success; on every rank.
         agree(claim.check, what="run dir ownership")
         trainer.close()
-    except Preempted:
+    except Preempted as stop:
         _close_quietly(trainer)
-        return PREEMPTED_EXIT
+        return PREEMPTED_EXIT if stop.committed else RUNTIME_EXIT  # not resumable from the stop step
     except BaseException as e:
         if trainer is not None:
             _close_quietly(trainer)

@@ -14,7 +14,7 @@ This face is what the rest of the code imports; the modules import each other, n
 
 from resilient.recovery.channel.client import ReplicationClient
 from resilient.recovery.channel.handler import ChannelHandler, DirectPutHandler, PutTarget
-from resilient.recovery.channel.secret import SECRET_ENV, job_secret, shared_secret
+from resilient.recovery.channel.secret import SECRET_ENV, job_secret, secret_fingerprint, shared_secret
 from resilient.recovery.channel.server import ReplicationServer, bind_host, lower_thread_priority
 from resilient.recovery.channel.wire import ChannelError, Scatter
 
@@ -30,5 +30,6 @@ __all__ = [
     "bind_host",
     "job_secret",
     "lower_thread_priority",
+    "secret_fingerprint",
     "shared_secret",
 ]

@@ -92,6 +92,8 @@ class RamRestore:
     sources: list[str] = field(default_factory=list)
     """Every rank's source of the restored step ("own" or "buddy"), indexed by rank: a rank whose own
     snapshot is gone or damaged fetched its buddy's copy, so a group's ranks may differ."""
+    snapshot_timeline: str = ""
+    """The timeline the snapshot this rank restored was taken on (the current one or an ancestor)."""
 
 
 def restore_from_ram(
@@ -118,7 +120,9 @@ def restore_from_ram(
             assert decision.fetched is not None
             source, index, _ = decision.fetched
             seconds = time.perf_counter() - start
-            return RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(votes))
+            restored = RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(votes))
+            restored.snapshot_timeline = index.timeline
+            return restored
         failed = [r for r, ok in enumerate(votes) if not ok]
         log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", view.rank, step, failed)
         ruled_out.add(step)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
-K8S = ["--image", "i:1", "--set", "checkpoint.url=s3://bucket/omni"]
-"""What every k8s emit needs: an image, and checkpoints that outlive the pods."""
+K8S = ["--image", "i:1", "--set", "checkpoint.url=s3://bucket/omni", "--run-volume", "omni-runs"]
+"""What every k8s emit needs: an image, checkpoints that outlive the pods, and a run.dir volume."""
 SPEC = dict(job_name="omni", nproc_per_node=4, gpus_per_node=4, shm_size="32Gi", trainer_args=["--config", "r.toml"])
 
 
@@ -79,7 +79,7 @@ def test_sbatch_script_parses_and_starts_one_launcher_per_node(tmp_path: Path) -
         assert f"#SBATCH {wanted}" in directives, directives
     assert "/dev/shm" in script and "32Gi" in script  # the note and the per-node check
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     for node, host in (("0", "gpu-a17"), ("1", "gpu-a18")):
         node_id, argv = _recorded_by_rank(tmp_path, node)
@@ -98,7 +98,12 @@ def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
-    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    assert (
+        subprocess.run(
+            ["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30
+        ).returncode
+        == 0
+    )
     _, argv = _recorded(tmp_path, "gpu-a18")  # the second node's machine name (the srun stub's)
     assert _flag(argv, "--nnodes") == "2:4" and "--node-rank" not in argv  # elastic: ranked at rendezvous
     assert _flag(argv, "--rdzv-id") == "7-0"
@@ -112,7 +117,12 @@ def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: 
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
-    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    assert (
+        subprocess.run(
+            ["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30
+        ).returncode
+        == 0
+    )
     for node in ("0", "1"):
         _, argv = _recorded_by_rank(tmp_path, node)
         assert (_flag(argv, "--replica-groups"), _flag(argv, "--nproc-per-group")) == ("4", "4")
@@ -143,7 +153,9 @@ def _container(manifest: dict) -> dict:
 
 
 def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, min_nodes=3, max_nodes=3, image="reg/omni:7")))
+    manifest = yaml.safe_load(
+        k8s_manifest(EmitSpec(**SPEC, min_nodes=3, max_nodes=3, image="reg/omni:7", run_volume="runs"))
+    )
     assert (manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]) == (
         "jobset.x-k8s.io/v1alpha2",
         "JobSet",
@@ -156,8 +168,14 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
     container = _container(manifest)
     pod = container["pod"]
     assert pod["restartPolicy"] == "OnFailure"
-    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}]
-    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert pod["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
+        {"name": "runs", "persistentVolumeClaim": {"claimName": "runs"}},
+    ]
+    assert container["volumeMounts"] == [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "runs", "mountPath": "/resilient/runs"},
+    ]
     assert container["image"] == "reg/omni:7" and container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert container["ports"] == [{"containerPort": 29400}]
     env = {e["name"]: e for e in container["env"]}
@@ -174,11 +192,12 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
     assert node_id == "omni-node-0-2"
     assert _flag(argv, "--rdzv-endpoint") == "omni-node-0-0.omni:29400"  # pod 0's stable DNS name
     assert (_flag(argv, "--node-rank"), _flag(argv, "--rdzv-id"), _flag(argv, "--nnodes")) == ("2", "omni-0", "3")
-    assert _flag(argv, "--nproc-per-node") == "4" and argv[-2:] == ["--config", "r.toml"]
+    assert _flag(argv, "--nproc-per-node") == "4"
+    assert argv[-4:] == ["--config", "r.toml", "--set", "run.dir=/resilient/runs/omni"]  # on the claim
 
 
 def test_k8s_node_identity_defaults_to_the_pod_hostname(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**{**SPEC, "gpus_per_node": 0})))
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**{**SPEC, "gpus_per_node": 0}, run_volume="runs")))
     container = _container(manifest)
     assert "nvidia.com/gpu" not in str(container["resources"])  # a CPU recipe requests no GPU
     env = {k: v for k, v in _stubs(tmp_path).items() if k != "RESILIENT_NODE_ID"}
@@ -214,7 +233,8 @@ def test_cli_emits_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     command = container["args"][0].splitlines()[-1]
     argv = shlex.split(command.removeprefix("exec "))
     assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--nproc-per-node") == "2"
-    assert argv[-6:] == ["--config", TINY, "--set", "checkpoint.url=s3://bucket/omni", "--set", "run.steps=20"]
+    assert argv[-6:-2] == ["--set", "checkpoint.url=s3://bucket/omni", "--set", "run.steps=20"]
+    assert argv[-2:] == ["--set", "run.dir=/resilient/runs/resilient"]  # after the recipe's: it wins
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert main(["--emit", "slurm", "--config", TINY, "--nnodes", "4", "--set", "parallel.dp_shard=4"]) == 0
     script = capsys.readouterr().out
@@ -286,7 +306,9 @@ def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempt
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]"}
-    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        ["bash", str(path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     log = tmp_path / "log"
     for _ in range(100):
         if log.exists() and "started" in log.read_text():
@@ -304,7 +326,9 @@ def test_sbatch_passes_sigterm_on_to_the_step_and_waits_for_it(tmp_path: Path) -
     path = tmp_path / "job.sbatch"
     path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)))
     env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "79", "SLURM_JOB_NODELIST": "n[1-2]"}
-    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        ["bash", str(path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     log = tmp_path / "log"
     for _ in range(100):
         if log.exists() and "started" in log.read_text():
@@ -320,12 +344,12 @@ def test_sbatch_does_not_requeue_a_job_that_ended(tmp_path: Path) -> None:
     path = tmp_path / "job.sbatch"
     path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2)))
     env = {**_stubs(tmp_path), "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n[1-2]"}
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "requeue" not in done.stderr, done.stderr
 
 
 def test_jobset_grace_period_covers_the_trainers_preemption_grace() -> None:
-    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, preempt_grace_s=300.0)))
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, preempt_grace_s=300.0, run_volume="runs")))
     pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 370 > 300 + 30  # above the grace and torchrun's margin
 

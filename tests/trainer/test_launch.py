@@ -9,7 +9,8 @@ import pytest
 
 from resilient.errors import ConfigError
 from resilient.tools.train import parse_args
-from resilient.trainer.launching.launch import ReplicaLaunch, group_command, run, torchrun_command
+from resilient.trainer.launching.launch import ReplicaLaunch, group_command
+from resilient.trainer.launching.torchrun import run, torchrun_command
 
 
 def test_launcher_arguments() -> None:

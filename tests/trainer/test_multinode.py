@@ -22,8 +22,9 @@ from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram import node_store_dir
 from resilient.runfiles import iter_jsonl
 from resilient.tools.train import main, parse_args
-from resilient.trainer.launching.launch import ReplicaLaunch, torchrun_command
+from resilient.trainer.launching.launch import ReplicaLaunch
 from resilient.trainer.launching.multinode import Rendezvous, parse_nnodes, rendezvous_of, split_ranks
+from resilient.trainer.launching.torchrun import torchrun_command
 from resilient.trainer.observing.quiet import error_path
 from tests.procs import communicate_or_fail, kill_tree
 from tests.recovery.test_replica_e2e import _check_exactly_once
@@ -231,13 +232,13 @@ def test_two_launchers_on_this_machine_are_two_nodes_of_one_job(tmp_path: Path) 
     assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
 
 
-def _group_node(rank: int, port: int, tmp_path: Path) -> subprocess.Popen:
+def _group_node(rank: int, port: int, tmp_path: Path, ckpt: str = "ckpt", steps: int = 16) -> subprocess.Popen:
     command = [sys.executable, "-m", "resilient.tools.train", "--config", TINY, *GROUPS]
     command += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    for key in ("parallel.dp_shard=1", "parallel.tp=1", "run.steps=16", f"run.dir={tmp_path / 'run'}"):
+    for key in ("parallel.dp_shard=1", "parallel.tp=1", f"run.steps={steps}", f"run.dir={tmp_path / 'run'}"):
         command += ["--set", key]
     hooks = json.dumps([PACE, NODE_HOOK])
-    command += ["--set", f"checkpoint.url={tmp_path / 'ckpt'}", "--set", f"run.step_hooks={hooks}"]
+    command += ["--set", f"checkpoint.url={tmp_path / ckpt}", "--set", f"run.step_hooks={hooks}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESILIENT_NODE_ID": f"host-{rank}"}
     env["RESILIENT_TEST_STEP_SLEEP"] = "0.3"  # the groups' steps overlap: they meet in one quorum
     with open(tmp_path / f"node{rank}.log", "a") as log:
@@ -429,3 +430,32 @@ def test_a_checkpoint_root_each_node_sees_apart_is_refused_at_start_without_rest
         assert "is not shared between the ranks" in errors[0] and "set checkpoint.url to" in errors[0]
         assert log.count("failed (exitcode: 2)") <= 1, log[-3000:]  # no restart into the same error
     assert [p for rank in (0, 1) for p in (tmp_path / f"ckpt-node{rank}").glob("step-*")] == []
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_replica_groups_whose_checkpoint_roots_differ_are_refused(tmp_path: Path) -> None:
+    # Each node's group writes to a root of its own (a node-local checkpoint.url): each group is
+    # checked alone and passes; across the groups the roots differ, and both refuse in one line.
+    port = free_port()
+    nodes = [_group_node(0, port, tmp_path, ckpt="ckpt-node0", steps=300)]
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "lighthouse_started" for e in _events(tmp_path / "run")):
+            assert nodes[0].poll() is None and time.monotonic() < deadline, "node 0 started no lighthouse"
+            time.sleep(0.1)
+        nodes.append(_group_node(1, port, tmp_path, ckpt="ckpt-node1", steps=300))
+        for rank, proc in enumerate(nodes):
+            communicate_or_fail(proc, 150, f"node {rank}")
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                kill_tree(proc)
+    for rank, proc in enumerate(nodes):
+        log = (tmp_path / f"node{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, log[-3000:]
+        assert "is not shared between the replica groups" in errors[0], errors
+        assert "set checkpoint.url to a directory every node mounts" in errors[0], errors
+    starts = [e for e in _events(tmp_path / "run") if e["event"] == "joining"]
+    assert sorted((e["group"], e["attempt"]) for e in starts) == [(0, 0), (1, 0)], starts  # no restart into it

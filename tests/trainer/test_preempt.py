@@ -34,10 +34,13 @@ PACE = "tests.recovery.ram_hooks:pace"
 def test_the_watch_records_the_first_signal_and_restores_the_handlers() -> None:
     before = signal.getsignal(signal.SIGUSR1)
     with PreemptWatch(preempt_signals("SIGUSR1")) as watch:
-        assert watch.agreed() == 0  # no process group: this rank alone
+        assert watch.flags() == [0.0, 0.0] and watch.agreed_signal(watch.start_flags().wait()) == 0
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert watch.received == signal.SIGUSR1 and watch.agreed() == signal.SIGUSR1
+        assert watch.received == signal.SIGUSR1 and watch.flags() == [0.0, 1.0]  # [SIGTERM, SIGUSR1]
+        assert watch.agreed_signal(watch.start_flags().wait()) == signal.SIGUSR1  # no process group: alone
+    # Summed over ranks: one rank's SIGTERM and another's SIGUSR1 give the larger number on every rank.
+    assert watch.agreed_signal([1.0, 1.0]) == signal.SIGTERM and watch.agreed_signal([0.0, 2.0]) == signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) == before
     assert preempt_signals("") == [signal.SIGTERM]
 

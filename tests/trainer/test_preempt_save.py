@@ -48,6 +48,9 @@ def _trainer(step: int, checkpointer: FakeCheckpointer, *, saved_step: int | Non
     trainer.checkpointer = checkpointer
     trainer.save = save
     trainer._committed_steps = lambda: sorted(checkpointer.committed)
+    trainer._settled_steps = lambda timeout_s: sorted(checkpointer.committed)
+    trainer._saves_this_step = lambda: True
+    trainer.config = SimpleNamespace(run=SimpleNamespace(preempt_grace_s=5.0, dir=""))
     trainer.observer = SimpleNamespace(paused=contextlib.nullcontext)
     trainer.outputs = SimpleNamespace(enabled=False, message=messages.append, messages=messages)
     return trainer
@@ -90,3 +93,19 @@ def test_a_replica_group_that_did_not_write_the_step_does_not_say_it_committed_i
     trainer._stop_preempted(signal.SIGTERM)
     assert checkpointer.saved == []
     assert trainer.outputs.messages == ["preempted: step 6 is committed (by a peer group); exiting 143 to be resumed"]
+
+
+@pytest.mark.timeout(10)
+def test_a_replica_group_that_never_sees_the_step_committed_stops_with_exit_1_not_143() -> None:
+    checkpointer = FakeCheckpointer(committed=[4])  # the writing group did not commit step 6
+    trainer = _trainer(6, checkpointer, saved_step=None)
+    trainer.sync = object()
+    trainer._saves_this_step = lambda: False
+    waited: list[float] = []
+    trainer._settled_steps = lambda timeout_s: waited.append(timeout_s) or [4]
+    stop = trainer._stop_preempted(signal.SIGTERM)
+    assert stop.step == 6 and stop.committed is False and waited == [5.0]  # waited run.preempt_grace_s
+    assert checkpointer.saved == []
+    (line,) = trainer.outputs.messages
+    assert line.startswith("preempted: step 6 is not committed") and "run.preempt_grace_s=5" in line
+    assert "exiting 1" in line

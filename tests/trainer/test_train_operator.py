@@ -151,7 +151,9 @@ def test_ctrl_c_says_where_the_run_stood_and_exits_130(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("outcome", ["rank_error", "crash", "interrupt", "preempted", "preempted_with_error"])
+@pytest.mark.parametrize(
+    "outcome", ["rank_error", "crash", "interrupt", "preempted", "preempted_with_error", "preempted_not_committed"]
+)
 def test_replica_groups_launcher_says_what_its_groups_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], outcome: str
 ) -> None:
@@ -168,8 +170,10 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
         os.utime(stale, (old, old))
 
     def fake_run(launch, *signals) -> int:  # what the groups would have done
-        if outcome.startswith("preempted"):  # group 0 stopped (it does not write the step)
-            write_event(launch.run_dir, "preempted", group=0, step=3, signal="SIGTERM", committed=False)
+        if outcome.startswith("preempted"):  # both groups stopped after step 3; group 1 waits for group 0's commit
+            write_event(launch.run_dir, "preempted", group=0, step=3, signal="SIGTERM", committed=True)
+            late = outcome == "preempted_not_committed"
+            write_event(launch.run_dir, "preempted", group=1, step=3, signal="SIGTERM", committed=not late)
         if outcome in ("rank_error", "preempted_with_error"):
             monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"group1-{launch.launch_id}")
             assert claim_report(launch.run_dir, "error: [rank 1] checkpoint step 4 is damaged: do X")
@@ -188,6 +192,9 @@ def test_replica_groups_launcher_says_what_its_groups_logged(
     elif outcome == "preempted":
         assert code == 143 and err == [], err
         return
+    elif outcome == "preempted_not_committed":  # not resumable from the stop step: not 143
+        assert code == 1 and err[0].startswith("error: preempted at step 3 but group(s) [1] did not see it"), err
+        assert "run.preempt_grace_s" in err[0]
     else:
         assert code == 130 and err[0].startswith("interrupted at step"), err
 

@@ -1,12 +1,5 @@
-"""The launcher behind ``resilient-train``: one torchrun job, or a lighthouse and one per replica group.
-
-    resilient-train --nproc 4 --config configs/tiny.toml --set run.steps=20
-
-runs ``torchrun --standalone --nproc-per-node 4 -m resilient.trainer --config ... --set ...``
-(``torchrun_command``, ``run``) and exits with its exit code. SIGINT / SIGTERM (and
-``run.preempt_signal``) go to torchrun, which passes them to its workers: SIGTERM and the preempt
-signal make them save the step they are at and exit 143 (``resilient.trainer.preempt``); torchrun
-waits ``run.preempt_grace_s`` plus a margin before it kills them.
+"""The launcher behind ``resilient-train --replica-groups``: a lighthouse and one torchrun per
+replica group (one torchrun job alone: ``resilient.trainer.launching.torchrun``).
 
     resilient-train --replica-groups 2 --nproc-per-group 2 --config configs/tiny.toml --set parallel.tp=1
 
@@ -26,26 +19,26 @@ and if it dies the launcher starts it again on the same port (events ``lighthous
 up to ``quorum_timeout_s``) and then carry on. A new lighthouse has heard no heartbeats, so it
 needs a majority of the groups before it grants a quorum (``ReplicaJob._supervise_lighthouse``).
 
-SIGINT / SIGTERM stop everything this launcher started: each torchrun gets SIGTERM (it stops its
-workers), then after ``--grace-s`` whatever is left is killed (torchrun's process group, and the
-workers by their pid files: they run in sessions of their own). Exit status 0 only if every group
-finished the run.
+SIGINT / SIGTERM / ``run.preempt_signal`` stop everything this launcher started: each torchrun gets
+the signal (SIGTERM for SIGINT) and passes it to its workers, which stop after the same step and
+save it (``resilient.trainer.preempt``); after ``--grace-s`` whatever is left is killed
+(torchrun's process group, and the workers by their pid files: they run in sessions of their own).
+A rank's error that no restart fixes ends every group at once (``ReplicaJob.wait``). Exit status 0
+only if every group finished the run.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
-from resilient.errors import ConfigError
+from resilient.errors import ResilientError, disk_full
 from resilient.recovery.config import LIGHTHOUSE_ENV
 from resilient.recovery.ownership import JOB_ID_ENV, launch_job_id
 from resilient.runfiles import (
@@ -58,7 +51,6 @@ from resilient.runfiles import (
     read_pid_file,
     write_pid_file,
 )
-from resilient.trainer.config import TrainConfig
 from resilient.trainer.launching.lighthouse import (
     RELAX_AFTER_S,
     die_with_parent,
@@ -67,9 +59,12 @@ from resilient.trainer.launching.lighthouse import (
     signal_group,
     start_lighthouse,
 )
-from resilient.trainer.launching.multinode import MULTINODE_RESTARTS, rendezvous_of
-from resilient.trainer.preempt import preempt_flags
+from resilient.trainer.launching.torchrun import shell_code
+from resilient.trainer.observing.quiet import ERROR_EXIT, RUNTIME_EXIT, final_claim_since
 from resilient.validate import check_int
+
+FINAL_STOP_S = 15.0
+"""How long the groups get to stop once a rank reported an error that no restart fixes."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,117 +105,6 @@ class ReplicaLaunch:
     def groups_here(self) -> list[int]:
         """The replica groups this node runs."""
         return [group for group in range(self.groups) if group % self.nnodes == self.node_rank]
-
-
-# -- one group -------------------------------------------------------------------------------
-
-
-def trainer_args(args: argparse.Namespace) -> list[str]:
-    """The ``--config`` / ``--set`` arguments ``resilient-train`` passes on to every rank."""
-    out = ["--config", args.config] if args.config else []
-    return out + [arg for item in args.overrides for arg in ("--set", item)]
-
-
-def check_nproc(config: TrainConfig, nproc: int | None) -> int:
-    """``--nproc`` as given, or the recipe's pp x dp_shard x tp; ConfigError when the two disagree."""
-    p = config.parallel
-    if nproc is None:
-        return p.world_size
-    if nproc != p.world_size:
-        raise ConfigError(
-            f"--nproc {nproc} but parallel.pp={p.pp} x parallel.dp_shard={p.dp_shard} x parallel.tp={p.tp} = "
-            f"{p.world_size} ranks: drop --nproc (it defaults to {p.world_size}), or set parallel.pp / "
-            f"parallel.dp_shard / parallel.tp so that their product is {nproc}"
-        )
-    return nproc
-
-
-def torchrun_command(args: argparse.Namespace, quiet: bool = False, config: TrainConfig | None = None) -> list[str]:
-    """The torchrun command line for one group: standalone (a local rendezvous on a free port), or
-    this node's share of a multi-node group (``resilient.trainer.launching.multinode``). ``args``: ``nproc``
-    (ranks on this node), ``config``, ``overrides`` and optionally ``max_restarts`` and the
-    multi-node flags, as parsed. ``quiet``: torchrun without its own traceback when a rank fails
-    (``resilient.trainer.observing.quiet``). ``config``: the loaded recipe, for the preemption flags."""
-    runner = "resilient.trainer.observing.quiet" if quiet else "torch.distributed.run"
-    rendezvous = rendezvous_of(args) if getattr(args, "nnodes", None) else None
-    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
-    command = [sys.executable, "-m", runner, *where, "--nproc-per-node", str(args.nproc)]
-    max_restarts = getattr(args, "max_restarts", None)
-    if max_restarts is None and rendezvous is not None:
-        max_restarts = MULTINODE_RESTARTS
-    if max_restarts:
-        command += ["--max-restarts", str(max_restarts)]
-    if config is not None:
-        command += preempt_flags(config)
-    return command + ["-m", "resilient.trainer", *trainer_args(args)]
-
-
-def run(
-    command: list[str],
-    grace_s: float,
-    env: dict[str, str] | None = None,
-    forward_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
-    watch: Callable[[int], bool] | None = None,
-) -> int:
-    """Run ``command`` (with ``env`` added to ours), forwarding ``forward_signals`` to it; returns
-    its exit code (128 + N if killed by signal N, as a shell reports it). ``watch(pid)`` is called
-    about every second meanwhile, with torchrun's pid (``multinode.RendezvousWait`` says whom the
-    node waits for); when it returns True, torchrun is stopped (SIGTERM): a rank reported an error
-    that its restarts would only meet again."""
-    # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
-    # second SIGINT would cut short torchrun's shutdown of its workers.
-    # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    env = {**os.environ, **(env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    if _nproc_of(command) > 1:
-        # What torchrun sets for more than one rank when unset, without the 5-line warning it
-        # prints above the one line the operator should read.
-        env.setdefault("OMP_NUM_THREADS", "1")
-    # SIGTERM when this launcher dies however it dies: torchrun then stops its workers (they save).
-    proc = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in forward_signals}
-    try:
-        # No timeout on a training run itself; the trainer bounds its own waits. Signals interrupt it.
-        stopping = False
-        while (code := _wait_a_second(proc)) is None:
-            if watch is not None and watch(proc.pid) and not stopping:
-                stopping = True
-                proc.terminate()
-        return _shell_code(code)
-    except BaseException:
-        _stop(proc, grace_s)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if proc.poll() is None:
-            _stop(proc, grace_s)
-
-
-def _wait_a_second(proc: subprocess.Popen) -> int | None:
-    try:
-        return proc.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _nproc_of(command: list[str]) -> int:
-    flag = "--nproc-per-node"
-    return int(command[command.index(flag) + 1]) if flag in command else 1
-
-
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=grace_s)
 
 
 # -- replica groups --------------------------------------------------------------------------
@@ -347,7 +231,7 @@ class ReplicaJob:
         if self.lighthouse is None or self.lighthouse.poll() is None:
             self._relax_lighthouse()
             return
-        self.events.write("lighthouse_exited", pid=self.lighthouse.pid, code=_shell_code(self.lighthouse.returncode))
+        self.events.write("lighthouse_exited", pid=self.lighthouse.pid, code=shell_code(self.lighthouse.returncode))
         askers = len(self._healthy_groups()) if self.launch.nnodes == 1 else self.launch.groups
         self._restart_lighthouse(majority(askers))
 
@@ -420,20 +304,43 @@ class ReplicaJob:
         return True
 
     def wait(self, poll_s: float = 0.2) -> int:
-        """Until every group's torchrun exits; 0 if all finished, else the first failure's code."""
+        """Until every group's torchrun exits; 0 if all finished, else the first failure's code.
+
+        A rank's error that no restart fixes (a setting, a full disk: ``final_claim_since``) ends the
+        whole job at once with its code (2 for a setting, 1 for the machine): its torchrun would
+        restart the group into the same error, and the other groups would train on without it, or
+        wait for it. They all get SIGTERM (what they have trained is saved, as on a preemption) and
+        ``FINAL_STOP_S`` to stop: one whose peer or lighthouse is gone may wait in a quorum that will
+        not come, and a save cut short leaves the previous step loadable."""
+        final: str | None = None
         while any(p.poll() is None for p in self.groups.values()):
             self._supervise_lighthouse()
+            if final is None and (final := final_claim_since(self.run_dir, self._started_t - 1.0)) is not None:
+                self.events.write("final_error", error=final)
+                self._signal_groups(signal.SIGTERM)
+                deadline = time.monotonic() + min(self.launch.grace_s, FINAL_STOP_S)
+            if final is not None and time.monotonic() > deadline:
+                for proc in self.groups.values():
+                    if proc.poll() is None:
+                        kill_group(proc)  # the workers by their pid files: stop()
+                break
             time.sleep(poll_s)
-        codes = {g: _shell_code(p.returncode) for g, p in self.groups.items()}
+        codes = {g: shell_code(p.returncode) for g, p in self.groups.items() if p.poll() is not None}
         for group, code in codes.items():
             self.events.write("group_exited", group=group, code=code)
+        if final is not None:
+            return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT
         return next((code for code in codes.values() if code != 0), 0)
 
-    def stop(self) -> None:
-        """SIGTERM every torchrun, kill what is left after the grace period, then the lighthouse."""
+    def _signal_groups(self, sig: int) -> None:
         for proc in self.groups.values():
             if proc.poll() is None:
-                signal_group(proc, signal.SIGTERM)
+                signal_group(proc, sig)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Pass ``sig`` (a preemption signal: the groups save the step in flight) to every torchrun,
+        kill what is left after the grace period, then the lighthouse."""
+        self._signal_groups(sig)
         deadline = time.monotonic() + self.launch.grace_s
         for proc in self.groups.values():
             try:
@@ -472,13 +379,9 @@ def majority(groups: int) -> int:
     return groups // 2 + 1
 
 
-def _shell_code(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
 def run_replicated(launch: ReplicaLaunch, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start the job, wait for it, and stop everything on return, on error or on one of ``signals``
-    (each group gets SIGTERM: a preemption; the group that writes the stop step saves it)."""
+    (each group gets it, or SIGTERM for SIGINT: a preemption, ``resilient.trainer.preempt``)."""
     job = ReplicaJob(launch)
     received: list[int] = []
 
@@ -495,6 +398,8 @@ def run_replicated(launch: ReplicaLaunch, signals: tuple[signal.Signals, ...] = 
     finally:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        job.stop()
+        # torchrun passes a preemption signal on to its ranks (``preempt_flags``); Ctrl-C stops
+        # them as SIGTERM does, saving the step in flight.
+        job.stop(signal.SIGTERM if not received or received[0] == signal.SIGINT else received[0])
         for sig, handler in previous.items():
             signal.signal(sig, handler)

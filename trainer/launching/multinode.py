@@ -201,7 +201,7 @@ WAIT_REPORT_S = 5.0
 
 
 class RendezvousWait:
-    """Called while this node's torchrun runs (``launch.run``'s ``watch``): until torchrun starts
+    """Called while this node's torchrun runs (``torchrun.run``'s ``watch``): until torchrun starts
     its ranks (the rendezvous is complete: it starts them only then), says every
     ``WAIT_REPORT_S`` whom it waits for, where and since when. A node whose peers never come would
     otherwise sit silent until torchrun's join timeout (10 minutes)."""
