@@ -32,7 +32,17 @@ from resilient.manifest import ArrayEntry
 from resilient.storage.packread import is_whole_small, whole_shard_tasks
 from resilient.storage.parallel import run_parallel
 from resilient.storage.shardfile import CRC_BYTES, MISSING, chunk_key, chunks_per_shard, index_nbytes, parse_index
-from resilient.storage.shardref import ShardRef, chunk_where, corrupt, damaged, gone, missing, shard_ref, storage_error
+from resilient.storage.shardref import (
+    ShardRef,
+    chunk_where,
+    corrupt,
+    damaged,
+    gone,
+    missing,
+    open_shard,
+    shard_ref,
+    storage_error,
+)
 from resilient.storage.url import Location
 
 READ_THREADS = 4
@@ -223,12 +233,7 @@ def _read_index(shard: ShardRef, shard_shape: tuple[int, ...], tally: _Tally) ->
     """The shard's index (checksum verified) and where its chunk data ends."""
     tail_bytes = index_nbytes(shard_shape, shard.inner_shape)
     tally.add(tail_bytes)
-    try:
-        fd = os.open(shard.path, os.O_RDONLY)
-    except FileNotFoundError as err:
-        raise missing(shard, f"shard object {shard.key!r}", gone(shard)) from err
-    except OSError as err:
-        raise storage_error(shard, err) from err
+    fd = open_shard(shard)
     try:
         size = os.fstat(fd).st_size
         end = size if shard.nbytes is None else shard.base + shard.nbytes

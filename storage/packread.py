@@ -23,7 +23,16 @@ import numpy as np
 
 from resilient.dtypes import to_numpy
 from resilient.storage.shardfile import CRC_BYTES, MISSING, chunk_key, index_nbytes, parse_index
-from resilient.storage.shardref import ShardRef, chunk_where, corrupt, damaged, gone, missing, shard_ref, storage_error
+from resilient.storage.shardref import (
+    ShardRef,
+    chunk_where,
+    corrupt,
+    damaged,
+    missing,
+    open_shard,
+    shard_ref,
+    storage_error,
+)
 
 GAP_BYTES = 4096
 """Shards of one pack at most this far apart are read in one run, the bytes between included."""
@@ -86,12 +95,7 @@ def _read_run(run: list[WholeShard], scratch: Callable[[int], memoryview], tally
     start = first.base
     buffer = scratch(_end(run[-1]) - start)
     tally.add(buffer.nbytes)
-    try:
-        fd = os.open(first.path, os.O_RDONLY)
-    except FileNotFoundError as err:
-        raise missing(first, f"shard object {first.key!r}", gone(first)) from err
-    except OSError as err:
-        raise storage_error(first, err) from err
+    fd = open_shard(first)
     try:
         size = os.fstat(fd).st_size
         got = 0

@@ -5,6 +5,7 @@ of ``arrays.read_error`` (TensorStore's path), shared by the local readers (``lo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,3 +84,14 @@ def _held(shard: ShardRef) -> str:
 
 def storage_error(shard: ShardRef, err: OSError) -> StorageError:
     return StorageError(f"reading tensor {shard.fqn!r} at step {shard.step} from {shard.path} failed: {err}")
+
+
+def open_shard(shard: ShardRef) -> int:
+    """A read-only descriptor of the file that holds ``shard``; a file that is gone is damage (an
+    ``IntegrityError`` naming what it held), any other failure a ``StorageError``."""
+    try:
+        return os.open(shard.path, os.O_RDONLY)
+    except FileNotFoundError as err:
+        raise missing(shard, f"shard object {shard.key!r}", gone(shard)) from err
+    except OSError as err:
+        raise storage_error(shard, err) from err
