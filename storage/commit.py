@@ -118,11 +118,16 @@ def decision_grace_s(timeout_s: float, scheme: str = "file") -> float:
     return max(grace, COMMIT_WRITE_BOUND_S + 15.0) if scheme == "s3" else grace  # + DNS, scheduling
 
 
-def _read_json(store: ObjectStore, key: str) -> dict | None:
+def _read_json(store: ObjectStore, key: str, *, paused: bool = False) -> dict | None:
+    """``key``'s JSON (``{}`` if torn, None if absent); ``paused``: parsed with the collector held
+    off (a receipt names every shard its rank wrote), read with it on (the read is I/O)."""
     data = store.read(key)
     if data is None:
         return None
     try:
+        if paused:
+            with gc_paused():  # gcpause.py
+                return json.loads(data)
         return json.loads(data)
     except ValueError:  # a torn marker or receipt still says "there is one"
         return {}
@@ -143,8 +148,7 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob, own: dict | None = No
             rank = _rank_of(name)
             if rank is None or rank in receipts:
                 continue
-            with gc_paused():  # a receipt names every shard the rank wrote (gcpause.py)
-                got = _read_json(store, f"{attempt_key}/{RECEIPTS}/{name}")
+            got = _read_json(store, f"{attempt_key}/{RECEIPTS}/{name}", paused=True)
             if got:
                 receipts[rank] = got
         if len(receipts) >= world_size:
@@ -358,7 +362,7 @@ def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
 def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None, prepared: Callable | None = None) -> None:
     receipts = wait_for_receipts(store, job, own) if prepared is None else []
     notice.clear_decisions()  # of earlier attempts: every rank is past them (it wrote this receipt)
-    with gc_paused():  # a manifest of thousands of arrays, built, encoded and written (gcpause.py)
+    with gc_paused():  # a manifest of thousands of arrays built and encoded; its PUT is I/O (gcpause.py)
         if prepared is None:
             check_coverage(job.plans, receipts, job.step)
             fault_point("commit.before_manifest")
@@ -367,12 +371,12 @@ def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None, prepar
         else:
             manifest, data = prepared()
             fault_point("commit.before_manifest")
-        if time.time() > job.deadline:
-            raise CommitError(
-                f"step {job.step} not committed: every receipt was in only after the agreed "
-                f"{job.commit_timeout_s:.0f} s (checkpoint.commit_timeout_s), when the other ranks may have given up"
-            )
-        commit_manifest(store, manifest, data)
+    if time.time() > job.deadline:
+        raise CommitError(
+            f"step {job.step} not committed: every receipt was in only after the agreed "
+            f"{job.commit_timeout_s:.0f} s (checkpoint.commit_timeout_s), when the other ranks may have given up"
+        )
+    commit_manifest(store, manifest, data)
     log.info(
         "[rank 0] committed step %d to %s (%d arrays, %.1f MiB)",
         job.step,

@@ -9,10 +9,11 @@ freed by reference counting as usual; only cycles wait for the next collection a
 
 The collector's switch is process-wide and the writer thread runs beside the training thread, so
 the pauses nest through a counter: the first phase to enter records whether the collector was on,
-the last to leave restores that. A phase is one rank's own work (encoding and writing its packs,
-building and writing the manifest, parsing one): its objects live until it ends, so a pause that
-ended before they die would only hand them to a later full collection. Never a wait on another
-rank: a waiting rank leaves the collector on.
+the last to leave restores that. A phase is one rank's own CPU work (encoding and laying out its
+packs, building and encoding the manifest, parsing one or a receipt), never its I/O: a save's
+upload or fsync can take minutes on S3, and the training thread beside it must keep its cyclic
+collection meanwhile (the objects still alive then are walked by a later collection, the price of
+that). Never a wait on another rank: a waiting rank leaves the collector on.
 """
 
 from __future__ import annotations

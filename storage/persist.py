@@ -173,11 +173,11 @@ def write_rank(
     packs, write those; returns the receipt entries: each region's box, bytes and crc32c, and
     where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``).
     ``alongside(entries)`` runs beside the pack write, on a thread of its own (it must not raise)."""
-    with gc_paused():  # thousands of small objects, alive until the packs are out (gcpause.py)
+    with gc_paused():  # thousands of small objects made; the write below is I/O (gcpause.py)
         builder, receipt = _lay_out(job, items)
         packs = builder.finish(job.io_threads)
-        tasks = [lambda: write_packs(packs, job, location, store)]
-        run_parallel(tasks if alongside is None else [*tasks, lambda: alongside(receipt)], 2)
+    tasks = [lambda: write_packs(packs, job, location, store)]
+    run_parallel(tasks if alongside is None else [*tasks, lambda: alongside(receipt)], 2)
     return receipt
 
 

@@ -78,3 +78,39 @@ def test_latest_is_written_without_fsync_and_a_torn_one_is_taken(tmp_path, monke
         assert read_latest(ckpt.store) is None
         ckpt.save(2, {"w": torch.ones(4)}).wait()
     assert json.loads((tmp_path / "latest").read_text()) == {"step": 2}
+
+
+def _blocking(real, inside: threading.Event, leave: threading.Event):
+    """``real`` after it has told the test it is in and waited to be let go (a slow upload)."""
+
+    def slow(*args, **kwargs):
+        inside.set()
+        assert leave.wait(30)
+        return real(*args, **kwargs)
+
+    return slow
+
+
+@pytest.mark.parametrize("where", ["persist.write_packs", "commit.commit_manifest"])
+def test_the_collector_runs_while_a_save_waits_on_storage(tmp_path, collector_on, monkeypatch, where):
+    """The pause covers a save's CPU work, never its I/O: a save on the writer thread that waits
+    on a slow upload (the packs, the manifest's conditional PUT) leaves the training thread's
+    collector on."""
+    import resilient.storage.commit as commit
+    import resilient.storage.persist as persist
+
+    module, name = {"persist": persist, "commit": commit}[where.split(".")[0]], where.split(".")[1]
+    inside, leave = threading.Event(), threading.Event()
+    monkeypatch.setattr(module, name, _blocking(getattr(module, name), inside, leave))
+    state = {f"n{i}": torch.full((8,), float(i)) for i in range(50)}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        handle = ckpt.save(1, state)
+        try:
+            assert inside.wait(30), f"the save never reached {where}"
+            enabled_during_io = gc.isenabled()  # read on this (the training) thread
+        finally:
+            leave.set()
+        handle.wait()
+        assert ckpt.load({k: torch.zeros(8) for k in state}) == 1
+    assert enabled_during_io, f"the collector was off while the save waited in {where}"
+    assert gc.isenabled()
