@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -305,19 +304,12 @@ def update_latest(store: ObjectStore, step: int) -> None:
 # -- the coordinator's side ----------------------------------------------------------------------
 
 
-def commit_step(
-    job: PersistJob,
-    store: ObjectStore,
-    own: dict | None = None,
-    prepared: Callable[[], tuple[Manifest, bytes]] | None = None,
-) -> None:
+def commit_step(job: PersistJob, store: ObjectStore, own: dict | None = None) -> None:
     """Rank 0: commit ``job``'s step once every rank's receipt is in (``own``: its own, in memory;
-    None: read from storage like the others'), then apply retention. ``prepared``: the manifest
-    and its bytes, already built from every receipt and their coverage checked (it raises what
-    that found). On failure the decision marker (``COMMIT_RANK``) tells the waiting ranks it is
-    "failed"."""
+    None: read from storage like the others'), then apply retention. On failure the decision
+    marker (``COMMIT_RANK``) tells the waiting ranks it is "failed"."""
     try:
-        _commit(job, store, own, prepared)
+        _commit(job, store, own)
     except Exception as e:
         if names_attempt(store, job):  # the manifest landed although its write raised: committed
             log.warning("[rank 0] step %d: the manifest write raised (%s) but it landed: committed", job.step, e)
@@ -359,18 +351,14 @@ def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
         log.warning("[rank %d] removing the failed attempt %s: %s", job.rank, job.attempt_key, e)
 
 
-def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None, prepared: Callable | None = None) -> None:
-    receipts = wait_for_receipts(store, job, own) if prepared is None else []
+def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None) -> None:
+    receipts = wait_for_receipts(store, job, own)
     notice.clear_decisions()  # of earlier attempts: every rank is past them (it wrote this receipt)
     with gc_paused():  # a manifest of thousands of arrays built and encoded; its PUT is I/O (gcpause.py)
-        if prepared is None:
-            check_coverage(job.plans, receipts, job.step)
-            fault_point("commit.before_manifest")
-            manifest = build_manifest(job, receipts, store)
-            data = manifest.dumps()
-        else:
-            manifest, data = prepared()
-            fault_point("commit.before_manifest")
+        check_coverage(job.plans, receipts, job.step)
+        fault_point("commit.before_manifest")
+        manifest = build_manifest(job, receipts, store)
+        data = manifest.dumps()
     if time.time() > job.deadline:
         raise CommitError(
             f"step {job.step} not committed: every receipt was in only after the agreed "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import crc32c
@@ -25,9 +24,9 @@ import numpy as np
 import torch
 
 from resilient.dtypes import to_numpy, torch_dtype
-from resilient.errors import CommitError, ResilientError, StorageError
+from resilient.errors import ResilientError, StorageError
 from resilient.layout import ArrayPlan, Box, Region, plan_from_json, plan_to_json
-from resilient.manifest import FORMAT_VERSION, Manifest, array_path, step_dir
+from resilient.manifest import FORMAT_VERSION, array_path, step_dir
 from resilient.metrics import SaveStats
 from resilient.storage.arrays import (
     plan_metadata,
@@ -36,8 +35,6 @@ from resilient.storage.arrays import (
 )
 from resilient.storage.checksum import crc32c_concat
 from resilient.storage.commit import (
-    build_manifest,
-    check_coverage,
     commit_step,
     settle_failure,
     wait_for_commit,
@@ -102,8 +99,7 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     stats.bytes_total = sum(p.nbytes for p in job.plans.values())
     t0 = time.perf_counter()
     try:
-        ahead = _ManifestAhead(job, store) if job.rank == 0 and job.world_size == 1 else None
-        regions = write_rank(job, _region_data(job, buffer), location, store, alongside=ahead and ahead.build)
+        regions = write_rank(job, _region_data(job, buffer), location, store)
         receipt = {"rank": job.rank, "regions": regions}
         stats.bytes_written = sum(r["nbytes"] for r in receipt["regions"])
         if job.rank != 0:  # the coordinator is rank 0: its own receipt goes to the commit in memory
@@ -119,7 +115,7 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     t1 = time.perf_counter()
     if job.rank == 0:
         try:
-            commit_step(job, store, own=receipt, prepared=ahead)
+            commit_step(job, store, own=receipt)
         except Exception as e:
             raise _as_resilient(e, job, location) from e
     else:
@@ -166,46 +162,15 @@ def write_rank(
     items: list[RegionData],
     location: Location,
     store: ObjectStore,
-    *,
-    alongside: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Encode every region's shards (on ``io_threads`` threads), lay them out into this rank's
     packs, write those; returns the receipt entries: each region's box, bytes and crc32c, and
-    where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``).
-    ``alongside(entries)`` runs beside the pack write, on a thread of its own (it must not raise)."""
+    where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``)."""
     with gc_paused():  # thousands of small objects made; the write below is I/O (gcpause.py)
         builder, receipt = _lay_out(job, items)
         packs = builder.finish(job.io_threads)
-    tasks = [lambda: write_packs(packs, job, location, store)]
-    run_parallel(tasks if alongside is None else [*tasks, lambda: alongside(receipt)], 2)
+    write_packs(packs, job, location, store)
     return receipt
-
-
-class _ManifestAhead:
-    """A world of one: the coordinator's receipt is every receipt, so its manifest is built and
-    encoded while its packs are still being written (the CPU beside the disk), then written once
-    they are durable, as ever. What the build finds (a coverage error) is raised by the commit,
-    where it is found when the manifest is built after the write."""
-
-    def __init__(self, job: PersistJob, store: ObjectStore) -> None:
-        self.job, self.store = job, store
-        self.built: tuple[Manifest, bytes] | None = None
-        self.error: Exception | None = None
-
-    def build(self, regions: list[dict]) -> None:
-        job = self.job
-        try:
-            receipts = [{"rank": job.rank, "regions": regions}]
-            check_coverage(job.plans, receipts, job.step)
-            manifest = build_manifest(job, receipts, self.store)
-            self.built = (manifest, manifest.dumps())
-        except Exception as e:  # noqa: BLE001 - raised by the commit, which decides the save
-            self.error = e
-
-    def __call__(self) -> tuple[Manifest, bytes]:
-        if self.built is None:
-            raise self.error or CommitError(f"step {self.job.step}: the manifest was not built beside the write")
-        return self.built
 
 
 def _lay_out(job: PersistJob, items: list[RegionData]) -> tuple[PackBuilder, list[dict]]:

@@ -174,32 +174,9 @@ def test_thousands_of_buffers_write_the_same_bytes(tmp_path, monkeypatch, thread
     assert (tmp_path / "obj").read_bytes() == want
 
 
-def _manifest_without_clock(root, step: int) -> dict:
-    manifest = json.loads((root / f"step-{step:09d}" / "manifest.json").read_text())
-    attempt = manifest["attempt"]
-    for key in ("created_unix", "created_at", "attempt", "step"):
-        manifest.pop(key)
-    return json.loads(json.dumps(manifest).replace(attempt, "ATTEMPT").replace(f"step-{step:09d}", "STEP"))
-
-
-def test_a_manifest_built_beside_the_write_is_the_one_built_after_it(tmp_path, monkeypatch):
-    from resilient.storage import persist
-
-    state = _state()
-    built: list[bool] = []
-    real = persist._ManifestAhead
-    with Checkpointer(str(tmp_path)) as ckpt:
-        monkeypatch.setattr(persist, "_ManifestAhead", lambda job, store: built.append(True) or real(job, store))
-        ckpt.save(1, state).wait()
-        monkeypatch.setattr(persist, "_ManifestAhead", lambda job, store: None)  # built after the write
-        ckpt.save(2, state).wait()
-    assert built == [True]
-    assert _manifest_without_clock(tmp_path, 1) == _manifest_without_clock(tmp_path, 2)
-
-
-def test_what_the_build_beside_the_write_finds_fails_the_save_at_the_commit(tmp_path, monkeypatch):
+def test_a_coverage_gap_found_at_the_commit_fails_the_save_and_keeps_the_last_step(tmp_path, monkeypatch):
     from resilient.errors import CommitError
-    from resilient.storage import persist
+    from resilient.storage import commit
 
     state = {"w": torch.ones(4)}
     with Checkpointer(str(tmp_path)) as ckpt:
@@ -208,7 +185,7 @@ def test_what_the_build_beside_the_write_finds_fails_the_save_at_the_commit(tmp_
         def uncovered(plans, receipts, step):
             raise CommitError(f"step {step} not committed: injected coverage gap")
 
-        monkeypatch.setattr(persist, "check_coverage", uncovered)
+        monkeypatch.setattr(commit, "check_coverage", uncovered)
         with pytest.raises(CommitError, match="injected coverage gap"):
             ckpt.save(2, {"w": torch.full((4,), 2.0)}).wait()
         assert ckpt.steps() == [1]
