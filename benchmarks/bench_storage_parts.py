@@ -7,7 +7,9 @@ rounds alternating which way goes first:
   trainer holds hundreds of thousands: a full collection walks every one);
 - ``manifest_parse``: ``json.loads`` of that step's manifest with the collector on and off;
 - ``latest``: ``latest`` written as ``write_advisory`` does (no fsync) against a synced write
-  (temp file, fsync, rename, fsync of the directory), in the checkpoint's own directory.
+  (temp file, fsync, rename, fsync of the directory), in the checkpoint's own directory;
+- ``crc``: 256 MiB checksummed by zlib's CRC-32, ISA-L's (a pack entry's ZIP CRC-32) and crc32c
+  (every chunk's), each ``--repeats`` times in turn.
 
 Run: ``nice -n 5 .venv/bin/python benchmarks/bench_storage_parts.py [--repeats 6]``. Prints JSON
 lines: one per measurement (median, best, every round), then the ratios (the second named's time over the
@@ -143,6 +145,25 @@ def bench_latest(args: argparse.Namespace, root: str) -> None:
     emit(ratio_line("latest_advisory_over_synced", lines["advisory"], lines["synced"]))
 
 
+def bench_crc(args: argparse.Namespace) -> None:
+    import zlib
+
+    import crc32c
+    import numpy as np
+    from isal.isal_zlib import crc32 as isal_crc32
+
+    data = np.random.default_rng(0).integers(0, 256, 256 << 20, dtype=np.uint8)
+    ways = {"isal": isal_crc32, "zlib": zlib.crc32, "crc32c": crc32c.crc32c}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(args.repeats):
+        for way, fn in ways.items():
+            times[way].append(_timed(lambda fn=fn: fn(data)))
+    lines = {way: result_line("crc", way, data.nbytes, t, from_world=1, to_world=1) for way, t in times.items()}
+    for line in lines.values():
+        emit(line)
+    emit(ratio_line("crc_isal_over_zlib", lines["isal"], lines["zlib"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=int, default=2000)
@@ -157,6 +178,7 @@ def main() -> None:
         bench_gcpause(args, root)
         bench_manifest_parse(args, root)
         bench_latest(args, root)
+        bench_crc(args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
