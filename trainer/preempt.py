@@ -255,11 +255,6 @@ def forwarded_signals(config: TrainConfig | None) -> tuple[signal.Signals, ...]:
     return (signal.SIGINT, signal.SIGTERM, *extra)
 
 
-def preempted_since(run_dir: str, since: float) -> dict | None:
-    """The ``preempted`` event a group wrote at or after ``since`` (``time.time()``), if any."""
-    return next(iter(preempted_events(run_dir, since)), None)
-
-
 def preempted_events(run_dir: str, since: float, groups: list[int] | None = None) -> list[dict]:
     """The ``preempted`` events written at or after ``since``, of ``groups`` only when given."""
     return [
