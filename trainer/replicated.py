@@ -244,21 +244,21 @@ class ReplicatedTrainer(Trainer):
                 quorum.step + 1,
             )
 
-    def _saves_this_step(self) -> bool:
+    def saves_this_step(self) -> bool:
         """One group writes each persistent checkpoint: the group of participating rank 0, and not
         a step some other group already committed to storage (a group finishing alone after its
         peers may reach a step they saved)."""
         if self.last_quorum is None:
             return False  # no step trained yet (a preemption at start): the state came from a peer or storage
-        return self.last_quorum.participating_rank == 0 and self.step not in self._committed_steps()
+        return self.last_quorum.participating_rank == 0 and self.step not in self.committed_steps()
 
     # -- end of run --------------------------------------------------------------------------
 
-    def _settled_steps(self, timeout_s: float) -> list[int]:
-        """The current step is written by one group (``_saves_this_step``), maybe not this one: wait
-        for its commit, bounded by ``timeout_s``. Rank 0 lists and judges the time for the whole
-        group, so every rank leaves the loop at the same poll."""
-        deadline, delay = time.monotonic() + timeout_s, 0.05
+    def settled_steps(self, deadline: float) -> list[int]:
+        """The current step is written by one group (``saves_this_step``), maybe not this one: wait
+        for its commit until ``deadline`` (``time.monotonic``). Rank 0 lists and judges the time for
+        the whole group, so every rank leaves the loop at the same poll."""
+        delay = 0.05
         while True:
             got = rdist.agree(
                 lambda: {"steps": self.checkpointer.steps(), "late": time.monotonic() > deadline},

@@ -88,7 +88,7 @@ def test_groups_that_all_finished_after_recovering_from_an_error_exit_0(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("committed", "torchrun", "expected"),
+    ("committed", "exits", "expected"),
     [
         (True, 143, 143),  # the ranks saved the stop step and exited 143
         (True, 128 + 10, 143),  # torchrun itself stopped by run.preempt_signal=SIGUSR1: still saved
@@ -97,11 +97,11 @@ def test_groups_that_all_finished_after_recovering_from_an_error_exit_0(tmp_path
     ],
 )
 def test_one_group_exits_143_only_for_a_committed_stop_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, committed: bool, torchrun: int, expected: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, committed: bool, exits: int, expected: int
 ) -> None:
     def job() -> int:
         _stopped(tmp_path, (0,), committed=committed)
-        return torchrun
+        return exits  # torchrun's exit code
 
     assert _one_group(tmp_path, monkeypatch, job) == expected
     err = capsys.readouterr().err
