@@ -311,9 +311,10 @@ def run_one_group(args: argparse.Namespace) -> int:
     if final:  # the rank printed the line
         return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT
     stopped = preempted_events(config.run.dir, started)
-    # A rank that failed on its own exits 1 or 2 (it printed why); a signal code is torchrun's own
-    # stop (whatever signal asked for it). The newest stop is the one the next start resumes from.
-    if stopped and not 0 < code < 128:
+    # Stopped ranks exit 143, and torchrun stopped by a signal 128 + that signal; a rank that failed
+    # on its own exits 1 or 2 (it printed why), and 0 is a run that went on to its end after a
+    # restart. The newest stop is the one the next start resumes from.
+    if stopped and code >= 128:
         code, why = preempted_exit(stopped[-1:])
         if why:
             print(why, file=sys.stderr)

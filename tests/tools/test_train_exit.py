@@ -94,6 +94,7 @@ def test_groups_that_all_finished_after_recovering_from_an_error_exit_0(tmp_path
         (True, 128 + 10, 143),  # torchrun itself stopped by run.preempt_signal=SIGUSR1: still saved
         (False, 143, 1),  # not committed within the grace: the next start resumes from an older step
         (True, 1, 1),  # a rank failed after the stop (it said why): not resumable from it as is
+        (True, 0, 0),  # torchrun restarted the ranks after the stop, and they finished the run
     ],
 )
 def test_one_group_exits_143_only_for_a_committed_stop_step(
