@@ -75,6 +75,21 @@ def test_node_away_sets_the_store_aside_then_brings_it_back_once_the_step_is_ret
     assert [k["pid"] for k in record.killed] == [leaving.pid, replacement.pid] and record.rejoin == {0: 2}
 
 
+def test_node_away_with_no_snapshot_on_the_node_fails_and_lets_every_rank_run_on(node) -> None:  # noqa: F811
+    ctx, start_rank = node
+    away, other = (job_node_store_dir(ctx.config, ctx.job.run_dir, 0, n) for n in (1, 0))
+    _snapshots(os.path.join(other, "own", "rank0"), 4)
+    survivor, staying = start_rank(0, other), start_rank(1, away)  # node 1's store holds no step file
+    _wait_for(lambda: os.path.isdir(away))
+    record = FaultRecord(spec=FaultSpec(kind="node_away", at_step=7, group=0, node=1))
+    advance(record, ctx, t_first_commit=None)
+    assert record.state == "failed" and "holds no RAM snapshot" in record.note, record.note
+    assert record.killed == [] and os.path.isdir(away) and not os.path.exists(away + ".away")
+    # Both ranks were frozen; neither was killed, so both must run on (a stopped rank hangs the group).
+    assert _stat(survivor.pid) != "T" and _stat(staying.pid) != "T"
+    assert survivor.poll() is None and staying.poll() is None
+
+
 def _stat(pid: int) -> str:
     for _ in range(100):
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
