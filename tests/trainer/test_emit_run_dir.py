@@ -31,16 +31,33 @@ def test_k8s_without_a_run_volume_is_refused_in_one_line(capsys: pytest.CaptureF
 
 def test_k8s_mounts_the_claim_in_every_pod_and_points_run_dir_into_it(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--emit", "k8s", "--config", TINY, "--image", "i:1", *S3, "--run-volume", "team-runs", "--job-name", "omni"]
-    assert main([*argv, "--set", "run.dir=runs/elsewhere"]) == 0
-    container = _container(yaml.safe_load(capsys.readouterr().out))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    container = _container(yaml.safe_load(out))
     claim = {"name": "runs", "persistentVolumeClaim": {"claimName": "team-runs"}}
     assert claim in container["pod"]["volumes"]
     assert {"name": "runs", "mountPath": "/resilient/runs"} in container["volumeMounts"]
     command = container["args"][0].splitlines()[-1]
-    # The pods' run.dir is on the claim, whatever the recipe said (the later --set wins).
-    assert command.endswith("--set run.dir=runs/elsewhere --set run.dir=/resilient/runs/omni")
+    # The pods' run.dir is on the claim, after the recipe's; the file says it replaces the recipe's.
+    assert command.endswith(
+        "--config " + TINY + " --set checkpoint.url=s3://bucket/omni --set run.dir=/resilient/runs/omni"
+    )
+    assert "# run.dir is /resilient/runs/omni, in place of the recipe's runs/tiny." in out
     with pytest.raises(ConfigError, match="--run-volume 'Team_Runs' must be a PersistentVolumeClaim name"):
         EmitSpec(**SPEC, run_volume="Team_Runs")
+
+
+def test_k8s_refuses_a_run_dir_of_the_user_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # Before, the manifest's own --set after it silently replaced it.
+    argv = ["--emit", "k8s", "--config", TINY, "--image", "i:1", *S3, "--run-volume", "team-runs", "--job-name", "omni"]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--set", " run.dir =runs/elsewhere"])
+    captured = capsys.readouterr()
+    assert exited.value.code == 2 and captured.out == ""
+    assert captured.err.splitlines()[-1].startswith(
+        "resilient-train: error: --emit k8s mounts --run-volume at /resilient/runs, run.dir=/resilient/runs/omni: "
+        "drop --set run.dir"
+    )
 
 
 @pytest.mark.parametrize("run_dir", ["/tmp/runs/omni", "/dev/shm/omni", "/var/tmp"])
