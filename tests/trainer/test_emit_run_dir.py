@@ -15,7 +15,7 @@ import yaml
 from resilient.errors import ConfigError
 from resilient.tools.train import main
 from resilient.trainer.launching.emit import EmitSpec, slurm_script
-from tests.trainer.test_emit import SPEC, TINY, _container, _stub, _stubs
+from tests.trainer.emit_helpers import SPEC, TINY, stub, stubs, trainer_container
 
 pytestmark = pytest.mark.timeout(60)
 S3 = ["--set", "checkpoint.url=s3://bucket/omni"]
@@ -33,7 +33,7 @@ def test_k8s_mounts_the_claim_in_every_pod_and_points_run_dir_into_it(capsys: py
     argv = ["--emit", "k8s", "--config", TINY, "--image", "i:1", *S3, "--run-volume", "team-runs", "--job-name", "omni"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    container = _container(yaml.safe_load(out))
+    container = trainer_container(yaml.safe_load(out))
     claim = {"name": "runs", "persistentVolumeClaim": {"claimName": "team-runs"}}
     assert claim in container["pod"]["volumes"]
     assert {"name": "runs", "mountPath": "/resilient/runs"} in container["volumeMounts"]
@@ -76,9 +76,9 @@ def test_slurm_refuses_a_run_volume(capsys: pytest.CaptureFixture[str]) -> None:
 def _sbatch(tmp_path: Path, srun: str | None = None) -> subprocess.CompletedProcess:
     path = tmp_path / "job.sbatch"
     path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, run_dir="runs/omni")))
-    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "51", "SLURM_JOB_NODELIST": "n[1-2]"}
+    env = {**stubs(tmp_path), "SLURM_JOB_ID": "51", "SLURM_JOB_NODELIST": "n[1-2]"}
     if srun is not None:
-        _stub(tmp_path / "bin", "srun", srun)
+        stub(tmp_path / "bin", "srun", srun)
     return subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
 
 
