@@ -1,8 +1,8 @@
 """``node_away`` (a node absent across a RAM restore, then back with its stale snapshots) against
 stand-in rank processes, and the invariant that catches a restore of a stale snapshot,
 ``ram_restores_on_branch``, judged on recorded events. The scenario itself
-(``chaos/scenarios/node_away.toml``, ~2 min with its twin on 2 cores) is run by hand; its numbers are
-in benchmarks/README.md."""
+(``chaos/scenarios/node_away.toml``, a job and its fault-free twin: too long for the suite) is run by
+hand; its numbers are in benchmarks/README.md."""
 
 from __future__ import annotations
 

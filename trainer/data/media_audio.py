@@ -313,7 +313,7 @@ class _AudioTimeline:
         """Native samples [first, min(last, fed)) at the converter's rate, holes fed as zeros. What
         no frame covered past the last decoded sample is left to the window's placement, which
         zero-fills it: through the resampler, silence would come back as its rounding noise
-        (libsoxr convolves by FFT: ~1e-9 where the input is all zeros), not as silence."""
+        (libsoxr convolves by FFT: not exact zeros where the input is all zeros), not as silence."""
         self.cap = last if self.cap is None else min(self.cap, last)
         self._drain(whole=True)
         return self.out.result()
