@@ -171,7 +171,7 @@ def _ram_restores(
     rest of the machine spent meanwhile: wall time above the job's CPU over the cores is theirs)."""
     source = "buddy" if kind == "buddy" and rank == 1 else "own"
     variants = ((f"ram_{kind}{suffix}_s", 1), (f"ram_{kind}_no_persistent{suffix}_s", None))
-    times: dict[str, list[tuple[float, float, float]]] = {key: [] for key, _ in variants}
+    times: dict[str, list[tuple[float, float, float, list[float]]]] = {key: [] for key, _ in variants}
     for _ in range(repeats):
         for key, persistent_step in variants:
             target = _state(mib, -1.0)
@@ -180,9 +180,11 @@ def _ram_restores(
             assert out.pop("restored").source == source
             assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
     for key, samples in times.items():
-        _record(out, key, [wall for wall, _, _ in samples])
-        out[key.removesuffix("_s") + "_cpu_s"] = statistics.median(cpu for _, cpu, _ in samples)
-        out[key.removesuffix("_s") + "_others_cpu_s"] = statistics.median(others for _, _, others in samples)
+        _record(out, key, [wall for wall, _, _, _ in samples])
+        out[key.removesuffix("_s") + "_cpu_s"] = statistics.median(cpu for _, cpu, _, _ in samples)
+        out[key.removesuffix("_s") + "_others_cpu_s"] = statistics.median(others for _, _, others, _ in samples)
+        by_rank = zip(*(ranks for _, _, _, ranks in samples), strict=True)
+        out[key.removesuffix("_s") + "_rank_cpu_s"] = [round(statistics.median(r), 4) for r in by_rank]
 
 
 def _busy_cpu_s() -> float:
@@ -192,17 +194,19 @@ def _busy_cpu_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
 
 
-def _timed_cpu(fn) -> tuple[float, float, float]:
-    """(wall s, CPU s of both ranks, CPU s of everything else on the machine) of ``fn`` on both ranks."""
+def _timed_cpu(fn) -> tuple[float, float, float, list[float]]:
+    """(wall s, CPU s of both ranks, CPU s of everything else on the machine, CPU s of each rank)
+    of ``fn`` on both ranks."""
     dist.barrier()
     mine, busy, start = resource.getrusage(resource.RUSAGE_SELF), _busy_cpu_s(), time.perf_counter()
     fn()
     dist.barrier()
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-    cpu = torch.tensor([after.ru_utime + after.ru_stime - mine.ru_utime - mine.ru_stime], dtype=torch.float64)
+    cpu = torch.zeros(WORLD, dtype=torch.float64)
+    cpu[dist.get_rank()] = after.ru_utime + after.ru_stime - mine.ru_utime - mine.ru_stime
     dist.all_reduce(cpu)
-    job = float(cpu)
-    return wall, job, max(0.0, _busy_cpu_s() - busy - job)
+    job = float(cpu.sum())
+    return wall, job, max(0.0, _busy_cpu_s() - busy - job), cpu.tolist()
 
 
 def _contended(tier, rank: int, mib: float, state: dict, out: dict, repeats: int) -> None:

@@ -88,7 +88,8 @@ def print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
 
 def contention_fields(restore: dict) -> dict:
     """The buddy restores alone and beside a spinning process (``--contend``): wall, the job's CPU
-    seconds and the other processes' (medians), and the ratio of the two walls."""
+    seconds, each rank's (rank 1 fetches) and the other processes' (medians), and the ratio of the
+    two walls."""
     if "ram_buddy_no_persistent_contended_s" not in restore:
         return {}
     out: dict = {}
@@ -97,6 +98,8 @@ def contention_fields(restore: dict) -> dict:
             out[f"{key}_s"] = round(restore[f"{key}_s"], 4)
             out[f"{key}_cpu_s"] = round(restore[f"{key}_cpu_s"], 4)
             out[f"{key}_others_cpu_s"] = round(restore[f"{key}_others_cpu_s"], 4)
+            if f"{key}_rank_cpu_s" in restore:  # absent in lines of older runs
+                out[f"{key}_rank_cpu_s"] = restore[f"{key}_rank_cpu_s"]
         out[f"{case}_contended_over_alone"] = round(restore[f"{case}_contended_s"] / restore[f"{case}_s"], 2)
     return out
 

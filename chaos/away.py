@@ -83,7 +83,10 @@ def start(record: FaultRecord, ctx: InjectContext) -> bool:
         record.extra.update(away_step=newest, dropped_copies=sorted(dropped), not_stopped=stuck)
         _kill(record, ctx, {r: pids[r] for r in away})
     finally:
-        _signal([p for r, p in pids.items() if r not in away and p is not None], signal.SIGCONT)
+        # Every frozen rank that was not killed runs on, the node's own included when the fault
+        # failed before killing them: a rank left stopped hangs its group in collectives.
+        killed = {k["pid"] for k in record.killed}
+        _signal([p for p in pids.values() if p is not None and p not in killed], signal.SIGCONT)
     record.extra["_return_by"] = time.time() + RETURN_TIMEOUT_S
     record.state = "injected"
     return True

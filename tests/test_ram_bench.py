@@ -63,7 +63,9 @@ def test_contention_line_pairs_each_buddy_restore_alone_and_beside_a_spinning_pr
         restore |= {f"{case}_s": wall, f"{case}_cpu_s": 2 * wall, f"{case}_others_cpu_s": 0.01}
         restore |= {f"{case}_contended_s": 3 * wall, f"{case}_contended_cpu_s": 2 * wall}
         restore[f"{case}_contended_others_cpu_s"] = 2 * wall
+    restore["ram_buddy_no_persistent_rank_cpu_s"] = [0.2, 0.3]
     fields = ram_bench_report.contention_fields(restore)
+    assert fields["ram_buddy_no_persistent_rank_cpu_s"] == [0.2, 0.3] and "ram_buddy_rank_cpu_s" not in fields
     assert fields["ram_buddy_no_persistent_s"] == 0.25 and fields["ram_buddy_no_persistent_contended_s"] == 0.75
     assert fields["ram_buddy_no_persistent_cpu_s"] == fields["ram_buddy_no_persistent_contended_cpu_s"] == 0.5
     assert fields["ram_buddy_no_persistent_contended_others_cpu_s"] == 0.5

@@ -55,13 +55,11 @@ from resilient.trainer.launching.multinode import (
 from resilient.trainer.launching.torchrun import check_nproc, run, torchrun_command, trainer_args
 from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 from resilient.trainer.preempt import (
-    PREEMPTED_EXIT,
     forwarded_signals,
     launcher_grace_s,
     preempt_flags,
     preempted_events,
     preempted_exit,
-    preempted_since,
 )
 
 PROG = "resilient-train"
@@ -252,11 +250,11 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     code = run_replicated(launch, forwarded_signals(config))
-    line = reported_since(config.run.dir, started)
+    stopped = preempted_events(config.run.dir, started, launch.groups_here())
+    line = _failure_line(config.run.dir, started, code, stopped)
     # The groups stopped for a preemption: 143 (resumable from the stop step) only if every group
     # that stopped saw that one step committed and none failed for a reason of its own (one that
     # failed writing the stop step says so, and a rerun would not fix it by itself).
-    stopped = preempted_events(config.run.dir, started, launch.groups_here())
     if stopped and line is None:
         code, why = preempted_exit(stopped)
         if why:
@@ -271,6 +269,17 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             return code
         return RUNTIME_EXIT if disk_full(ResilientError(line)) else ERROR_EXIT  # a full disk is no bad input
     return code
+
+
+def _failure_line(run_dir: str, started: float, code: int, stopped: list[dict]) -> str | None:
+    """The error line that says why the replica groups ended (None: they did not fail). A claim
+    (``report_failure``) is the first error of a torchrun launch, and torchrun may have restarted
+    its group out of it: only a final claim, or one made after the groups were asked to stop,
+    overrides a preemption, and a job whose groups all exited 0 failed only on a final claim."""
+    final = final_claim_since(run_dir, started)
+    if final or code == 0:
+        return final
+    return reported_since(run_dir, min(e["t"] for e in stopped) if stopped else started)
 
 
 def run_one_group(args: argparse.Namespace) -> int:
@@ -301,8 +310,15 @@ def run_one_group(args: argparse.Namespace) -> int:
     final = final_claim_since(config.run.dir, started)
     if final:  # the rank printed the line
         return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT
-    if preempted_since(config.run.dir, started):
-        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
+    stopped = preempted_events(config.run.dir, started)
+    # Stopped ranks exit 143, and torchrun stopped by a signal 128 + that signal; a rank that failed
+    # on its own exits 1 or 2 (it printed why), and 0 is a run that went on to its end after a
+    # restart. The newest stop is the one the next start resumes from.
+    if stopped and code >= 128:
+        code, why = preempted_exit(stopped[-1:])
+        if why:
+            print(why, file=sys.stderr)
+        return code
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     return code

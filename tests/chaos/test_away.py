@@ -1,8 +1,8 @@
 """``node_away`` (a node absent across a RAM restore, then back with its stale snapshots) against
 stand-in rank processes, and the invariant that catches a restore of a stale snapshot,
 ``ram_restores_on_branch``, judged on recorded events. The scenario itself
-(``chaos/scenarios/node_away.toml``, ~2 min with its twin on 2 cores) is run by hand; its numbers are
-in benchmarks/README.md."""
+(``chaos/scenarios/node_away.toml``, a job and its fault-free twin: too long for the suite) is run by
+hand; its numbers are in benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from resilient.chaos.inject import FaultRecord, advance
 from resilient.chaos.job import job_node_store_dir
 from resilient.chaos.scenario import FaultSpec, load_scenario, parse_scenario
 from resilient.errors import ConfigError
-from tests.chaos.test_inject import node  # noqa: F401  (the fixture: stand-in ranks and their stores)
+from tests.procs import wait_until
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -33,7 +33,7 @@ def _steps(directory: str) -> list[int]:
     return sorted(int(name[5:14]) for name in os.listdir(directory) if name.startswith("step-"))
 
 
-def test_node_away_sets_the_store_aside_then_brings_it_back_once_the_step_is_retrained(node) -> None:  # noqa: F811
+def test_node_away_sets_the_store_aside_then_brings_it_back_once_the_step_is_retrained(node) -> None:
     ctx, start_rank = node
     ctx.job.events = SimpleNamespace(records=[])
     away, other = (job_node_store_dir(ctx.config, ctx.job.run_dir, 0, n) for n in (1, 0))
@@ -57,7 +57,7 @@ def test_node_away_sets_the_store_aside_then_brings_it_back_once_the_step_is_ret
     ]
     # The group restarts without the node (a replacement rank 1, a new store) and retrains 5..7.
     replacement = start_rank(1, away)
-    _wait_for(lambda: os.path.isdir(away))
+    wait_until(lambda: os.path.isdir(away))
     ctx.attempts[0] = 1
     ctx.job.events.records += [
         {"event": "step", "group": 0, "step": 7, "committed": True},  # before the restart: not retrained
@@ -75,6 +75,21 @@ def test_node_away_sets_the_store_aside_then_brings_it_back_once_the_step_is_ret
     assert [k["pid"] for k in record.killed] == [leaving.pid, replacement.pid] and record.rejoin == {0: 2}
 
 
+def test_node_away_with_no_snapshot_on_the_node_fails_and_lets_every_rank_run_on(node) -> None:
+    ctx, start_rank = node
+    away, other = (job_node_store_dir(ctx.config, ctx.job.run_dir, 0, n) for n in (1, 0))
+    _snapshots(os.path.join(other, "own", "rank0"), 4)
+    survivor, staying = start_rank(0, other), start_rank(1, away)  # node 1's store holds no step file
+    wait_until(lambda: os.path.isdir(away))
+    record = FaultRecord(spec=FaultSpec(kind="node_away", at_step=7, group=0, node=1))
+    advance(record, ctx, t_first_commit=None)
+    assert record.state == "failed" and "holds no RAM snapshot" in record.note, record.note
+    assert record.killed == [] and os.path.isdir(away) and not os.path.exists(away + ".away")
+    # Both ranks were frozen; neither was killed, so both must run on (a stopped rank hangs the group).
+    assert _stat(survivor.pid) != "T" and _stat(staying.pid) != "T"
+    assert survivor.poll() is None and staying.poll() is None
+
+
 def _stat(pid: int) -> str:
     for _ in range(100):
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -82,13 +97,6 @@ def _stat(pid: int) -> str:
             return state
         time.sleep(0.02)
     return state
-
-
-def _wait_for(condition, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_node_away_needs_a_second_node_and_the_scenario_parses() -> None:

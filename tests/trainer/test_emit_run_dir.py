@@ -15,7 +15,7 @@ import yaml
 from resilient.errors import ConfigError
 from resilient.tools.train import main
 from resilient.trainer.launching.emit import EmitSpec, slurm_script
-from tests.trainer.test_emit import SPEC, TINY, _container, _stub, _stubs
+from tests.trainer.emit_helpers import SPEC, TINY, stub, stubs, trainer_container
 
 pytestmark = pytest.mark.timeout(60)
 S3 = ["--set", "checkpoint.url=s3://bucket/omni"]
@@ -31,16 +31,33 @@ def test_k8s_without_a_run_volume_is_refused_in_one_line(capsys: pytest.CaptureF
 
 def test_k8s_mounts_the_claim_in_every_pod_and_points_run_dir_into_it(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--emit", "k8s", "--config", TINY, "--image", "i:1", *S3, "--run-volume", "team-runs", "--job-name", "omni"]
-    assert main([*argv, "--set", "run.dir=runs/elsewhere"]) == 0
-    container = _container(yaml.safe_load(capsys.readouterr().out))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    container = trainer_container(yaml.safe_load(out))
     claim = {"name": "runs", "persistentVolumeClaim": {"claimName": "team-runs"}}
     assert claim in container["pod"]["volumes"]
     assert {"name": "runs", "mountPath": "/resilient/runs"} in container["volumeMounts"]
     command = container["args"][0].splitlines()[-1]
-    # The pods' run.dir is on the claim, whatever the recipe said (the later --set wins).
-    assert command.endswith("--set run.dir=runs/elsewhere --set run.dir=/resilient/runs/omni")
+    # The pods' run.dir is on the claim, after the recipe's; the file says it replaces the recipe's.
+    assert command.endswith(
+        "--config " + TINY + " --set checkpoint.url=s3://bucket/omni --set run.dir=/resilient/runs/omni"
+    )
+    assert "# run.dir is /resilient/runs/omni, in place of the recipe's runs/tiny." in out
     with pytest.raises(ConfigError, match="--run-volume 'Team_Runs' must be a PersistentVolumeClaim name"):
         EmitSpec(**SPEC, run_volume="Team_Runs")
+
+
+def test_k8s_refuses_a_run_dir_of_the_user_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # Before, the manifest's own --set after it silently replaced it.
+    argv = ["--emit", "k8s", "--config", TINY, "--image", "i:1", *S3, "--run-volume", "team-runs", "--job-name", "omni"]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--set", " run.dir =runs/elsewhere"])
+    captured = capsys.readouterr()
+    assert exited.value.code == 2 and captured.out == ""
+    assert captured.err.splitlines()[-1].startswith(
+        "resilient-train: error: --emit k8s mounts --run-volume at /resilient/runs, run.dir=/resilient/runs/omni: "
+        "drop --set run.dir"
+    )
 
 
 @pytest.mark.parametrize("run_dir", ["/tmp/runs/omni", "/dev/shm/omni", "/var/tmp"])
@@ -59,9 +76,9 @@ def test_slurm_refuses_a_run_volume(capsys: pytest.CaptureFixture[str]) -> None:
 def _sbatch(tmp_path: Path, srun: str | None = None) -> subprocess.CompletedProcess:
     path = tmp_path / "job.sbatch"
     path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, run_dir="runs/omni")))
-    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "51", "SLURM_JOB_NODELIST": "n[1-2]"}
+    env = {**stubs(tmp_path), "SLURM_JOB_ID": "51", "SLURM_JOB_NODELIST": "n[1-2]"}
     if srun is not None:
-        _stub(tmp_path / "bin", "srun", srun)
+        stub(tmp_path / "bin", "srun", srun)
     return subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
 
 

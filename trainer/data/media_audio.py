@@ -57,11 +57,10 @@ PROBE_AUDIO_ONLY = {"skip_frame": "all"}
 # input is cut (tests hold it), and pieces of this size keep its work in cache while decoding goes
 # on (larger ones cost more per sample; benchmarks/README.md, data_bench).
 RESAMPLE_CHUNK = 1 << 15
-# libsoxr's "HQ" recipe (its default, 20-bit): flat to ~0.91 of the output's Nyquist frequency and
-# > 100 dB rejection of what lies above it, so it is at least libswresample's default filter (the
-# one it replaced) everywhere: that one rolls off from ~0.8 and lets 8.5 kHz through at -26 dB into
-# 16 kHz. "MQ" saves ~5% of the resampling time and is less accurate at 44.1 kHz; "LQ" rolls off from
-# ~0.7 (benchmarks/README.md).
+# libsoxr's "HQ" recipe (its default): flat further up the band and far more rejection of what lies
+# above the output's Nyquist frequency than libswresample's default filter (the one it replaced), so
+# no clip decodes worse than before; "MQ" saves little and is less accurate at 44.1 kHz, "LQ" rolls
+# off earlier (figures and commands: benchmarks/README.md, AAC third pass).
 RESAMPLE_QUALITY = "HQ"
 
 
@@ -314,7 +313,7 @@ class _AudioTimeline:
         """Native samples [first, min(last, fed)) at the converter's rate, holes fed as zeros. What
         no frame covered past the last decoded sample is left to the window's placement, which
         zero-fills it: through the resampler, silence would come back as its rounding noise
-        (libsoxr convolves by FFT: ~1e-9 where the input is all zeros), not as silence."""
+        (libsoxr convolves by FFT: not exact zeros where the input is all zeros), not as silence."""
         self.cap = last if self.cap is None else min(self.cap, last)
         self._drain(whole=True)
         return self.out.result()

@@ -162,6 +162,8 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
             return f"--emit: {word!r} holds a control character (a newline would break the job file): drop it"
     if args.emit == "slurm" and args.run_volume:
         return "--run-volume is for --emit k8s; a SLURM job's run.dir is a path every node mounts: drop it"
+    if args.emit == "k8s" and any(o.partition("=")[0].strip() == "run.dir" for o in args.overrides):
+        return f"--emit k8s mounts --run-volume at {RUN_MOUNT}, run.dir={RUN_MOUNT}/{args.job_name}: drop --set run.dir"
     if args.emit == "k8s" and not args.image:
         return "--emit k8s takes --image IMAGE (a container image with resilient installed): the pods run it"
     if args.replica_groups is not None and args.nproc_per_node is not None:
@@ -487,6 +489,7 @@ def k8s_manifest(spec: EmitSpec) -> str:
         "            - name: runs",
         "              # run.dir (job record, events, the group's timeline) outlives a pod and is one place",
         "              # for all of them: a ReadWriteMany claim (NFS, CephFS, a cloud file store).",
+        f"              # run.dir is {RUN_MOUNT}/{spec.job_name}, in place of the recipe's {spec.run_dir}.",
         "              persistentVolumeClaim:",
         f"                claimName: {spec.run_volume}",
         "",
