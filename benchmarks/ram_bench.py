@@ -13,6 +13,9 @@ moments) and measures, side by side:
   gives medians. The RAM restores run with the committed step behind them, as the restore policy
   passes it (the snapshot goes straight into the state, ``ram.inplace``), and without one
   (``*_no_persistent_s``: checked where it lies, copied after every rank agreed);
+- ``contention`` (``--contend``, the default): the buddy restores again while one process spins,
+  each restore with the CPU seconds the job and the rest of the machine spent (the
+  ``ram_restore_contention`` line: a CPU-bound restore's wall time is set by its neighbours);
 - ``replication``: bytes/s of the buddy copy of one snapshot, both ranks copying at once (the
   ``ram_replication`` lines); ``--replication-repeats N`` more snapshots give the median of N copies
   (the ``replication_mib_per_s`` line);
@@ -26,7 +29,7 @@ moments) and measures, side by side:
 
     python benchmarks/ram_bench.py [--state-mib 256] [--loop-mib 64] [--rounds 5] [--block-steps 10]
                                    [--batch 1024] [--parts restore,overhead,mac] [--restore-repeats 5]
-                                   [--replication-repeats 5] [--s3 | --no-s3]
+                                   [--replication-repeats 5] [--s3 | --no-s3] [--no-contend]
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ import argparse
 import functools
 import json
 import os
+import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -97,7 +103,7 @@ def _drop_page_cache(directory: str) -> None:
     dist.barrier()
 
 
-def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats: int) -> dict:
+def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats: int, contend: bool = True) -> dict:
     """Every restore ``repeats`` times (``<key>`` the median, ``<key>_each`` all of them); the RAM
     variants of one kind alternate, so they meet the same conditions."""
     from resilient import Checkpointer
@@ -145,6 +151,8 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats:
     dist.barrier()
     buddy = _tier(rank, os.path.join(root, "store"), root)
     _ram_restores(buddy, "buddy", rank, mib, state, out, repeats)
+    if contend:
+        _contended(buddy, rank, mib, state, out, repeats)
     buddy.close()
     ckpt.close()
     return out
@@ -155,20 +163,62 @@ def _record(out: dict, key: str, seconds: list[float]) -> None:
     out[f"{key}_each"] = [round(s, 4) for s in seconds]
 
 
-def _ram_restores(tier, kind: str, rank: int, mib: float, state: dict, out: dict, repeats: int) -> None:
-    """``ram_<kind>_s`` (committed step 1 behind the decision) and ``ram_<kind>_no_persistent_s``."""
+def _ram_restores(
+    tier, kind: str, rank: int, mib: float, state: dict, out: dict, repeats: int, suffix: str = ""
+) -> None:
+    """``ram_<kind>_s`` (committed step 1 behind the decision) and ``ram_<kind>_no_persistent_s``,
+    each with ``<key>_cpu_s`` (CPU seconds both ranks spent) and ``<key>_others_cpu_s`` (what the
+    rest of the machine spent meanwhile: wall time above the job's CPU over the cores is theirs)."""
     source = "buddy" if kind == "buddy" and rank == 1 else "own"
-    variants = ((f"ram_{kind}_s", 1), (f"ram_{kind}_no_persistent_s", None))
-    times: dict[str, list[float]] = {key: [] for key, _ in variants}
+    variants = ((f"ram_{kind}{suffix}_s", 1), (f"ram_{kind}_no_persistent{suffix}_s", None))
+    times: dict[str, list[tuple[float, float, float, list[float]]]] = {key: [] for key, _ in variants}
     for _ in range(repeats):
         for key, persistent_step in variants:
             target = _state(mib, -1.0)
             restore = functools.partial(tier.restore, target, persistent_step)
-            times[key].append(_timed(lambda: out.setdefault("restored", restore())))  # noqa: B023 (called at once)
+            times[key].append(_timed_cpu(lambda: out.setdefault("restored", restore())))  # noqa: B023 (called at once)
             assert out.pop("restored").source == source
             assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])
-    for key, seconds in times.items():
-        _record(out, key, seconds)
+    for key, samples in times.items():
+        _record(out, key, [wall for wall, _, _, _ in samples])
+        out[key.removesuffix("_s") + "_cpu_s"] = statistics.median(cpu for _, cpu, _, _ in samples)
+        out[key.removesuffix("_s") + "_others_cpu_s"] = statistics.median(others for _, _, others, _ in samples)
+        by_rank = zip(*(ranks for _, _, _, ranks in samples), strict=True)
+        out[key.removesuffix("_s") + "_rank_cpu_s"] = [round(statistics.median(r), 4) for r in by_rank]
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds every core of the machine spent busy since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def _timed_cpu(fn) -> tuple[float, float, float, list[float]]:
+    """(wall s, CPU s of both ranks, CPU s of everything else on the machine, CPU s of each rank)
+    of ``fn`` on both ranks."""
+    dist.barrier()
+    mine, busy, start = resource.getrusage(resource.RUSAGE_SELF), _busy_cpu_s(), time.perf_counter()
+    fn()
+    dist.barrier()
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = torch.zeros(WORLD, dtype=torch.float64)
+    cpu[dist.get_rank()] = after.ru_utime + after.ru_stime - mine.ru_utime - mine.ru_stime
+    dist.all_reduce(cpu)
+    job = float(cpu.sum())
+    return wall, job, max(0.0, _busy_cpu_s() - busy - job), cpu.tolist()
+
+
+def _contended(tier, rank: int, mib: float, state: dict, out: dict, repeats: int) -> None:
+    """The buddy restores again while one process spins at the job's priority: a neighbour taking a
+    core of the two, which a shared machine has at some times and not at others."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if rank == 0 else None
+    try:
+        _ram_restores(tier, "buddy", rank, mib, state, out, repeats, suffix="_contended")
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
 
 
 def _s3_restore(url: str, state: dict, mib: float, repeats: int) -> list[float]:
@@ -298,7 +348,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue, s3_u
     parts = args.parts.split(",")
     try:
         restore = (
-            restore_bench(rank, args.state_mib, os.path.join(root, "restore"), s3_url, args.restore_repeats)
+            restore_bench(
+                rank, args.state_mib, os.path.join(root, "restore"), s3_url, args.restore_repeats, args.contend
+            )
             if "restore" in parts
             else None
         )
@@ -319,7 +371,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str, queue, s3_u
         dist.destroy_process_group()
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mib", type=float, default=256, help="state per rank for the restore comparison")
     parser.add_argument("--loop-mib", type=float, default=64, help="model + AdamW state per rank in the loop")
@@ -347,12 +399,22 @@ def main() -> None:
         "--replication-repeats", type=int, default=5, help="buddy copies timed for replication_mib_per_s (0: none)"
     )
     parser.add_argument(
+        "--contend",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the buddy restores while one process spins (the ram_restore_contention line)",
+    )
+    parser.add_argument(
         "--s3",
         action=argparse.BooleanOptionalAction,
         default=moto_available(),
         help="also restore from S3 on a loopback moto_server (default: on when the venv has moto_server)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.s3 and not moto_available():
         raise SystemExit(f"--s3 needs moto_server at {moto_path()} and boto3: pip install 'moto[server]' boto3")
     if args.rounds < 1 or args.block_steps < 1 or args.restore_repeats < 1:

@@ -65,6 +65,9 @@ def print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
         ),
         flush=True,
     )
+    contention = contention_fields(restore)
+    if contention:
+        print(json.dumps({"bench": "ram_restore_contention", "rank": rank, **contention}), flush=True)
     rep = restore["replication"]
     print(
         json.dumps(
@@ -81,6 +84,24 @@ def print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
         ),
         flush=True,
     )
+
+
+def contention_fields(restore: dict) -> dict:
+    """The buddy restores alone and beside a spinning process (``--contend``): wall, the job's CPU
+    seconds, each rank's (rank 1 fetches) and the other processes' (medians), and the ratio of the
+    two walls."""
+    if "ram_buddy_no_persistent_contended_s" not in restore:
+        return {}
+    out: dict = {}
+    for case in ("ram_buddy", "ram_buddy_no_persistent"):
+        for key in (case, f"{case}_contended"):
+            out[f"{key}_s"] = round(restore[f"{key}_s"], 4)
+            out[f"{key}_cpu_s"] = round(restore[f"{key}_cpu_s"], 4)
+            out[f"{key}_others_cpu_s"] = round(restore[f"{key}_others_cpu_s"], 4)
+            if f"{key}_rank_cpu_s" in restore:  # absent in lines of older runs
+                out[f"{key}_rank_cpu_s"] = restore[f"{key}_rank_cpu_s"]
+        out[f"{case}_contended_over_alone"] = round(restore[f"{case}_contended_s"] / restore[f"{case}_s"], 2)
+    return out
 
 
 def s3_fields(restore: dict) -> dict:

@@ -310,6 +310,7 @@ def _invariants(
             run, [(f.group, f.rank) for f in scenario.faults if f.kind == "slow_rank"]
         ),
         "final_step_durable": inv.final_step_durable(run, verify=check.verify),
+        "ram_restores_on_branch": inv.ram_restores_on_branch(run),
     }
 
 

@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
+from resilient.chaos import away
 from resilient.chaos.hooks import arm_path, corrupt_path, marker_dir, slow_path, write_atomic
 from resilient.chaos.job import JobProcess, job_node_store_dir
+from resilient.chaos.procs import alive_rank_pid, wait_stopped
 from resilient.chaos.s3_proxy import FaultProxy
 from resilient.chaos.scenario import FAULT_KINDS, FaultSpec
 from resilient.chaos.throttle import DutyCycle
-from resilient.runfiles import lighthouse_pid_path, read_pid
+from resilient.runfiles import lighthouse_pid_path
 
 MARKER_TIMEOUT_S = 120.0
 """Longest wait for an armed fault point to be reached (a persist or a heal)."""
@@ -67,17 +67,6 @@ class InjectContext:
     """group -> highest torchrun attempt seen joining."""
 
 
-def _alive_rank_pid(run_dir: str, group: int, rank: int) -> int | None:
-    pid = read_pid(run_dir, group, rank)
-    if pid is None:
-        return None
-    with contextlib.suppress(psutil.Error):
-        p = psutil.Process(pid)
-        if p.status() != psutil.STATUS_ZOMBIE and "resilient.trainer" in " ".join(p.cmdline()):
-            return pid
-    return None
-
-
 def _group_ranks(ctx: InjectContext, spec: FaultSpec) -> list[int]:
     nproc = ctx.job.job.nproc_per_group
     if spec.kind == "kill_group":
@@ -90,7 +79,7 @@ def _group_ranks(ctx: InjectContext, spec: FaultSpec) -> list[int]:
 
 def _kill(record: FaultRecord, ctx: InjectContext, group: int, ranks: list[int]) -> bool:
     """SIGKILL the ranks (all alive first, else wait); True once done."""
-    pids = {r: _alive_rank_pid(ctx.job.run_dir, group, r) for r in ranks}
+    pids = {r: alive_rank_pid(ctx.job.run_dir, group, r) for r in ranks}
     if any(p is None for p in pids.values()):
         return False
     for rank, pid in pids.items():
@@ -178,34 +167,6 @@ def _disarm(ctx: InjectContext, groups: list[int]) -> None:
             os.remove(arm_path(ctx.job.chaos_dir, group))
 
 
-def _wait_stopped(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until every thread of every pid is stopped (SIGSTOP is delivered asynchronously, and a thread
-    inside a system call stops only when it returns); the pids not stopped in time."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(pids)
-    while pending and time.monotonic() < deadline:
-        pending = [pid for pid in pending if not _all_threads_stopped(pid)]
-        if pending:
-            time.sleep(0.01)
-    return pending
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return True  # gone: it writes nothing more
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, IndexError):
-            continue
-        if state not in ("T", "t", "Z", "X"):
-            return False
-    return True
-
-
 def _start_kill(record: FaultRecord, ctx: InjectContext) -> bool:
     if not _kill(record, ctx, record.spec.group, _group_ranks(ctx, record.spec)):
         return False
@@ -218,7 +179,7 @@ def _start_kill_node(record: FaultRecord, ctx: InjectContext) -> bool:
     wipe the store, then SIGKILL them. No store to wipe: the fault fails and kills nothing."""
     spec = record.spec
     ranks = _group_ranks(ctx, spec)
-    pids = {r: _alive_rank_pid(ctx.job.run_dir, spec.group, r) for r in ranks}
+    pids = {r: alive_rank_pid(ctx.job.run_dir, spec.group, r) for r in ranks}
     if any(p is None for p in pids.values()):
         return False
     store = job_node_store_dir(ctx.config, ctx.job.run_dir, spec.group, spec.node)
@@ -234,7 +195,7 @@ def _start_kill_node(record: FaultRecord, ctx: InjectContext) -> bool:
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-        not_stopped = _wait_stopped(list(pids.values()), STOP_TIMEOUT_S)
+        not_stopped = wait_stopped(list(pids.values()), STOP_TIMEOUT_S)
         if not_stopped:
             record.extra["not_stopped_before_wipe"] = not_stopped
         shutil.rmtree(store)
@@ -251,7 +212,7 @@ def _start_kill_node(record: FaultRecord, ctx: InjectContext) -> bool:
 
 def _start_stop_rank(record: FaultRecord, ctx: InjectContext) -> bool:
     spec = record.spec
-    pid = _alive_rank_pid(ctx.job.run_dir, spec.group, spec.rank)
+    pid = alive_rank_pid(ctx.job.run_dir, spec.group, spec.rank)
     if pid is None:
         return False
     os.kill(pid, signal.SIGSTOP)
@@ -342,7 +303,7 @@ def _throttle_slow_rank(record: FaultRecord, ctx: InjectContext, first_step: int
     """Start holding the rank stopped ``duty`` of the time (from outside its process); False while
     the rank is not alive."""
     spec = record.spec
-    pid = _alive_rank_pid(ctx.job.run_dir, spec.group, spec.rank)
+    pid = alive_rank_pid(ctx.job.run_dir, spec.group, spec.rank)
     if pid is None:
         return False
     record._throttle = DutyCycle(pid, spec.duty, seed=spec.index).start()
@@ -394,6 +355,7 @@ _STARTERS: dict[str, Callable[[FaultRecord, InjectContext], bool]] = {
     "kill_rank": _start_kill,
     "kill_group": _start_kill,
     "kill_node": _start_kill_node,
+    "node_away": away.start,
     "stop_rank": _start_stop_rank,
     "kill_during_persist": _start_kill_during_persist,
     "kill_during_heal": _start_kill_during_heal,
@@ -424,6 +386,9 @@ def _start(record: FaultRecord, ctx: InjectContext) -> bool:
 def _follow(record: FaultRecord, ctx: InjectContext) -> None:
     """Advance a fault that is waiting for its marker or for the end of its SIGSTOP."""
     spec, now = record.spec, time.time()
+    if spec.kind == "node_away":
+        away.follow(record, ctx)
+        return
     if spec.kind == "slow_rank":
         if ctx.job_step >= record.extra["slow_steps"][1]:
             _end_throttle(record)
@@ -486,6 +451,8 @@ def release(record: FaultRecord) -> None:
     if record.spec.kind == "slow_rank" and record._throttle is not None:
         _end_throttle(record)
         record.state = "done"
+    if record.spec.kind == "node_away" and record.state == "injected":
+        away.put_back(record)
     if record.spec.kind == "stop_rank" and record.state == "injected":
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.killed[0]["pid"], signal.SIGCONT)

@@ -19,6 +19,9 @@
   an ambiguous answer is resolved, never taken for a failure that crashes a group;
 - ``slowed_rank_named``: with ``slow_rank`` faults, each slowed rank is named by a ``straggler``
   event and no other rank is;
+- ``ram_restores_on_branch``: every rank that restored from RAM took a snapshot of the timeline it
+  branched from, or of an ancestor no later than that ancestor's branch step (a node back from an
+  absence must not restore a step it took before the others retrained it);
 - ``final_step_durable``: the run's last step is committed to ``checkpoint.url`` and verifies
   (a run that ends, even with exit 0, while its final state lives only in RAM or in a save that
   never committed has lost it).
@@ -361,3 +364,22 @@ def no_orphans(leftovers: list[dict[str, Any]]) -> dict[str, Any]:
             f"(killed by the harness): {leftovers[:3]}",
         )
     return result(True, "no process of the job left (launcher, lighthouse, torchruns, ranks)")
+
+
+def ram_restores_on_branch(run: RunData) -> dict[str, Any]:
+    """Each RAM restore event's snapshot timeline is one its new timeline keeps eligible at the
+    restored step (``ancestors``: the parent up to the branch step, older ones up to theirs)."""
+    restores = [e for e in run.events if e.get("event") == "restore" and e.get("source") in ("own", "buddy")]
+    wrong = []
+    for e in restores:
+        eligible = sorted(t for t, newest in e.get("ancestors") or [] if e["step"] <= newest)
+        if e.get("snapshot_timeline") not in eligible:
+            wrong.append(
+                f"group {e['group']} rank {e['rank']} restored step {e['step']} of timeline "
+                f"{e.get('snapshot_timeline')!r}, not of {eligible or 'any eligible one'}"
+            )
+    if wrong:
+        return result(False, f"{len(wrong)} RAM restore(s) off the current branch: " + "; ".join(wrong[:3]))
+    if not restores:
+        return result(True, "no restore from RAM")
+    return result(True, f"{len(restores)} rank restore(s) from RAM, each of a snapshot on the current branch")

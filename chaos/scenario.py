@@ -48,6 +48,9 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     # kind: (required target keys, optional keys); timing keys are common to all kinds
     "kill_rank": ({"group", "rank"}, {"expect_restore_source"}),
     "kill_node": ({"group", "node"}, {"expect_restore_source"}),
+    # A node gone across a RAM restore (its newest snapshot not yet copied), back once that step is
+    # retrained, with the snapshots it held (``chaos.away``).
+    "node_away": ({"group", "node"}, {"expect_restore_source"}),
     "kill_group": ({"group"}, {"expect_restore_source"}),
     "stop_rank": ({"group", "rank"}, {"seconds"}),
     "kill_during_persist": ({"rank"}, {"seconds", "expect_restore_source"}),
@@ -84,7 +87,7 @@ PROCESS_KINDS = set(FAULT_KINDS) - NO_DOWNTIME_KINDS
 DEFAULT_DUTY = 0.4
 """slow_rank without duty or delay_s: stopped 40% of the time."""
 _TIMING_KEYS = {"kind", "at_step", "at_time_s", "random", "count", "min_step", "max_step"}
-_GROUP_DOWN_KINDS = {"kill_rank", "kill_node", "kill_group", "kill_during_persist", "kill_during_heal"}
+_GROUP_DOWN_KINDS = {"kill_rank", "kill_node", "node_away", "kill_group", "kill_during_persist", "kill_during_heal"}
 _DEFAULT_SECONDS = {
     "stop_rank": 10.0,
     "kill_during_persist": 60.0,
@@ -387,8 +390,10 @@ def _validate(where: str, fault: FaultSpec, job: JobSpec) -> None:
         raise ConfigError(f"{where}: {fault.kind} needs job.storage = 's3' (got {job.storage!r})")
     if fault.kind == "corrupt_chunk" and job.storage != "local":
         raise ConfigError(f"{where}: corrupt_chunk flips a byte in a local file: it needs job.storage = 'local'")
-    if fault.kind == "kill_node" and not job.ranks_per_node:
-        raise ConfigError(f"{where}: kill_node needs job.ranks_per_node (ranks of one simulated node)")
+    if fault.kind in ("kill_node", "node_away") and not job.ranks_per_node:
+        raise ConfigError(f"{where}: {fault.kind} needs job.ranks_per_node (ranks of one simulated node)")
+    if fault.kind == "node_away" and job.ranks_per_node == job.nproc_per_group:
+        raise ConfigError(f"{where}: node_away needs a second node (job.ranks_per_node < nproc_per_group)")
     if fault.kind == "slow_rank":
         _validate_slow_rank(where, fault, job)
     if fault.kind == "kill_group" and job.replica_groups < 2:

@@ -111,6 +111,8 @@ class RestoreResult:
     group_sources: list[str] = field(default_factory=list)
     """After a RAM restore: every rank's source ("own" or "buddy"), by rank; the line a run prints
     names the mix, not rank 0's source alone."""
+    snapshot_timeline: str = ""
+    """After a RAM restore: the timeline of the snapshot this rank restored (an ancestor of ``timeline``)."""
 
     @property
     def loaded(self) -> bool:
@@ -168,6 +170,7 @@ def restore(
         run_id=result.timeline.run_id,
         timeline_incarnation=result.timeline.incarnation,
         timeline=result.timeline.timeline,
+        **_branch_fields(result),
     )
     if say is not None and result.source != "peer":
         say(describe(result, checkpointer.url, layout))
@@ -199,6 +202,7 @@ def _from_tiers(
         if fast.step is not None and fast.source is not None:
             result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
             result.group_sources = fast.sources
+            result.snapshot_timeline = fast.snapshot_timeline
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is not None:
@@ -221,6 +225,14 @@ def _from_tiers(
     result.seconds = time.perf_counter() - start
     result.storage_reads = checkpointer.storage_reads - reads_before
     return result
+
+
+def _branch_fields(result: RestoreResult) -> dict[str, Any]:
+    """A RAM restore's event names the timeline of the snapshot it took and the ancestors the new
+    timeline keeps eligible, so a check can tell that it came from the current branch."""
+    if result.source not in ("own", "buddy") or result.timeline is None:
+        return {}
+    return {"snapshot_timeline": result.snapshot_timeline, "ancestors": [list(a) for a in result.timeline.ancestors]}
 
 
 def _shared_timeline(
@@ -305,6 +317,7 @@ def _from_persistent(
             if fast.step is not None and fast.source is not None:
                 result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
                 result.group_sources = fast.sources
+                result.snapshot_timeline = fast.snapshot_timeline
                 _set_aside(checkpointer, passed)
                 return
     raise RestoreError(

@@ -60,7 +60,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=_ZARR_TO_TORCH[name]).element_size()
+    return _ZARR_TO_TORCH[name].itemsize  # a plain lookup: called per array and region of every save
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -141,7 +141,8 @@ def open_array(location: Location, key: str, metadata: dict, context):
 def packed_kvstore_spec(location: Location, attempt_key: str, entry: ArrayEntry) -> dict:
     """The kvstore of a version 3 array: a ``kvstack`` that sends each of its keys to the ZIP pack
     holding it (TensorStore's ``zip`` kvstore over the pack object). An array whose shards all lie
-    in one rank's first pack takes one prefix layer (its ``zarr.json`` is there too)."""
+    in one rank's first pack (its ``zarr.json`` is there too) is that pack's ``zip`` kvstore at the
+    array's path, with no ``kvstack``."""
 
     def zipped(pack: str) -> dict:
         return {"driver": "zip", "base": kvstore_spec(location, f"{attempt_key}/{pack}", directory=False)}
@@ -155,9 +156,12 @@ def packed_kvstore_spec(location: Location, attempt_key: str, entry: ArrayEntry)
         docs = next(iter(by_pack))
     if len(by_pack) <= 1:
         only = next(iter(by_pack), docs)
-        layers = [{"prefix": f"{entry.path}/", "base": zipped(only), "strip_prefix": 0}]
-        if only != docs:
-            layers.append({"exact": f"{entry.path}/zarr.json", "base": zipped(docs), "strip_prefix": 0})
+        if only == docs:  # the whole array, zarr.json included, in one pack: that pack alone
+            return {**zipped(only), "path": f"{entry.path}/"}
+        layers = [
+            {"prefix": f"{entry.path}/", "base": zipped(only), "strip_prefix": 0},
+            {"exact": f"{entry.path}/zarr.json", "base": zipped(docs), "strip_prefix": 0},
+        ]
     else:
         layers = [{"exact": f"{entry.path}/zarr.json", "base": zipped(docs), "strip_prefix": 0}]
         for pack, keys in by_pack.items():

@@ -29,6 +29,7 @@ from resilient.state import flatten_state
 from resilient.storage.arrays import make_context
 from resilient.storage.commit import decision_grace_s, settle_failure
 from resilient.storage.config import CheckpointerConfig
+from resilient.storage.gcpause import gc_paused
 from resilient.storage.handle import SaveHandle
 from resilient.storage.match import match_state
 from resilient.storage.objects import open_store
@@ -193,6 +194,10 @@ class Checkpointer:
 
     def _load_local(self, state: dict, chosen: int, manifest: Manifest, strict: bool) -> list[int]:
         """This rank's part of ``load``: its boxes read into ``state``; [bytes, objects read, bytes fetched]."""
+        with gc_paused():  # a plan per tensor read, thousands of small objects (gcpause.py)
+            return self._read_state(state, chosen, manifest, strict)
+
+    def _read_state(self, state: dict, chosen: int, manifest: Manifest, strict: bool) -> list[int]:
         leaves = flatten_state(state)
         match = match_state(manifest, leaves, url=self.url, strict=strict)
         targets = []
@@ -343,16 +348,21 @@ class Checkpointer:
     def _agree_on_manifest(self, step: int | None) -> tuple[int, Manifest]:
         """Rank 0 picks the step and reads its manifest; every rank gets the same one (or the same error)."""
 
+        held: dict[str, bytes] = {}
+
         def read() -> dict:
             chosen = self._resolve_step(step)
             data = self.store.read(f"{step_dir(chosen)}/{MANIFEST}")
             if data is None:
                 raise RestoreError(f"step {chosen} vanished from {self.url} while loading; retry")
-            return {"step": chosen, "manifest": data.decode()}
+            held["data"] = data  # rank 0 parses the bytes it read; only its peers need them shipped
+            return {"step": chosen, "manifest": data.decode() if self.world_size > 1 else None}
 
         got = dist.agree(read, group=self.group, src=0)
         where = f"{self.url}/{step_dir(got['step'])}/{MANIFEST}"
-        return got["step"], Manifest.loads(got["manifest"].encode(), where=where)
+        with gc_paused():  # a manifest of thousands of arrays (gcpause.py)
+            data = held["data"] if "data" in held else got["manifest"].encode()  # b"" is a damaged manifest
+            return got["step"], Manifest.loads(data, where=where)
 
     def _resolve_step(self, step: int | None) -> int:
         self.store.check_root(create=False)

@@ -47,7 +47,8 @@ from resilient.manifest import (
 )
 from resilient.storage import notice
 from resilient.storage.arrays import reader_spec
-from resilient.storage.objects import ObjectStore
+from resilient.storage.gcpause import gc_paused
+from resilient.storage.objects import ObjectStore, write_advisory
 from resilient.storage.pack import PACK_MAX_BYTES
 from resilient.storage.retention import KeepLast, apply_retention, remember_committed
 from resilient.storage.s3 import COMMIT_WRITE_BOUND_S
@@ -116,23 +117,29 @@ def decision_grace_s(timeout_s: float, scheme: str = "file") -> float:
     return max(grace, COMMIT_WRITE_BOUND_S + 15.0) if scheme == "s3" else grace  # + DNS, scheduling
 
 
-def _read_json(store: ObjectStore, key: str) -> dict | None:
+def _read_json(store: ObjectStore, key: str, *, paused: bool = False) -> dict | None:
+    """``key``'s JSON (``{}`` if torn, None if absent); ``paused``: parsed with the collector held
+    off (a receipt names every shard its rank wrote), read with it on (the read is I/O)."""
     data = store.read(key)
     if data is None:
         return None
     try:
+        if paused:
+            with gc_paused():  # gcpause.py
+                return json.loads(data)
         return json.loads(data)
     except ValueError:  # a torn marker or receipt still says "there is one"
         return {}
 
 
-def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
+def wait_for_receipts(store: ObjectStore, job: PersistJob, own: dict | None = None) -> list[dict]:
     """Every rank's receipt, or CommitError naming the ranks that failed or never reported by the
     agreed deadline. One listing per poll, and one read per receipt: not a read per missing
-    rank per poll (thousands of requests a second at a large world on S3)."""
+    rank per poll (thousands of requests a second at a large world on S3). ``own``: the
+    coordinator's receipt, in memory (it writes none)."""
     attempt_key, world_size, step = job.attempt_key, job.world_size, job.step
     job.deadline = job.deadline or time.time() + job.commit_timeout_s
-    receipts: dict[int, dict] = {}
+    receipts: dict[int, dict] = {} if own is None else {job.rank: own}
     delay, cap = 0.002, poll_cap_s(store.location.scheme, world_size, job.poll_cap_s)
     ask_at = 0.0  # the notice is read at most once per poll cap (a store round trip per rank per poll)
     while True:
@@ -140,7 +147,8 @@ def wait_for_receipts(store: ObjectStore, job: PersistJob) -> list[dict]:
             rank = _rank_of(name)
             if rank is None or rank in receipts:
                 continue
-            if got := _read_json(store, f"{attempt_key}/{RECEIPTS}/{name}"):
+            got = _read_json(store, f"{attempt_key}/{RECEIPTS}/{name}", paused=True)
+            if got:
                 receipts[rank] = got
         if len(receipts) >= world_size:
             return [receipts[r] for r in range(world_size)]
@@ -262,13 +270,14 @@ def _shard_gaps(plan: ArrayPlan, boxes: list[Box]) -> tuple[int, int]:
     return int((counts == 0).sum()), int((counts > 1).sum())
 
 
-def commit_manifest(store: ObjectStore, manifest: Manifest) -> None:
-    """The commit point: create ``step-N/manifest.json`` iff absent, then advance ``latest``.
+def commit_manifest(store: ObjectStore, manifest: Manifest, data: bytes | None = None) -> None:
+    """The commit point: create ``step-N/manifest.json`` iff absent (holding ``data``, the
+    manifest's encoding, when the caller has it), then advance ``latest``.
     Once the manifest is durable the step IS committed: a failed ``latest`` write is logged, never
     raised (it made the coordinator say "failed" while every other rank said "committed"; readers
     list the manifests, and the next commit moves ``latest`` again)."""
     key = f"{step_dir(manifest.step)}/{MANIFEST}"
-    data = manifest.dumps()
+    data = manifest.dumps() if data is None else data
     if not store.write_if_absent(key, data):
         raise CommitError(
             f"step {manifest.step} is already committed at {store.location.url}/{key}; a step is "
@@ -289,17 +298,18 @@ def update_latest(store: ObjectStore, step: int) -> None:
             return
     except ValueError:
         pass
-    store.write(LATEST, json.dumps({"step": step}).encode())
+    write_advisory(store, LATEST, json.dumps({"step": step}).encode())
 
 
 # -- the coordinator's side ----------------------------------------------------------------------
 
 
-def commit_step(job: PersistJob, store: ObjectStore) -> None:
-    """Rank 0: commit ``job``'s step once every rank's receipt is in, then apply retention. On
-    failure the decision marker (``COMMIT_RANK``) tells the waiting ranks it is "failed"."""
+def commit_step(job: PersistJob, store: ObjectStore, own: dict | None = None) -> None:
+    """Rank 0: commit ``job``'s step once every rank's receipt is in (``own``: its own, in memory;
+    None: read from storage like the others'), then apply retention. On failure the decision
+    marker (``COMMIT_RANK``) tells the waiting ranks it is "failed"."""
     try:
-        _commit(job, store)
+        _commit(job, store, own)
     except Exception as e:
         if names_attempt(store, job):  # the manifest landed although its write raised: committed
             log.warning("[rank 0] step %d: the manifest write raised (%s) but it landed: committed", job.step, e)
@@ -341,38 +351,25 @@ def remove_attempt(store: ObjectStore, job: PersistJob) -> None:
         log.warning("[rank %d] removing the failed attempt %s: %s", job.rank, job.attempt_key, e)
 
 
-def _commit(job: PersistJob, store: ObjectStore) -> None:
-    receipts = wait_for_receipts(store, job)
+def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None) -> None:
+    receipts = wait_for_receipts(store, job, own)
     notice.clear_decisions()  # of earlier attempts: every rank is past them (it wrote this receipt)
-    check_coverage(job.plans, receipts, job.step)
-    fault_point("commit.before_manifest")
+    with gc_paused():  # a manifest of thousands of arrays built and encoded; its PUT is I/O (gcpause.py)
+        check_coverage(job.plans, receipts, job.step)
+        fault_point("commit.before_manifest")
+        manifest = build_manifest(job, receipts, store)
+        data = manifest.dumps()
     if time.time() > job.deadline:
         raise CommitError(
             f"step {job.step} not committed: every receipt was in only after the agreed "
             f"{job.commit_timeout_s:.0f} s (checkpoint.commit_timeout_s), when the other ranks may have given up"
         )
-    crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
-    shards: dict[str, dict] = {fqn: {} for fqn in job.plans}
-    for rec in receipts:
-        for r in rec["regions"]:
-            shards[r["fqn"]].update(r["shards"])
-    arrays = {fqn: manifest_entry(p, crcs, shards[fqn]) for fqn, p in job.plans.items()}
-    manifest = Manifest(
-        step=job.step,
-        attempt=job.attempt,
-        world_size=job.world_size,
-        arrays=arrays,
-        values=encode_values(job.values),
-        metadata=job.metadata,
-        versions=library_versions(),
-        tensorstore={fqn: reader_spec(store.location, job.attempt_key, a) for fqn, a in arrays.items()},
-    )
-    commit_manifest(store, manifest)
+    commit_manifest(store, manifest, data)
     log.info(
         "[rank 0] committed step %d to %s (%d arrays, %.1f MiB)",
         job.step,
         store.location.url,
-        len(arrays),
+        len(manifest.arrays),
         manifest.total_bytes / 2**20,
         extra={"event": "commit", "step": job.step},
     )
@@ -383,6 +380,26 @@ def _commit(job: PersistJob, store: ObjectStore) -> None:
         apply_retention(store, KeepLast(job.keep_last), young_s=young_s)
     except Exception as e:  # noqa: BLE001 - the step is committed: cleanup is retried after the next commit and never decides the save
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
+
+
+def build_manifest(job: PersistJob, receipts: list[dict], store: ObjectStore) -> Manifest:
+    """The manifest of ``job``'s step from every rank's receipt (coverage already checked)."""
+    crcs = {(r["fqn"], tuple(r["offsets"])): r["crc32c"] for rec in receipts for r in rec["regions"]}
+    shards: dict[str, dict] = {fqn: {} for fqn in job.plans}
+    for rec in receipts:
+        for r in rec["regions"]:
+            shards[r["fqn"]].update(r["shards"])
+    arrays = {fqn: manifest_entry(p, crcs, shards[fqn]) for fqn, p in job.plans.items()}
+    return Manifest(
+        step=job.step,
+        attempt=job.attempt,
+        world_size=job.world_size,
+        arrays=arrays,
+        values=encode_values(job.values),
+        metadata=job.metadata,
+        versions=library_versions(),
+        tensorstore={fqn: reader_spec(store.location, job.attempt_key, a) for fqn, a in arrays.items()},
+    )
 
 
 def manifest_entry(p: ArrayPlan, crcs: dict, shards: dict[str, list]) -> ArrayEntry:

@@ -27,11 +27,22 @@ import numpy as np
 import torch
 
 from resilient.dtypes import itemsize, to_numpy, torch_dtype
-from resilient.errors import IntegrityError, StorageError
 from resilient.layout import Box
 from resilient.manifest import ArrayEntry
+from resilient.storage.packread import is_whole_small, whole_shard_tasks
 from resilient.storage.parallel import run_parallel
 from resilient.storage.shardfile import CRC_BYTES, MISSING, chunk_key, chunks_per_shard, index_nbytes, parse_index
+from resilient.storage.shardref import (
+    ShardRef,
+    chunk_where,
+    corrupt,
+    damaged,
+    gone,
+    missing,
+    open_shard,
+    shard_ref,
+    storage_error,
+)
 from resilient.storage.url import Location
 
 READ_THREADS = 4
@@ -77,21 +88,6 @@ def can_read_locally(location: Location, dest: torch.Tensor, dtype: str) -> bool
 # what to read
 
 
-@dataclass(frozen=True, slots=True)
-class _Shard:
-    """One shard object, with what an error message must name."""
-
-    fqn: str
-    step: int
-    key: str  # "1.0" (format versions 2 and 3) or "c/1/0" (version 1)
-    path: str  # the shard object (versions 1, 2) or the pack holding it (version 3)
-    inner_shape: tuple[int, ...]
-    dtype: np.dtype
-    base: int = 0  # where the shard starts in the file
-    nbytes: int | None = None  # the shard's length in its pack (version 3); None: the whole file
-    held: tuple[str, ...] = ()  # version 3: the tensors of this load that the pack holds
-
-
 @dataclass(slots=True)
 class _ChunkRead:
     """One inner chunk: its bytes ``[a, b)`` land in ``dest`` directly (when the needed part is one
@@ -114,7 +110,7 @@ class _ChunkRead:
 class _Run:
     """Chunks of one shard that follow each other in the file: one preadv."""
 
-    shard: _Shard
+    shard: ShardRef
     chunks: list[_ChunkRead] = field(default_factory=list)
     nbytes: int = 0  # read from the file, crcs included
     scratch_bytes: int = 0
@@ -159,7 +155,7 @@ def shards_of(entry: ArrayEntry, box: Box) -> Iterator[tuple[tuple[int, ...], tu
 
 
 def _plan_chunks(
-    shard: _Shard,
+    shard: ShardRef,
     index: np.ndarray,
     data_end: int,
     grid: tuple[int, ...],
@@ -178,10 +174,10 @@ def _plan_chunks(
         n = int(np.ravel_multi_index(grid_index, grid)) if grid else 0
         offset, nbytes = (int(x) for x in index[n])
         if offset == MISSING or nbytes == MISSING:
-            raise _missing(shard, _where(shard, grid_index), "is absent from the shard's index")
+            raise missing(shard, chunk_where(shard, grid_index), "is absent from the shard's index")
         if nbytes != chunk_bytes + CRC_BYTES or offset + nbytes > data_end:
             detail = f"has index entry (offset {offset}, {nbytes} bytes) but holds {chunk_bytes + CRC_BYTES} bytes"
-            raise _damaged(shard, _where(shard, grid_index), f"{detail} within the first {data_end} bytes")
+            raise damaged(shard, chunk_where(shard, grid_index), f"{detail} within the first {data_end} bytes")
         start = tuple(o + g * i for o, g, i in zip(origin, grid_index, inner, strict=True))
         cell = Box(start, inner).intersect(part)
         in_chunk = tuple(o - s for o, s in zip(cell.offsets, start, strict=True))
@@ -202,7 +198,7 @@ def _plan_chunks(
     return reads
 
 
-def _runs(shard: _Shard, reads: list[_ChunkRead], scratch_cap: int) -> Iterator[_Run]:
+def _runs(shard: ShardRef, reads: list[_ChunkRead], scratch_cap: int) -> Iterator[_Run]:
     """Group reads that follow each other in the file into preadv-sized runs."""
     run = _Run(shard)
     for read in reads:
@@ -233,35 +229,30 @@ class _Tally:
             self.fetched += nbytes
 
 
-def _read_index(shard: _Shard, shard_shape: tuple[int, ...], tally: _Tally) -> tuple[np.ndarray, int]:
+def _read_index(shard: ShardRef, shard_shape: tuple[int, ...], tally: _Tally) -> tuple[np.ndarray, int]:
     """The shard's index (checksum verified) and where its chunk data ends."""
     tail_bytes = index_nbytes(shard_shape, shard.inner_shape)
     tally.add(tail_bytes)
-    try:
-        fd = os.open(shard.path, os.O_RDONLY)
-    except FileNotFoundError as err:
-        raise _missing(shard, f"shard object {shard.key!r}", _gone(shard)) from err
-    except OSError as err:
-        raise _storage_error(shard, err) from err
+    fd = open_shard(shard)
     try:
         size = os.fstat(fd).st_size
         end = size if shard.nbytes is None else shard.base + shard.nbytes
         if size < end:
-            raise _damaged(
+            raise damaged(
                 shard, f"shard object {shard.key!r}", f"is cut short: its pack is {size} bytes, the shard ends at {end}"
             )
         if end - shard.base < tail_bytes:
             detail = f"is {end - shard.base} bytes, shorter than its index ({tail_bytes})"
-            raise _damaged(shard, f"shard object {shard.key!r}", detail)
+            raise damaged(shard, f"shard object {shard.key!r}", detail)
         tail = os.pread(fd, tail_bytes, end - tail_bytes)
     except OSError as err:
-        raise _storage_error(shard, err) from err
+        raise storage_error(shard, err) from err
     finally:
         os.close(fd)
     try:
         return parse_index(tail, shard_shape, shard.inner_shape), end - tail_bytes - shard.base
     except ValueError as err:
-        raise _corrupt(shard, f"the index of shard object {shard.key!r}") from err
+        raise corrupt(shard, f"the index of shard object {shard.key!r}") from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,8 +313,8 @@ def _read_run(fd: int, run: _Run, scratch: memoryview) -> None:
         pieces.append(views)
     if not _preadv_exact(fd, [v for views in pieces for v in views], run.chunks[0].offset):
         _scrub(run)
-        where = _where(run.shard, run.chunks[0].grid_index)
-        raise _damaged(run.shard, where, "is cut short: the file ends inside it")
+        where = chunk_where(run.shard, run.chunks[0].grid_index)
+        raise damaged(run.shard, where, "is cut short: the file ends inside it")
     for c, views in zip(run.chunks, pieces, strict=True):
         crc = 0
         for v in views[:-1]:
@@ -331,7 +322,7 @@ def _read_run(fd: int, run: _Run, scratch: memoryview) -> None:
         crc = crc32c.crc32c(views[-1][:-CRC_BYTES], crc)
         if crc.to_bytes(CRC_BYTES, "little") != bytes(views[-1][-CRC_BYTES:]):
             _scrub(run)
-            raise _corrupt(run.shard, _where(run.shard, c.grid_index))
+            raise corrupt(run.shard, chunk_where(run.shard, c.grid_index))
         if c.copy is not None:
             dst, part = c.copy
             chunk = np.frombuffer(views[-1][:-CRC_BYTES], dtype=run.shard.dtype).reshape(run.shard.inner_shape)
@@ -354,28 +345,13 @@ def _run_task(runs: list[_Run], scratch: _Scratch, tally: _Tally) -> None:
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError as err:
-                    raise _missing(run.shard, f"shard object {run.shard.key!r}", _gone(run.shard)) from err
+                    raise missing(run.shard, f"shard object {run.shard.key!r}", gone(run.shard)) from err
             _read_run(fd, run, buffer)
     except OSError as err:
-        raise _storage_error(run.shard, err) from err
+        raise storage_error(run.shard, err) from err
     finally:
         if fd >= 0:
             os.close(fd)
-
-
-def _shard(root: str, entry: ArrayEntry, key: str, step: int, dtype: np.dtype, held: dict) -> _Shard:
-    """The shard ``key`` of ``entry``: its own file (versions 1, 2) or its range of a pack (3)."""
-    inner = tuple(entry.inner_shape)
-    if entry.format_version < 3:
-        return _Shard(entry.fqn, step, key, f"{root}/{entry.path}/{key}", inner, dtype)
-    ref = entry.shards.get(key)
-    if ref is None:
-        raise IntegrityError(
-            f"tensor {entry.fqn!r} at step {step} is missing data: the manifest names no pack for shard "
-            f"{key!r}. The checkpoint is damaged; load another step."
-        )
-    pack, base, nbytes = ref
-    return _Shard(entry.fqn, step, key, f"{root}/{pack}", inner, dtype, base, nbytes, held.get(pack, ()))
 
 
 def _target_runs(
@@ -387,7 +363,7 @@ def _target_runs(
     dest_np = to_numpy(dest.detach())
     for shard_index, origin, part in shards_of(entry, box):
         key = chunk_key(shard_index, format_version=entry.format_version)
-        shard = _shard(root, entry, key, step, dest_np.dtype, held)
+        shard = shard_ref(root, entry, key, step, dest_np.dtype, held)
         index, data_end = _read_index(shard, shard_shape, tally)
         reads = _plan_chunks(shard, index, data_end, grid, origin, part, box, dest_np)
         yield from _runs(shard, reads, scratch_cap)
@@ -414,9 +390,14 @@ def read_local(
     scratch_cap = max(1, budget_bytes // threads)
     scratch, tally = _Scratch(), _Tally()
     live = [t for t in targets if t.box.numel > 0]
-    # Planning (reading each shard's index) runs on the threads too, one task ahead of the reads.
     held = held_by_pack(t.entry for t in live)
-    run_parallel(_tasks(root, live, step, scratch_cap, scratch, held, tally), threads)
+    # Whole small tensors of packs: neighbours read together (packread); the rest planned per
+    # shard, on the threads too, one task ahead of the reads.
+    cap = min(TASK_BYTES, scratch_cap)
+    small = [t for t in live if is_whole_small(t, cap)]
+    rest = [t for t in live if not is_whole_small(t, cap)] if small else live
+    small_tasks = whole_shard_tasks(root, small, step, cap, scratch.get, held, tally)
+    run_parallel(itertools.chain(small_tasks, _tasks(root, rest, step, scratch_cap, scratch, held, tally)), threads)
     return ReadTotals(sum(t.box.numel * itemsize(t.entry.dtype) for t in live), tally.fetched)
 
 
@@ -444,49 +425,3 @@ def _tasks(
                 task, task_bytes = [], 0
     if task:
         yield functools.partial(_run_task, task, scratch, tally)
-
-
-# ---------------------------------------------------------------------------------------------
-# errors, in the words of arrays.read_error
-
-
-def _where(shard: _Shard, grid_index: tuple[int, ...]) -> str:
-    return f"inner chunk {{{', '.join(str(i) for i in grid_index)}}} of shard object {shard.key!r}"
-
-
-def _corrupt(shard: _Shard, where: str) -> IntegrityError:
-    return IntegrityError(
-        f"checksum mismatch in tensor {shard.fqn!r} at step {shard.step}, {where} ({shard.path}): the stored "
-        f"bytes are corrupted. Load another step (load(state, step=...)) or restore from a replica."
-    )
-
-
-def _damaged(shard: _Shard, where: str, detail: str) -> IntegrityError:
-    return IntegrityError(
-        f"tensor {shard.fqn!r} at step {shard.step} is damaged: {where} ({shard.path}) {detail}{_held(shard)}. "
-        f"Load another step (load(state, step=...)) or restore from a replica."
-    )
-
-
-def _missing(shard: _Shard, where: str, detail: str) -> IntegrityError:
-    return IntegrityError(
-        f"tensor {shard.fqn!r} at step {shard.step} is missing data: {where} ({shard.path}) {detail}{_held(shard)}. "
-        f"The checkpoint is incomplete; load another step."
-    )
-
-
-def _gone(shard: _Shard) -> str:
-    return "does not exist" if shard.nbytes is None else "is in a pack that does not exist"
-
-
-def _held(shard: _Shard) -> str:
-    """What else the shard's pack takes with it (version 3), for a pack that is gone or cut."""
-    if not shard.held:
-        return ""
-    shown = ", ".join(repr(f) for f in shard.held[:8])
-    more = f" and {len(shard.held) - 8} more" if len(shard.held) > 8 else ""
-    return f"; its pack holds tensors {shown}{more}"
-
-
-def _storage_error(shard: _Shard, err: OSError) -> StorageError:
-    return StorageError(f"reading tensor {shard.fqn!r} at step {shard.step} from {shard.path} failed: {err}")

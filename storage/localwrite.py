@@ -112,22 +112,41 @@ def syncfs_is_trusted(path: str) -> bool:
     return _SYNCFS is not None and _kernel_at_least(5, 8) and _fs_type(path) in TRUSTED_SYNCFS_TYPES
 
 
+def _byte_view(buffer) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _pieces(buffers: list, limit: int) -> list[tuple[int, list[memoryview]]]:
+    """``buffers`` back to back, cut into pieces of at most ``limit`` bytes and ``IOV_MAX`` views
+    (a buffer may be split between two), each with its offset in the file. One pass, whatever the
+    buffer count (a pack of small tensors hands over thousands)."""
+    pieces: list[tuple[int, list[memoryview]]] = []
+    batch: list[memoryview] = []
+    offset = size = 0
+    for buffer in buffers:
+        view = _byte_view(buffer)
+        while view.nbytes:
+            if size >= limit or len(batch) >= IOV_MAX:
+                pieces.append((offset, batch))
+                offset, batch, size = offset + size, [], 0
+            take = min(view.nbytes, limit - size)
+            batch.append(view if take == view.nbytes else view[:take])
+            size += take
+            view = view[take:]
+    if batch:
+        pieces.append((offset, batch))
+    return pieces
+
+
 def _writev_all(fd: int, buffers: list) -> int:
     """``writev`` every buffer, whatever the kernel accepts per call (partial writes resumed),
     starting the writeback of every ``WRITEBACK_STEP_BYTES`` as it lands; returns the bytes written."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
     done = started = 0
-    while views:
-        written = os.writev(fd, _next_batch(views, WRITEBACK_STEP_BYTES))
-        done += written
-        while written and views:
-            if written >= views[0].nbytes:
-                written -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0
+    for offset, views in _pieces(buffers, WRITEBACK_STEP_BYTES):
+        done = offset + sum(v.nbytes for v in views)
+        while views:
+            views = _advance(views, os.writev(fd, views))
         if done - started >= WRITEBACK_STEP_BYTES:
             start_writeback(fd, started, done - started)
             started = done
@@ -136,25 +155,24 @@ def _writev_all(fd: int, buffers: list) -> int:
     return done
 
 
+def _advance(views: list[memoryview], written: int) -> list[memoryview]:
+    """What is left of ``views`` once ``written`` bytes of them went out."""
+    n = 0
+    while n < len(views) and written >= views[n].nbytes:
+        written -= views[n].nbytes
+        n += 1
+    rest = views[n:]
+    if written:
+        rest[0] = rest[0][written:]
+    return rest
+
+
 def _pwrite_parallel(fd: int, buffers: list, threads: int) -> int:
     """Write ``buffers`` back to back from offset 0, in pieces of about ``WRITEBACK_STEP_BYTES``
     each written (and its writeback started) by one of ``threads`` threads; returns the bytes."""
-    pieces: list[tuple[int, list[memoryview]]] = []
-    offset = 0
-    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-    while views:
-        batch = _next_batch(views, WRITEBACK_STEP_BYTES)
-        size = sum(v.nbytes for v in batch)
-        pieces.append((offset, batch))
-        offset += size
-        while size:  # drop what the batch took from the front of views
-            take = min(size, views[0].nbytes)
-            size -= take
-            views[0] = views[0][take:]
-            if not views[0].nbytes:
-                views.pop(0)
+    pieces = _pieces(buffers, WRITEBACK_STEP_BYTES)
     run_parallel([lambda o=o, b=b: _pwrite_piece(fd, o, b) for o, b in pieces], threads)
-    return offset
+    return pieces[-1][0] + sum(v.nbytes for v in pieces[-1][1]) if pieces else 0
 
 
 def _pwrite_piece(fd: int, offset: int, views: list[memoryview]) -> None:
@@ -162,27 +180,9 @@ def _pwrite_piece(fd: int, offset: int, views: list[memoryview]) -> None:
     while views:
         written = os.pwritev(fd, views, offset)
         offset += written
-        while written and views:
-            if written >= views[0].nbytes:
-                written -= views[0].nbytes
-                views = views[1:]
-            else:
-                views = [views[0][written:], *views[1:]]
-                written = 0
+        views = _advance(views, written)
     if offset - start >= WRITEBACK_MIN_BYTES:
         start_writeback(fd, start, offset - start)
-
-
-def _next_batch(views: list[memoryview], limit: int) -> list[memoryview]:
-    """The first views, at most ``IOV_MAX`` of them and ``limit`` bytes (the last one cut)."""
-    batch, total = [], 0
-    for view in views[:IOV_MAX]:
-        if total >= limit:
-            break
-        piece = view if total + view.nbytes <= limit else view[: limit - total]
-        batch.append(piece)
-        total += piece.nbytes
-    return batch
 
 
 class AttemptFiles:

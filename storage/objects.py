@@ -48,6 +48,14 @@ def open_store(location: Location) -> ObjectStore:
     return MemoryObjectStore(location)
 
 
+def write_advisory(store: ObjectStore, key: str, data: bytes) -> None:
+    """Write an object that nothing relies on being durable (``latest``: the manifests are the
+    truth, and every reader of it takes a missing, old or unreadable one): local files skip the
+    two fsyncs of ``write``, a journal commit each; object stores write as usual."""
+    unsynced = getattr(store, "write_unsynced", None)
+    (unsynced or store.write)(key, data)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -105,6 +113,19 @@ class FileObjectStore:
             tmp = self._write_temp(path, data)
             os.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise self._fail("writing", key, e) from e
+
+    def write_unsynced(self, key: str, data: bytes) -> None:
+        """``write`` without its fsyncs: readers see the old bytes or the new ones, never a mix,
+        but a crash may lose the update (or, on some file systems, leave the file empty). Only for
+        advisory objects (``write_advisory``)."""
+        path = self._path(key)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
         except OSError as e:
             raise self._fail("writing", key, e) from e
 

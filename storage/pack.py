@@ -43,6 +43,8 @@ _VERSION = 20  # 2.0: stored entries
 _UTF8_NAMES = 0x0800  # general purpose flag bit 11: names are UTF-8 (FQNs may be)
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01: a pack's content does not depend on the clock
 CRC_TASK_BYTES = 16 << 20
+JOIN_BELOW_BYTES = 4096
+"""Buffers smaller than this are copied together into one buffer of the pack's write list."""
 
 
 def pack_name(rank: int, index: int) -> str:
@@ -68,12 +70,24 @@ class Pack:
     nbytes: int = 0
 
     def buffers(self) -> list:
-        """The whole object: each entry's local header and bytes, then the central directory."""
+        """The whole object: each entry's local header and bytes, then the central directory.
+        Runs of buffers under ``JOIN_BELOW_BYTES`` (headers, crcs, shard indexes, zarr.json) come
+        joined into one: a pack of thousands of small tensors is then a few thousand buffers to
+        write, not five per tensor."""
         out: list = []
+        small: list = []
         for e in self.entries:
-            out += self.header_of(e)
-            out.extend(e.buffers)
-        return out + self.tail()
+            small += self.header_of(e)
+            for b in e.buffers:
+                if nbytes_of(b) < JOIN_BELOW_BYTES:
+                    small.append(b)
+                    continue
+                if small:
+                    out.append(b"".join(small))
+                    small = []
+                out.append(b)
+        out.append(b"".join(small + self.tail()))
+        return out
 
     @staticmethod
     def header_of(e: Entry) -> list:
@@ -114,7 +128,7 @@ class PackBuilder:
     def add(self, name: str, buffers: list) -> Ref:
         """Add an entry holding ``buffers`` back to back; returns where its bytes will be."""
         raw = name.encode()
-        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        nbytes = sum(nbytes_of(b) for b in buffers)
         if _LOCAL.size + len(raw) + nbytes > PACK_MAX_BYTES:  # not even alone: ZIP sizes are 32-bit
             raise ValueError(
                 f"entry {name!r} of {nbytes} bytes does not fit a pack ({PACK_MAX_BYTES} bytes): lower max_shard_bytes"
@@ -134,6 +148,11 @@ class PackBuilder:
         entries = [e for p in self.packs for e in p.entries]
         run_parallel([lambda g=group: _crc_all(g) for group in _by_bytes(entries, CRC_TASK_BYTES)], threads)
         return self.packs
+
+
+def nbytes_of(buffer) -> int:
+    """Bytes of a buffer: ``bytes``, or anything with ``nbytes`` (numpy arrays, memoryviews)."""
+    return len(buffer) if isinstance(buffer, bytes) else memoryview(buffer).nbytes
 
 
 def crc32_of(buffers: list) -> int:

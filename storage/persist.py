@@ -14,6 +14,7 @@ S3 a single PUT, or a multipart upload of parts in parallel for a large one (``p
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,13 @@ from resilient.storage.arrays import (
     zarr_group_document,
 )
 from resilient.storage.checksum import crc32c_concat
-from resilient.storage.commit import commit_step, settle_failure, wait_for_commit, write_receipt
+from resilient.storage.commit import (
+    commit_step,
+    settle_failure,
+    wait_for_commit,
+    write_receipt,
+)
+from resilient.storage.gcpause import gc_paused
 from resilient.storage.objects import ObjectStore
 from resilient.storage.pack import PackBuilder, pack_name
 from resilient.storage.packio import write_packs
@@ -92,9 +99,11 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     stats.bytes_total = sum(p.nbytes for p in job.plans.values())
     t0 = time.perf_counter()
     try:
-        written = write_rank(job, _region_data(job, buffer), location, store)
-        stats.bytes_written = sum(r["nbytes"] for r in written)
-        write_receipt(store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})
+        regions = write_rank(job, _region_data(job, buffer), location, store)
+        receipt = {"rank": job.rank, "regions": regions}
+        stats.bytes_written = sum(r["nbytes"] for r in receipt["regions"])
+        if job.rank != 0:  # the coordinator is rank 0: its own receipt goes to the commit in memory
+            write_receipt(store, job.attempt_key, job.rank, receipt)
     except Exception as e:
         error = _as_resilient(e, job, location)
         if error is not e:
@@ -106,7 +115,7 @@ def run_persist(job: PersistJob, buffer: torch.Tensor, location: Location, store
     t1 = time.perf_counter()
     if job.rank == 0:
         try:
-            commit_step(job, store)
+            commit_step(job, store, own=receipt)
         except Exception as e:
             raise _as_resilient(e, job, location) from e
     else:
@@ -122,12 +131,21 @@ def _as_resilient(err: Exception, job: PersistJob, location: Location) -> Resili
 
 
 def _region_data(job: PersistJob, buffer: torch.Tensor) -> list[RegionData]:
+    """Each staged region as a numpy view of the staging buffer (numpy slices of one array: a
+    torch view per region cost more than encoding a small tensor)."""
+    flat = buffer.numpy()
     items = []
     for r in job.regions:
         plan = job.plans[r.fqn]
-        view = buffer[r.offset : r.offset + r.nbytes].view(torch_dtype(plan.dtype)).view(r.box.sizes)
-        items.append(RegionData(plan, Region(r.box, job.rank), to_numpy(view)))
+        data = flat[r.offset : r.offset + r.nbytes].view(numpy_dtype(plan.dtype)).reshape(r.box.sizes)
+        items.append(RegionData(plan, Region(r.box, job.rank), data))
     return items
+
+
+@functools.lru_cache(maxsize=64)
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a zarr data type name (bfloat16 and float8 as ``ml_dtypes``' own)."""
+    return to_numpy(torch.empty(0, dtype=torch_dtype(name))).dtype
 
 
 @dataclass(slots=True)
@@ -139,10 +157,24 @@ class RegionData:
     data: np.ndarray  # C-contiguous, shape == region.box.sizes
 
 
-def write_rank(job: PersistJob, items: list[RegionData], location: Location, store: ObjectStore) -> list[dict]:
+def write_rank(
+    job: PersistJob,
+    items: list[RegionData],
+    location: Location,
+    store: ObjectStore,
+) -> list[dict]:
     """Encode every region's shards (on ``io_threads`` threads), lay them out into this rank's
     packs, write those; returns the receipt entries: each region's box, bytes and crc32c, and
     where each of its shards lies (``"shards": {chunk key: [pack, offset, nbytes]}``)."""
+    with gc_paused():  # thousands of small objects made; the write below is I/O (gcpause.py)
+        builder, receipt = _lay_out(job, items)
+        packs = builder.finish(job.io_threads)
+    write_packs(packs, job, location, store)
+    return receipt
+
+
+def _lay_out(job: PersistJob, items: list[RegionData]) -> tuple[PackBuilder, list[dict]]:
+    """Every shard encoded and placed in this rank's packs (not written yet); the receipt entries."""
     encoded: list = [None] * len(items)
 
     def encode(indices: range) -> None:
@@ -155,13 +187,12 @@ def write_rank(job: PersistJob, items: list[RegionData], location: Location, sto
     # other rank's holds those of the arrays it writes, so that pack opens as a zarr store alone.
     written = None if job.rank == 0 else {item.plan.fqn: item.plan for item in items}
     for key, doc in zarr_documents(job.plans if written is None else written, job.step, groups=written is None).items():
-        builder.add(key, [json.dumps(doc).encode()])
+        builder.add(key, [doc])
     receipt = []
     for item, (shards, crcs) in zip(items, encoded, strict=True):
         refs = {key: builder.add(f"{array_path(item.plan.fqn)}/{key}", buffers).to_json() for key, buffers in shards}
         receipt.append({**_receipt_entry(item, _region_crc(item, crcs)), "shards": refs})
-    write_packs(builder.finish(job.io_threads), job, location, store)
-    return receipt
+    return builder, receipt
 
 
 def _spans(items: list[RegionData], cap: int) -> list[range]:
@@ -182,6 +213,11 @@ def _encode(item: RegionData) -> tuple[list[tuple[str, list]], list | None]:
     """The region's shard objects [(chunk key, buffers)], and per shard the (crc32c, nbytes) of
     its chunks when the region's crc32c can be made from them (else None)."""
     crcs: list | None = [] if _crc_from_chunks(item) else None
+    one = _one_shard(item)
+    if one is not None:  # the region is one whole shard (every small tensor): no grid to walk
+        pieces: list | None = [] if crcs is not None else None
+        buffers = encode_shard(item.data, item.plan.shard_shape, item.plan.inner_shape, pieces)
+        return [(one, buffers)], None if pieces is None else [pieces]
     shards = []
     for index, box in shards_in(item.region.box, item.plan.shard_shape):
         pieces: list | None = [] if crcs is not None else None
@@ -196,6 +232,14 @@ def _encode(item: RegionData) -> tuple[list[tuple[str, list]], list | None]:
     return shards, crcs
 
 
+def _one_shard(item: RegionData) -> str | None:
+    """The chunk key of the one shard the region is exactly (None: it is not one whole shard)."""
+    box, shard = item.region.box, item.plan.shard_shape
+    if box.sizes != tuple(shard) or 0 in shard or any(o % s for o, s in zip(box.offsets, shard, strict=True)):
+        return None
+    return chunk_key(tuple(o // s for o, s in zip(box.offsets, shard, strict=True)), format_version=FORMAT_VERSION)
+
+
 def _crc_from_chunks(item: RegionData) -> bool:
     """Whether the region's bytes are its inner chunks' in-bounds bytes one after another: true
     when shards and inner chunks span the region in every dimension but the first (row bands)."""
@@ -207,6 +251,8 @@ def _region_crc(item: RegionData, shard_crcs: list | None) -> int | None:
     """The region's crc32c from its shards' chunk crcs (in shard order), None if not made that way."""
     if not shard_crcs:
         return None
+    if len(shard_crcs) == 1 and len(shard_crcs[0]) == 1 and shard_crcs[0][0][1] == item.data.nbytes:
+        return shard_crcs[0][0][0]  # one chunk holding exactly the region's bytes: its crc is the region's
     pieces = [piece for crcs in shard_crcs for piece in crcs]
     if sum(nbytes for _, nbytes in pieces) != item.data.nbytes:
         return None  # the chunks are not the region's bytes after all: read them (never expected)
@@ -229,13 +275,23 @@ def _receipt_entry(item: RegionData, crc: int | None = None) -> dict:
     }
 
 
-def zarr_documents(plans: dict[str, ArrayPlan], step: int, *, groups: bool = True) -> dict[str, dict]:
+def zarr_documents(plans: dict[str, ArrayPlan], step: int, *, groups: bool = True) -> dict[str, bytes]:
     """``zarr.json`` of every array of ``plans`` and (``groups``) of the attempt group and every
-    intermediate group, by key under the attempt (so plain zarr-python opens the group)."""
-    docs: dict[str, dict] = {"zarr.json": zarr_group_document({"resilient_step": step})} if groups else {}
+    intermediate group, by key under the attempt (so plain zarr-python opens the group), each
+    encoded as ``json.dumps`` encodes the document. Arrays of one shape, dtype and chunking share
+    their document up to the attributes, so it is encoded once per such kind, not per array."""
+    group = json.dumps(zarr_group_document()).encode()
+    docs = {"zarr.json": json.dumps(zarr_group_document({"resilient_step": step})).encode()} if groups else {}
+    heads: dict[tuple, str] = {}
     for fqn, plan in plans.items():
-        parts = array_path(fqn).split("/")
-        for depth in range(1, len(parts) if groups else 1):
-            docs.setdefault("/".join(parts[:depth]) + "/zarr.json", zarr_group_document())
-        docs["/".join(parts) + "/zarr.json"] = zarr_array_document(plan_metadata(plan), {"fqn": fqn})
+        path = array_path(fqn)
+        if groups:
+            parts = path.split("/")
+            for depth in range(1, len(parts)):
+                docs.setdefault("/".join(parts[:depth]) + "/zarr.json", group)
+        kind = (plan.shape, plan.dtype, plan.shard_shape, plan.inner_shape)
+        head = heads.get(kind)
+        if head is None:  # the document with empty attributes, cut before them: '..."attributes": '
+            head = heads[kind] = json.dumps(zarr_array_document(plan_metadata(plan), {}))[: -len("{}}")]
+        docs[path + "/zarr.json"] = f'{head}{{"fqn": {json.dumps(fqn)}}}}}'.encode()
     return docs

@@ -12,6 +12,7 @@ fill value (zero), exactly as TensorStore and zarr-python write them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator
@@ -62,6 +63,13 @@ def _as_bytes(chunk: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
 
 
+@functools.lru_cache(maxsize=256)
+def _one_chunk_index(chunk_nbytes: int) -> bytes:
+    """The checksummed index of a shard holding one inner chunk of ``chunk_nbytes`` (crc included)."""
+    index = np.array([[0, chunk_nbytes]], dtype="<u8").tobytes()
+    return index + crc_bytes(index)
+
+
 def encode_shard(
     data: np.ndarray,
     shard_shape: tuple[int, ...],
@@ -73,6 +81,8 @@ def encode_shard(
     views of its memory, not copies. ``piece_crcs``, if given, gets (crc32c, nbytes) of each present
     chunk's in-bounds bytes, in the order the chunks are stored (``checksum.crc32c_concat`` makes the
     crc32c of the whole from them where those bytes follow each other in ``data``)."""
+    if data.shape == tuple(inner_shape) == tuple(shard_shape) and data.flags.c_contiguous:
+        return _encode_one_chunk(data, piece_crcs)
     grid = chunks_per_shard(shard_shape, inner_shape)
     index = np.full((math.prod(grid), 2), MISSING, dtype="<u8")
     buffers: list = []
@@ -102,6 +112,16 @@ def encode_shard(
     index_raw = index.tobytes()
     buffers += [index_raw, crc_bytes(index_raw)]
     return buffers
+
+
+def _encode_one_chunk(data: np.ndarray, piece_crcs: list[tuple[int, int]] | None) -> list:
+    """``encode_shard`` of a shard that is one whole inner chunk (most small tensors): the same
+    bytes, without the general path's per-chunk bookkeeping (a save may hold thousands of these)."""
+    raw = data.reshape(-1).view(np.uint8)
+    crc = crc32c.crc32c(raw)
+    if piece_crcs is not None:
+        piece_crcs.append((crc, raw.nbytes))
+    return [raw, crc.to_bytes(CRC_BYTES, "little") + _one_chunk_index(raw.nbytes + CRC_BYTES)]
 
 
 def parse_index(tail: bytes | memoryview, shard_shape: tuple[int, ...], inner_shape: tuple[int, ...]) -> np.ndarray:

@@ -1,9 +1,12 @@
-"""Process helpers for tests that launch jobs (torchrun, launchers) as subprocesses."""
+"""Process helpers for tests that launch jobs (torchrun, launchers) as subprocesses, and the poll
+that waits for what a process or thread does."""
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
+import time
+from collections.abc import Callable
 
 import psutil
 
@@ -33,3 +36,12 @@ def communicate_or_fail(proc: subprocess.Popen, timeout_s: float, what: str = "t
         stdout, stderr = proc.communicate(timeout=30)
         pytest.fail(f"{what} did not finish within {timeout_s} s\n{(stdout or '')[-4000:]}\n{(stderr or '')[-3000:]}")
     return stdout or "", stderr or ""
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float = 20.0) -> None:
+    """Poll ``condition`` until it is true; past ``timeout_s`` the test fails."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(0.02)

@@ -11,8 +11,9 @@ Size budget: no source file (benchmarks included) over 500 lines, no function ov
 what must be longer is named in ``LONG_FUNCTIONS`` with the reason.
 
 Seams: no module imports another module's ``_private`` names (a split that needs them is one
-concern cut in two), and no two modules of one folder import each other, directly or round a
-circle (imports under ``if TYPE_CHECKING:`` aside).
+concern cut in two; tests share helpers as public names of a helper module), and no two modules
+of one folder import each other, directly or round a circle (imports under ``if TYPE_CHECKING:``
+aside).
 
 Faces: a package in ``FACED_PACKAGES`` is imported through its ``__init__`` from everywhere outside
 it (source, tools, benchmarks, examples and tests alike); only its own modules and its own tests
@@ -173,6 +174,18 @@ def private_imports(root: Path = ROOT) -> list[str]:
     return out
 
 
+def private_test_imports(root: Path = ROOT) -> list[str]:
+    """``from tests.x import _name`` in a test: what tests share is a public name of a helper module."""
+    out = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                rel = path.relative_to(root)
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                out += [f"{rel}:{node.lineno} imports {n} from {node.module}: make it a helper's" for n in names]
+    return out
+
+
 def import_circles(root: Path = ROOT) -> list[str]:
     """Modules of one folder that import each other (round a circle of any length), not allowed."""
     return [c for c in all_import_circles(root) if c not in ALLOWED_CIRCLES]
@@ -262,6 +275,10 @@ def test_imports_follow_the_layers() -> None:
 
 def test_no_module_imports_another_s_private_names() -> None:
     assert private_imports() == []
+
+
+def test_no_test_imports_another_s_private_names() -> None:
+    assert private_test_imports() == []
 
 
 def test_no_import_circles_inside_a_folder() -> None:
@@ -369,8 +386,10 @@ def test_the_seam_checks_catch_private_names_circles_and_long_benchmarks(tmp_pat
             "storage/e.py": "from resilient.storage import d\n",
             "trainer/f.py": "from resilient.storage.b import _helper\n",
             "benchmarks/big_bench.py": "x = 1\n" * 501,
+            "tests/test_b.py": "from tests.test_a import _stub, public\nfrom tests.helpers import shared\n",
         },
     )
+    assert private_test_imports(root) == ["tests/test_b.py:1 imports _stub from tests.test_a: make it a helper's"]
     assert private_imports(root) == [
         "storage/a.py:1 imports _helper from resilient.storage.b: make it public or join the two",
         "trainer/f.py:1 imports _helper from resilient.storage.b: make it public or join the two",

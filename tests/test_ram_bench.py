@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,27 @@ def test_s3_fields_only_when_the_s3_restore_ran() -> None:
         "persistent_s3_over_ram_buddy": 4.0,
         "persistent_s3_over_ram_buddy_no_persistent": 2.5,
     }
+
+
+def test_contention_line_pairs_each_buddy_restore_alone_and_beside_a_spinning_process() -> None:
+    restore = {"ram_buddy_s": 0.1}
+    assert ram_bench_report.contention_fields(restore) == {}
+    for case, wall in (("ram_buddy", 0.15), ("ram_buddy_no_persistent", 0.25)):
+        restore |= {f"{case}_s": wall, f"{case}_cpu_s": 2 * wall, f"{case}_others_cpu_s": 0.01}
+        restore |= {f"{case}_contended_s": 3 * wall, f"{case}_contended_cpu_s": 2 * wall}
+        restore[f"{case}_contended_others_cpu_s"] = 2 * wall
+    restore["ram_buddy_no_persistent_rank_cpu_s"] = [0.2, 0.3]
+    fields = ram_bench_report.contention_fields(restore)
+    assert fields["ram_buddy_no_persistent_rank_cpu_s"] == [0.2, 0.3] and "ram_buddy_rank_cpu_s" not in fields
+    assert fields["ram_buddy_no_persistent_s"] == 0.25 and fields["ram_buddy_no_persistent_contended_s"] == 0.75
+    assert fields["ram_buddy_no_persistent_cpu_s"] == fields["ram_buddy_no_persistent_contended_cpu_s"] == 0.5
+    assert fields["ram_buddy_no_persistent_contended_others_cpu_s"] == 0.5
+    assert fields["ram_buddy_contended_over_alone"] == fields["ram_buddy_no_persistent_contended_over_alone"] == 3.0
+
+
+def test_busy_cpu_counts_the_machines_busy_time() -> None:
+    before = ram_bench._busy_cpu_s()
+    deadline = time.perf_counter() + 0.2
+    while time.perf_counter() < deadline:  # this process keeps one core busy
+        pass
+    assert ram_bench._busy_cpu_s() - before >= 0.1

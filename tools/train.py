@@ -37,6 +37,7 @@ from resilient.trainer.launching.emit import (
     EMIT_KINDS,
     EmitSpec,
     check_k8s_root,
+    check_slurm_run_dir,
     emit_flag_error,
     k8s_manifest,
     slurm_script,
@@ -54,13 +55,11 @@ from resilient.trainer.launching.multinode import (
 from resilient.trainer.launching.torchrun import check_nproc, run, torchrun_command, trainer_args
 from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 from resilient.trainer.preempt import (
-    PREEMPTED_EXIT,
     forwarded_signals,
     launcher_grace_s,
     preempt_flags,
     preempted_events,
     preempted_exit,
-    preempted_since,
 )
 
 PROG = "resilient-train"
@@ -129,6 +128,11 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )
     emit.add_argument("--job-name", default="resilient", help="SLURM job / JobSet name")
     emit.add_argument("--image", help="k8s (required): container image with resilient installed")
+    emit.add_argument(
+        "--run-volume",
+        metavar="CLAIM",
+        help="k8s (required): a ReadWriteMany PersistentVolumeClaim every pod mounts for run.dir",
+    )
     emit.add_argument("--time", default="24:00:00", help="slurm: the job's time limit, [DAYS-]HH:MM:SS")
     emit.add_argument("--cpus-per-node", type=int, default=0, help="CPUs per node (default: 8 per rank)")
     emit.add_argument(
@@ -155,6 +159,8 @@ def emit_files(args: argparse.Namespace) -> int:
         low, high = parse_nnodes(args.nnodes or "2")
         if args.emit == "k8s":
             check_k8s_root(config.checkpoint.url)
+        else:
+            check_slurm_run_dir(config.run.dir)
         if groups:
             _check_group_ranks(config.parallel.world_size, args.nproc_per_group)
             per_node = groups // high * args.nproc_per_group
@@ -178,11 +184,14 @@ def emit_files(args: argparse.Namespace) -> int:
             trainer_args=trainer_args(args),
             preempt_grace_s=config.run.preempt_grace_s,
             preempt_signal=config.run.preempt_signal or "SIGUSR1",
+            run_dir=config.run.dir,
+            run_volume=args.run_volume or "",
         )
+        text = slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(slurm_script(spec) if args.emit == "slurm" else k8s_manifest(spec), end="")
+    print(text, end="")
     return 0
 
 
@@ -241,11 +250,11 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     code = run_replicated(launch, forwarded_signals(config))
-    line = reported_since(config.run.dir, started)
+    stopped = preempted_events(config.run.dir, started, launch.groups_here())
+    line = _failure_line(config.run.dir, started, code, stopped)
     # The groups stopped for a preemption: 143 (resumable from the stop step) only if every group
     # that stopped saw that one step committed and none failed for a reason of its own (one that
     # failed writing the stop step says so, and a rerun would not fix it by itself).
-    stopped = preempted_events(config.run.dir, started, launch.groups_here())
     if stopped and line is None:
         code, why = preempted_exit(stopped)
         if why:
@@ -260,6 +269,17 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             return code
         return RUNTIME_EXIT if disk_full(ResilientError(line)) else ERROR_EXIT  # a full disk is no bad input
     return code
+
+
+def _failure_line(run_dir: str, started: float, code: int, stopped: list[dict]) -> str | None:
+    """The error line that says why the replica groups ended (None: they did not fail). A claim
+    (``report_failure``) is the first error of a torchrun launch, and torchrun may have restarted
+    its group out of it: only a final claim, or one made after the groups were asked to stop,
+    overrides a preemption, and a job whose groups all exited 0 failed only on a final claim."""
+    final = final_claim_since(run_dir, started)
+    if final or code == 0:
+        return final
+    return reported_since(run_dir, min(e["t"] for e in stopped) if stopped else started)
 
 
 def run_one_group(args: argparse.Namespace) -> int:
@@ -290,8 +310,15 @@ def run_one_group(args: argparse.Namespace) -> int:
     final = final_claim_since(config.run.dir, started)
     if final:  # the rank printed the line
         return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT
-    if preempted_since(config.run.dir, started):
-        return PREEMPTED_EXIT  # saved; the next start resumes (whatever signal asked for the stop)
+    stopped = preempted_events(config.run.dir, started)
+    # Stopped ranks exit 143, and torchrun stopped by a signal 128 + that signal; a rank that failed
+    # on its own exits 1 or 2 (it printed why), and 0 is a run that went on to its end after a
+    # restart. The newest stop is the one the next start resumes from.
+    if stopped and code >= 128:
+        code, why = preempted_exit(stopped[-1:])
+        if why:
+            print(why, file=sys.stderr)
+        return code
     if code == 128 + signal.SIGINT:
         print(interrupted_line(config), file=sys.stderr)
     return code

@@ -28,7 +28,8 @@ from resilient import dist as rdist
 from resilient.errors import CommitError, ResilientError
 from resilient.faults import fault_point
 from resilient.recovery.ram import RamTier
-from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, restore
+from resilient.recovery.restore import PeerHeal, RestoreResult, restore
+from resilient.recovery.restore import committed_steps as list_committed
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
@@ -157,9 +158,9 @@ class Trainer:
     def _apply_restored(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = apply_state(self.parts, state)
 
-    def _committed_steps(self) -> list[int]:
+    def committed_steps(self) -> list[int]:
         """Committed checkpoint steps, the same list (or error) on every rank (collective)."""
-        return committed_steps(self.checkpointer)
+        return list_committed(self.checkpointer)
 
     def run(self) -> None:
         """Train until ``run.steps`` steps are committed, checkpointing on the way and at the end."""
@@ -176,14 +177,14 @@ class Trainer:
         final state may exist only in RAM (the final save failed, then the job restarted): save it
         now (collective; every rank decides alike). Earlier steps need nothing here: the last
         step's save covers them. A peer group that committed the same step first is no error."""
-        if self.restored_from not in ("own", "buddy") or self.step in self._committed_steps():
+        if self.restored_from not in ("own", "buddy") or self.step in self.committed_steps():
             return
         self._saved_step = None
         try:
             self.save()
             self.checkpointer.wait()
         except CommitError:  # raised on every rank alike (agreed in save/wait)
-            if self.step not in self._committed_steps():
+            if self.step not in self.committed_steps():
                 raise
 
     def _stop_preempted(self, signum: int) -> Preempted:
@@ -401,12 +402,12 @@ class Trainer:
 
     def maybe_save(self) -> None:
         """Save every ``persist_every`` steps and at the last step (once per step), if this trainer
-        writes the step (``_saves_this_step``)."""
+        writes the step (``saves_this_step``)."""
         due = self.is_due(self.cadence.persist_every, at_end=True)
-        if due and self._saved_step != self.step and self._saves_this_step():
+        if due and self._saved_step != self.step and self.saves_this_step():
             self.save()
 
-    def _saves_this_step(self) -> bool:
+    def saves_this_step(self) -> bool:
         """A lone group writes every due step (replica groups: one group per step)."""
         return True
 
@@ -468,13 +469,13 @@ class Trainer:
 
     def _final_committed_steps(self) -> list[int]:
         """Committed steps, as every rank sees them at the end."""
-        return self._settled_steps(self.config.checkpoint.timeout_s)
+        return self.settled_steps(time.monotonic() + self.config.checkpoint.timeout_s)
 
-    def _settled_steps(self, timeout_s: float) -> list[int]:
+    def settled_steps(self, deadline: float) -> list[int]:
         """Committed steps once the current step's writer had its chance (collective): a lone group
-        wrote and waited for it itself; replica groups wait up to ``timeout_s`` for the group that
-        writes it."""
-        return self._committed_steps()
+        wrote and waited for it itself; replica groups wait until ``deadline`` (``time.monotonic``)
+        for the group that writes it."""
+        return self.committed_steps()
 
     def close(self) -> None:
         """Stop the loader's workers and the checkpoint writer, close the output files. Raises a

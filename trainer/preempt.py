@@ -18,14 +18,16 @@ periodic save would be lost. With it:
 3. the group that writes the step (a lone group; with replica groups the one the trainer's rule
    names) saves it unless it is already committed, and waits until it is committed: a RAM snapshot
    alone would die with the pod, so this is a persistent save, agreed like every save. The other
-   groups wait (up to ``run.preempt_grace_s``) until they see that step committed;
+   groups wait until they see that step committed, up to ``run.preempt_grace_s`` after the signal
+   (``PreemptWatch.deadline``: torchrun's kill counts from there too);
 4. each group's rank 0 records a ``preempted`` event (``step``, ``signal``, ``seconds``,
    ``committed``: seen committed when it stopped, ``wrote``: this group wrote it), and every rank
    exits 143 (128 + SIGTERM) when the step is committed: the run is not finished, so neither a
    launcher nor a scheduler takes it for done, and the next start resumes from that step. A step
    not committed within the grace exits 1 (the next start resumes from an older step); a save that
-   fails is an error like any other (exit 1 or 2, not 143). The replica-group launcher returns 143
-   only when every group that stopped saw the same step committed and no group reported an error.
+   fails is an error like any other (exit 1 or 2, not 143). The launcher returns 143 only when
+   every group that stopped saw the same step committed and no rank failed after the stop (an
+   error torchrun restarted a group out of before it does not count).
 
 The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``) that covers
 ``run.preempt_grace_s``: torchrun kills its workers that long after passing the signal on.
@@ -86,10 +88,19 @@ class PreemptWatch:
         self.signals = signals
         self.received = 0
         """The first preemption signal this rank got (0: none)."""
+        self.received_at = 0.0
+        """When (``time.monotonic``) it came: the grace runs from then, not from the stop step."""
         self._previous: dict[signal.Signals, Any] = {}
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.received = self.received or signum
+        if not self.received:
+            self.received, self.received_at = signum, time.monotonic()
+
+    def deadline(self, grace_s: float) -> float:
+        """When (``time.monotonic``) the stop must be over: ``grace_s`` after the signal, which the
+        scheduler and torchrun count from (their kill comes a margin later, ``SHUTDOWN_MARGIN_S``);
+        from now on a rank that only learnt of the stop from a peer's flags."""
+        return (self.received_at if self.received else time.monotonic()) + grace_s
 
     def install(self) -> None:
         self._previous = {sig: signal.signal(sig, self._record) for sig in self.signals}
@@ -214,7 +225,7 @@ def stop_trainer(trainer: Trainer, signum: int) -> Preempted:
     from resilient.trainer.sync import LocalSync  # here: it imports torch (see ``StopFlags``)
 
     step, grace, wrote = trainer.step, trainer.config.run.preempt_grace_s, [False]
-    steps, writes, ckpt = trainer._committed_steps, trainer._saves_this_step, trainer.checkpointer
+    steps, writes, ckpt = trainer.committed_steps, trainer.saves_this_step, trainer.checkpointer
 
     def save() -> None:
         wrote[0] = save_stop_step(step, wait=ckpt.wait, committed=steps, writes=writes, save=trainer.save)
@@ -225,7 +236,7 @@ def stop_trainer(trainer: Trainer, signum: int) -> Preempted:
         ours = wrote[0] or isinstance(trainer.sync, LocalSync)  # a lone group wrote every step it has
         trainer.outputs.message(stop_line(step, committed=fields["committed"], ours=ours, grace_s=grace))
 
-    settled = functools.partial(trainer._settled_steps, grace)
+    settled = functools.partial(trainer.settled_steps, trainer.preemption.deadline(grace))
     return stop_preempted(step, signum, save=save, committed=steps, settled=settled, record=record)
 
 
@@ -253,11 +264,6 @@ def forwarded_signals(config: TrainConfig | None) -> tuple[signal.Signals, ...]:
     """The signals a launcher passes on: Ctrl-C, SIGTERM and ``run.preempt_signal``."""
     extra = [getattr(signal, config.run.preempt_signal)] if config and config.run.preempt_signal else []
     return (signal.SIGINT, signal.SIGTERM, *extra)
-
-
-def preempted_since(run_dir: str, since: float) -> dict | None:
-    """The ``preempted`` event a group wrote at or after ``since`` (``time.time()``), if any."""
-    return next(iter(preempted_events(run_dir, since)), None)
 
 
 def preempted_events(run_dir: str, since: float, groups: list[int] | None = None) -> list[dict]:

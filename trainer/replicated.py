@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -70,7 +71,8 @@ class ReplicatedTrainer(Trainer):
         secret = job_secret(self.config.run.dir)
         self._secret_fingerprint = secret_fingerprint(secret)
         self._seen_members: set[str] = set()
-        """Quorum members whose token this group found under the checkpoint root."""
+        """Quorum members whose token this group found under the checkpoint root (or that name no
+        group: no token to find)."""
         self.sync = ReplicaGroupSync(
             self.config.replica,
             group=self.group,
@@ -139,20 +141,26 @@ class ReplicatedTrainer(Trainer):
         itself (events, metrics, its timeline record), except the job secret when
         ``$RESILIENT_JOB_SECRET`` is unset (``<run.dir>/job.key``); a group that made its own
         names another secret's fingerprint in its token, refused here, naming run.dir."""
-        new = {m for m in quorum.members if m != self.sync.replica_id and m not in self._seen_members}
+        new = sorted(m for m in quorum.members if m != self.sync.replica_id and m not in self._seen_members)
         if not new:
             return
-        members = {_group_of(m): (m, m not in quorum.unproven) for m in new}
-        check = functools.partial(
-            check_group_tokens,
-            self.checkpointer.store,
-            self.group,
-            members,
-            job=job_identity(),
-            secret=self._secret_fingerprint,
-        )
+        groups = {m: _group_of(m) for m in new}
+        unnamed = [m for m, group in groups.items() if group is None]
+        if unnamed:  # a stranger (it may name itself anything): there is no token to read for it
+            reason = "its member id names no replica group"
+            self.events.write(
+                "quorum_unproven", group=self.group, step=quorum.step + 1, members=dict.fromkeys(unnamed, reason)
+            )
+        rounds = _token_rounds(groups, quorum.unproven)
+        store, job, secret = self.checkpointer.store, job_identity(), self._secret_fingerprint
+
+        def check() -> None:
+            for members in rounds:
+                check_group_tokens(store, self.group, members, job=job, secret=secret)
+
         rdist.agree(check, src=0)  # its line names the setting and the groups: no more context needed
-        self._seen_members |= new - set(quorum.unproven)  # one that could not prove itself: asked again
+        # One that could not prove itself is asked again; one naming no group has nothing to ask.
+        self._seen_members |= (set(new) - set(quorum.unproven)) | set(unnamed)
 
     def close(self) -> None:
         try:
@@ -244,21 +252,21 @@ class ReplicatedTrainer(Trainer):
                 quorum.step + 1,
             )
 
-    def _saves_this_step(self) -> bool:
+    def saves_this_step(self) -> bool:
         """One group writes each persistent checkpoint: the group of participating rank 0, and not
         a step some other group already committed to storage (a group finishing alone after its
         peers may reach a step they saved)."""
         if self.last_quorum is None:
             return False  # no step trained yet (a preemption at start): the state came from a peer or storage
-        return self.last_quorum.participating_rank == 0 and self.step not in self._committed_steps()
+        return self.last_quorum.participating_rank == 0 and self.step not in self.committed_steps()
 
     # -- end of run --------------------------------------------------------------------------
 
-    def _settled_steps(self, timeout_s: float) -> list[int]:
-        """The current step is written by one group (``_saves_this_step``), maybe not this one: wait
-        for its commit, bounded by ``timeout_s``. Rank 0 lists and judges the time for the whole
-        group, so every rank leaves the loop at the same poll."""
-        deadline, delay = time.monotonic() + timeout_s, 0.05
+    def settled_steps(self, deadline: float) -> list[int]:
+        """The current step is written by one group (``saves_this_step``), maybe not this one: wait
+        for its commit until ``deadline`` (``time.monotonic``). Rank 0 lists and judges the time for
+        the whole group, so every rank leaves the loop at the same poll."""
+        delay = 0.05
         while True:
             got = rdist.agree(
                 lambda: {"steps": self.checkpointer.steps(), "late": time.monotonic() > deadline},
@@ -287,6 +295,24 @@ class ReplicatedTrainer(Trainer):
         return digest
 
 
-def _group_of(member: str) -> int:
-    """The replica group a quorum member id names (``group00001:...``, ``replica_name``)."""
-    return int(member.split(":", 1)[0].removeprefix("group"))
+def _group_of(member: str) -> int | None:
+    """The replica group a quorum member id names (``group00001:...``, ``replica_name``); None for
+    an id of another form (anyone can register any id with the lighthouse)."""
+    named = re.fullmatch(r"group([0-9]+)", member.split(":", 1)[0])
+    return int(named.group(1)) if named else None
+
+
+def _token_rounds(groups: dict[str, int | None], unproven: dict[str, str]) -> list[dict[int, tuple[str, bool]]]:
+    """``check_group_tokens``'s arguments for the members ``groups`` names (member -> its group):
+    one token per group, but a stranger may call itself any group, so each member is checked on its
+    own account (as many rounds as members naming one group) and none hides another."""
+    rounds: list[dict[int, tuple[str, bool]]] = []
+    for member, group in groups.items():
+        if group is None:
+            continue
+        free = next((r for r in rounds if group not in r), None)
+        if free is None:
+            free = {}
+            rounds.append(free)
+        free[group] = (member, member not in unproven)
+    return rounds

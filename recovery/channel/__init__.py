@@ -16,7 +16,7 @@ from resilient.recovery.channel.client import ReplicationClient
 from resilient.recovery.channel.handler import ChannelHandler, DirectPutHandler, PutTarget
 from resilient.recovery.channel.secret import SECRET_ENV, job_secret, secret_fingerprint, shared_secret
 from resilient.recovery.channel.server import ReplicationServer, bind_host, lower_thread_priority
-from resilient.recovery.channel.wire import ChannelError, Scatter
+from resilient.recovery.channel.wire import ChannelError, Scatter, fresh_buffer
 
 __all__ = [
     "SECRET_ENV",
@@ -28,6 +28,7 @@ __all__ = [
     "ReplicationServer",
     "Scatter",
     "bind_host",
+    "fresh_buffer",
     "job_secret",
     "lower_thread_priority",
     "secret_fingerprint",

@@ -18,8 +18,10 @@ took into the rank that machine now runs would put another rank's shard there.
 When a persistent step backs the decision, each rank puts its snapshot straight into the training
 tensors while checking it: an own snapshot is copied in, a buddy's copy received into them
 (``ram.inplace``; whatever lands there is overwritten if the step is not restored after all). With
-none, a snapshot is checked where it lies (or in fresh memory) and copied only after every rank
-agreed, so a rank never holds the step while its peers keep the initial state.
+none, an own snapshot is checked where it lies and a buddy's copy received into fresh memory,
+checksummed as it lands, and either is copied only after every rank agreed, so a rank never holds
+the step while its peers keep the initial state (the fresh start left if a peer's fetch fails
+trains the state's tensors as they are: they are the model's and the optimizer's).
 
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
@@ -37,11 +39,12 @@ from typing import Any, NamedTuple
 import torch
 
 from resilient import dist as rdist
-from resilient.recovery.channel import ChannelError, Scatter
+from resilient.recovery.channel import ChannelError, Scatter, fresh_buffer
 from resilient.recovery.ram.buddy import snapshot_key
 from resilient.recovery.ram.inplace import TensorLanding, copy_verified, tensor_targets
 from resilient.recovery.ram.view import RamView
 from resilient.recovery.snapshot_format import (
+    CrcAsItLands,
     SnapshotIndex,
     first_corruption,
     layout_tensors,
@@ -92,6 +95,8 @@ class RamRestore:
     sources: list[str] = field(default_factory=list)
     """Every rank's source of the restored step ("own" or "buddy"), indexed by rank: a rank whose own
     snapshot is gone or damaged fetched its buddy's copy, so a group's ranks may differ."""
+    snapshot_timeline: str = ""
+    """The timeline the snapshot this rank restored was taken on (the current one or an ancestor)."""
 
 
 def restore_from_ram(
@@ -118,7 +123,9 @@ def restore_from_ram(
             assert decision.fetched is not None
             source, index, _ = decision.fetched
             seconds = time.perf_counter() - start
-            return RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(votes))
+            restored = RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(votes))
+            restored.snapshot_timeline = index.timeline
+            return restored
         failed = [r for r, ok in enumerate(votes) if not ok]
         log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", view.rank, step, failed)
         ruled_out.add(step)
@@ -296,9 +303,8 @@ class _Decision:
             self._exclude(step, "buddy", f"rank {holder} no longer has it")
             return None
         header, payload = reply
-        if into.landing is not None:  # received into the training tensors, checksummed as it landed
-            landing = into.landing
-            verdict = Verdict.checked(landing.corruption(), Fetched("buddy", landing.index, None))
+        if into.crc is not None:  # checksummed as it landed: in the training tensors, or in fresh memory
+            verdict = Verdict.checked(into.crc.corruption(), Fetched("buddy", into.crc.index, into.data))
         else:
             # The client hands over the memory it received into (wire.fresh_buffer): no further
             # copy; the tensor keeps that memory alive.
@@ -331,29 +337,37 @@ class _Decision:
 
 
 class _IntoTensors:
-    """``ReplicationClient.get``'s ``into`` for one fetch: the training tensors when they may take
-    the buddy's copy (``in_place``, the copy is this rank's and fits the state), else fresh memory
-    (None); ``landing`` says which it was once the header arrived."""
+    """``ReplicationClient.get``'s ``into`` for one fetch of a copy that is this rank's and fits the
+    state: the training tensors when they may take it (``in_place``), else fresh memory that the
+    decision copies from once every rank agreed (``data``). Either way each tensor's crc32c is
+    taken as its pieces land (``crc``), not in a pass of its own. Anything else (a malformed or
+    foreign index, overlapping tensors) is left to the client's fresh memory and checked after
+    the receive, with its reason."""
 
     def __init__(self, decision: _Decision) -> None:
         self.decision = decision
-        self.landing: TensorLanding | None = None
+        self.crc: CrcAsItLands | None = None
+        self.data: torch.Tensor | None = None  # the fresh memory it landed in; None: the training tensors
 
     def __call__(self, header: dict, nbytes: int) -> Scatter | None:
         decision = self.decision
-        if not decision.in_place:
-            return None
         try:
             index = SnapshotIndex.from_json(header["index"])
         except Exception:  # a malformed index is excluded after the receive, with its reason
             return None
         if nbytes != index.nbytes or decision.why_not(index, rank=decision.view.rank):
             return None
-        targets = tensor_targets(index, local_tensors(decision.leaves))
-        if targets is None:
-            return None
+        targets = tensor_targets(index, local_tensors(decision.leaves)) if decision.in_place else None
         try:
-            self.landing = TensorLanding(index, targets)
+            if targets is not None:
+                landing = TensorLanding(index, targets)
+                self.crc = landing.crc
+                return landing.scatter()
+            crc = CrcAsItLands(index)
         except ValueError:  # overlapping offsets (never from layout_tensors): checked the old way
             return None
-        return self.landing.scatter()
+        # Not in place: the state keeps what it holds until every rank has agreed on the step.
+        buffer = fresh_buffer(nbytes)
+        self.crc = crc
+        self.data = torch.frombuffer(buffer, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return Scatter([memoryview(buffer)], lambda _, piece: crc(piece))

@@ -89,6 +89,8 @@ class StorageWriter(_DcpStorageWriter):
         self._root, self._step = self.url, step
         self.checkpoint_id: str | None = None  # DCP logs it when set
         self._task: SaveTask | None = None  # the coordinator's: what finish() commits
+        self.is_coordinator = False  # set by DCP (set_up_storage_writer)
+        self._own: dict | None = None  # the coordinator's receipt, kept in memory for finish()
         if self.url is not None and step is not None:
             self._check()
 
@@ -141,7 +143,13 @@ class StorageWriter(_DcpStorageWriter):
         written = write_rank(job, items, rt.location, rt.store)
         results = [WriteResult(i.index, 0, None) for i in tensors]
         results += write_values(job, [i for i in plan.items if i.type == WriteItemType.BYTE_IO], planner, rt)
-        write_receipt(rt.store, job.attempt_key, job.rank, {"rank": job.rank, "regions": written})
+        receipt = {"rank": job.rank, "regions": written}
+        if self.is_coordinator and job.rank == 0:
+            # Its packs are durable (write_rank returned): the commit takes its receipt in memory,
+            # as the Checkpointer's coordinator does, one synced object fewer per step.
+            self._own = receipt
+        else:
+            write_receipt(rt.store, job.attempt_key, job.rank, receipt)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -171,7 +179,8 @@ class StorageWriter(_DcpStorageWriter):
             commit_timeout_s=self.commit_timeout_s,
             keep_last=self.keep_last or None,
         )
-        commit_step(job, self._runtime(task.url).store)
+        own, self._own = self._own, None
+        commit_step(job, self._runtime(task.url).store, own=own)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -12,7 +12,6 @@ attempt that ``resilient-ckpt prune`` removes.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 
@@ -111,7 +110,7 @@ class ResilientSink:
             self.plans[info.fqn], self._shards[info.fqn] = plan, {}
         # The documents first: readers find them in the first pack (``arrays.packed_kvstore_spec``).
         for key, doc in zarr_documents(self.plans, self.step).items():
-            self._packs.add(key, [json.dumps(doc).encode()])
+            self._packs.add(key, [doc])
 
     def blocks(self, info: TensorInfo) -> list[Box]:
         return [r.box for r in self.plans[info.fqn].regions]

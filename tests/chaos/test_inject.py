@@ -5,62 +5,19 @@ command line names resilient.trainer, as the injector checks), so no job runs.""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from resilient.chaos.inject import FaultRecord, InjectContext, advance
+from resilient.chaos.inject import FaultRecord, advance
 from resilient.chaos.job import job_node_store_dir, job_store_root
 from resilient.chaos.scenario import REPO_ROOT, FaultSpec
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram import run_dir_key
-from resilient.runfiles import pid_path
 
 pytestmark = [pytest.mark.timeout(60)]
-
-# Keeps writing into its node's store, as a rank's RAM-tier threads do, until it is stopped.
-_WRITER = """
-import os, sys, time
-store = sys.argv[1]
-while True:
-    os.makedirs(os.path.join(store, "own"), exist_ok=True)
-    with open(os.path.join(store, "own", "slot0.bin"), "wb") as f:
-        f.write(b"x" * 4096)
-    time.sleep(0.005)
-"""
-
-
-@pytest.fixture
-def node(tmp_path: Path):
-    run_dir = str(tmp_path / "run")
-    config = SimpleNamespace(
-        recovery=RamTierConfig(store_dir=str(tmp_path / "ram"), ranks_per_node=1),
-        checkpoint=SimpleNamespace(memory_every=2),
-    )
-    job = SimpleNamespace(
-        run_dir=run_dir,
-        chaos_dir=os.path.join(run_dir, "chaos"),
-        job=SimpleNamespace(nproc_per_group=2, ranks_per_node=1, replica_groups=1),
-    )
-    procs = []
-
-    def start_rank(rank: int, store: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, store, "resilient.trainer"])
-        procs.append(proc)
-        path = pid_path(run_dir, 0, rank)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        Path(path).write_text(f"{proc.pid}\n")
-        return proc
-
-    ctx = InjectContext(job=job, config=config, proxy=None, job_step=9)  # type: ignore[arg-type]
-    yield ctx, start_rank
-    for proc in procs:
-        proc.kill()
-        proc.wait()
 
 
 def test_kill_node_wipes_the_store_of_frozen_ranks_then_kills_them(node) -> None:

@@ -28,6 +28,7 @@ INVARIANTS = {
     "storage_faults_absorbed",
     "slowed_rank_named",
     "final_step_durable",
+    "ram_restores_on_branch",
 }
 GOODPUT = {"total_s", "productive_s", "detect_s", "reconfigure_s", "reload_s", "replay_s"}
 

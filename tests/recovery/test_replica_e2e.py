@@ -22,6 +22,7 @@ import pytest
 from resilient import Checkpointer
 from resilient.runfiles import LIGHTHOUSE_PID, read_events, read_jsonl_by_step, read_pid
 from tests.procs import kill_tree
+from tests.recovery.replica_checks import check_exactly_once
 
 pytestmark = [pytest.mark.e2e]
 
@@ -102,26 +103,6 @@ def _kill(run_dir: Path, group: int, rank: int) -> tuple[int, float]:
     return pid, time.time()
 
 
-def _check_exactly_once(run_dir: Path, steps: int, groups: int = 2) -> dict[int, list[str]]:
-    """Every step 1..steps was committed with ONE global batch (groups that committed a step agree
-    on it), and no sample appears twice within an epoch; every complete epoch is fully covered."""
-    by_step: dict[int, list[str]] = {}
-    for group in range(groups):
-        for step, record in read_jsonl_by_step(str(run_dir / f"group{group}" / "samples.jsonl")).items():
-            if step in by_step:
-                assert by_step[step] == record["sample_ids"], f"groups disagree on the samples of step {step}"
-            by_step[step] = record["sample_ids"]
-    assert sorted(by_step) == list(range(1, steps + 1))
-    seen = Counter(sid for ids in by_step.values() for sid in ids)
-    assert max(seen.values()) == 1, [sid for sid, n in seen.items() if n > 1]
-    config = json.loads((run_dir / "group0" / "config.json").read_text())
-    num_samples = config["data"]["num_samples"]
-    epochs = Counter(int(sid.split(":")[0]) for sid in seen)
-    last = max(epochs)
-    assert all(epochs[e] == num_samples for e in range(last)), epochs
-    return by_step
-
-
 def _final_digests(run_dir: Path, steps: int) -> list[dict]:
     finals = [json.loads((run_dir / f"group{g}" / "final.json").read_text()) for g in range(2)]
     assert [f["step"] for f in finals] == [steps, steps]
@@ -155,7 +136,7 @@ def test_group_killed_keeps_training_heals_and_ends_identical(tmp_path: Path) ->
     assert read_pid(str(run_dir), 1, 1) != killed_pid, "the restarted rank rewrote its pid file"
 
     finals = _final_digests(run_dir, steps)
-    _check_exactly_once(run_dir, steps)
+    check_exactly_once(run_dir, steps)
     # Steps that group 0 had to redo after the kill (discarded, never half-applied).
     discarded = [e["step"] for e in g0_after if not e["committed"]]
     heal = finals[1]["heals"][-1]
@@ -194,7 +175,7 @@ def test_pipelined_group_killed_heals_from_the_peer_whose_stages_match(tmp_path:
     assert healed and healed[0]["committed"] and healed[0]["participants"] == 2
     assert healed[0]["heal_bytes"] > 0
     _final_digests(run_dir, steps)
-    _check_exactly_once(run_dir, steps)
+    check_exactly_once(run_dir, steps)
     config = json.loads((run_dir / "group1" / "config.json").read_text())
     assert config["parallel"]["pp"] == 2
 
@@ -220,7 +201,7 @@ def test_every_group_killed_restores_from_storage_exactly_once(tmp_path: Path) -
     assert all(e["step"] >= newest for e in restarts), (restarts, committed_before)
     assert [e["step"] for e in restored] == [restored[0]["step"]] * len(restored)
     _final_digests(run_dir, steps)
-    _check_exactly_once(run_dir, steps)
+    check_exactly_once(run_dir, steps)
     last_before = max(e["step"] for e in events if e["event"] == "step" and e["committed"] and e["t"] < t_kill)
     first_after = min(e["t"] for e in events if e["event"] == "step" and e["committed"] and e["t"] > t_kill)
     report = {
@@ -288,7 +269,7 @@ def test_group_killed_again_while_healing_finishes_exactly_once(tmp_path: Path) 
     g0 = [e for e in events if e["event"] == "step" and e["group"] == 0]
     assert any(e["committed"] and e["participants"] == 1 and t_kill1 < e["t"] < restart["t"] for e in g0)
     _final_digests(run_dir, steps)
-    _check_exactly_once(run_dir, steps)
+    check_exactly_once(run_dir, steps)
     report = {
         "job_s": round(t_end - t_launch, 2),
         "second_kill_to_job_end_s": round(t_end - t_kill2, 2),
@@ -334,7 +315,7 @@ def test_lighthouse_killed_and_restarted_no_split_brain(tmp_path: Path) -> None:
             assert {e["participants"] for e in in_step} == {2}, in_step
             assert len({e["quorum_id"] for e in in_step}) == 1, in_step
     _final_digests(run_dir, steps)
-    _check_exactly_once(run_dir, steps)
+    check_exactly_once(run_dir, steps)
     before = max(e["t"] for e in committed if e["t"] < t_kill)
     after = min(e["t"] for e in committed if e["t"] > restarted["t"])
     report = {

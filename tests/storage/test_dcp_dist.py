@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from resilient import Checkpointer
 from resilient.dcp import LoadPlanner, StorageReader
+from resilient.manifest import step_dir
 from tests.dist import kill_all, run_world, start_world
 from tests.storage import dcp_workers
 
@@ -27,6 +28,9 @@ def test_fsdp2_saved_on_4_by_dcp_loads_on_3_every_way(tmp_path) -> None:
     url, ref = str(tmp_path / "ck"), str(tmp_path / "ref")
     steps = run_world(dcp_workers.save_four_ways, 4, url, ref, timeout_s=300)
     assert steps == [[1, 2, 3, 4]] * 4
+    for step in range(1, 5):  # DCP-written (1-3) or not (4): a receipt per rank but the coordinator
+        receipts = sorted(p.name for p in (tmp_path / "ck").glob(f"{step_dir(step)}/attempt-*/receipts/*"))
+        assert receipts == [f"rank-{r:05d}.json" for r in (1, 2, 3)], step
     got = run_world(dcp_workers.load_every_way, 3, url, f"{ref}.rank0", timeout_s=300)
     for rank in got:
         for way in ("dcp1", "dcp2", "dcp3", "dcp4", "checkpointer1"):

@@ -142,6 +142,17 @@ def test_our_save_planner_refuses_an_unstorable_value_naming_its_key(tmp_path) -
     assert not os.path.exists(tmp_path / "ck" / step_dir(1) / MANIFEST)
 
 
+def test_a_dcp_written_step_is_the_objects_the_format_names(tmp_path) -> None:
+    """The coordinator keeps its receipt in memory, as the Checkpointer's does (docs/format.md):
+    a one-process step is its pack, its byte values and the manifest."""
+    url = tmp_path / "ck"
+    dcp.save(_state(seed=0), storage_writer=StorageWriter(str(url), step=2), planner=SavePlanner())
+    step = url / step_dir(2)
+    files = sorted(str(p.relative_to(step)).split("/", 1)[-1] for p in step.rglob("*") if p.is_file())
+    assert files == ["dcp/values-rank-00000.bin", MANIFEST, "pack-r00000-0.zip"]
+    assert Checkpointer(str(url)).steps() == [2]
+
+
 def test_checkpoint_id_addresses_root_and_step_like_torchtitan(tmp_path) -> None:
     root, saved = str(tmp_path / "ckpt"), _state(seed=0)
     dcp.save(saved, checkpoint_id=f"{root}/step-10", storage_writer=StorageWriter(), planner=SavePlanner())

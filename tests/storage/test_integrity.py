@@ -58,6 +58,15 @@ def test_truncated_and_missing_pack_objects_are_integrity_errors(tmp_path):
         ckpt.load(target, step=1)
 
 
+def test_an_empty_manifest_is_an_integrity_error(tmp_path):
+    # One process parses the bytes it read (no round trip through the agreement): zero bytes
+    # are a damaged manifest, not "nothing read" (an AttributeError once).
+    ckpt, _, _ = _save_two_steps(tmp_path)
+    (tmp_path / "step-000000002" / "manifest.json").write_bytes(b"")
+    with pytest.raises(IntegrityError, match="manifest .*step-000000002.* is not valid JSON"):
+        ckpt.load({"w": torch.zeros(64, 64), "v": torch.zeros(8)}, step=2)
+
+
 def test_damaged_manifest_is_an_integrity_error(tmp_path):
     ckpt, _, _ = _save_two_steps(tmp_path)
     (tmp_path / "step-000000002" / "manifest.json").write_text("{not json")

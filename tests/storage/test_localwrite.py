@@ -34,6 +34,8 @@ CASES = [  # shape, dtype, shard shape, inner shape: edges cut shards and inner 
     ((13,), "bool", (8,), (8,)),
     ((7,), "float16", (7,), (1,)),
     ((), "float32", (), ()),
+    ((4096,), "float32", (4096,), (4096,)),  # one whole inner chunk per shard: encode_shard's short path
+    ((6, 4), "bfloat16", (6, 4), (6, 4)),
 ]
 
 
@@ -68,24 +70,23 @@ def test_shard_objects_are_byte_identical_to_tensorstores(tmp_path, shape, dtype
     assert written == len(stored)
 
 
-def test_every_file_and_every_new_directory_is_durable_before_the_receipt(tmp_path, monkeypatch):
+def _record_syncs(monkeypatch) -> list[tuple[str, str]]:
+    """Every fsync/fdatasync from here on, as ("sync", path of the fd)."""
     events: list[tuple[str, str]] = []
-    real_fdatasync, real_fsync, real_receipt = os.fdatasync, os.fsync, persist.write_receipt
+    real_fdatasync, real_fsync = os.fdatasync, os.fsync
 
     def path_of(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
 
     monkeypatch.setattr(os, "fdatasync", lambda fd: (events.append(("sync", path_of(fd))), real_fdatasync(fd))[1])
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", path_of(fd))), real_fsync(fd))[1])
-    monkeypatch.setattr(
-        persist, "write_receipt", lambda *a, **k: (events.append(("receipt", "")), real_receipt(*a, **k))[1]
-    )
-    state = {"model": {"w": torch.randn(64, 32), "b": torch.randn(32), "deep": {"x": torch.arange(6)}}}
-    Checkpointer(str(tmp_path / "ck")).save(1, state).wait()
+    return events
 
-    receipt_at = events.index(("receipt", ""))
-    synced_before = {p for kind, p in events[:receipt_at] if kind == "sync"}
-    attempt = next(p for p in (tmp_path / "ck" / "step-000000001").iterdir() if p.name.startswith("attempt-"))
+
+def _durable_before(events: list[tuple[str, str]], mark: tuple[str, str], attempt) -> None:
+    """Every file of ``attempt`` and every directory from it up to the root synced before ``mark``."""
+    at = events.index(mark)
+    synced_before = {p for kind, p in events[:at] if kind == "sync"}
     # the step directory names the attempt, the root names the step: both synced whoever made them
     # (review: a failed earlier attempt may have created step-N/ and died before syncing the root)
     files, dirs = set(), {str(attempt.parent), str(attempt.parent.parent)}
@@ -95,6 +96,54 @@ def test_every_file_and_every_new_directory_is_durable_before_the_receipt(tmp_pa
         dirs.add(root)
     assert files and files <= synced_before, sorted(files - synced_before)
     assert dirs <= synced_before, sorted(dirs - synced_before)
+
+
+_DURABLE_STATE = {"model": {"w": torch.randn(64, 32), "b": torch.randn(32), "deep": {"x": torch.arange(6)}}}
+
+
+def test_every_file_and_every_new_directory_is_durable_before_the_manifest(tmp_path, monkeypatch):
+    """Rank 0, the coordinator, writes no receipt (its own goes to the commit in memory): its
+    packs are durable before the manifest, the commit point."""
+    from resilient.storage import objects
+
+    events = _record_syncs(monkeypatch)
+    real_create = objects.FileObjectStore.write_if_absent
+    monkeypatch.setattr(
+        objects.FileObjectStore,
+        "write_if_absent",
+        lambda self, key, data: (events.append(("create", key)), real_create(self, key, data))[1],
+    )
+    monkeypatch.setattr(persist, "write_receipt", lambda *a, **k: events.append(("receipt", "")))
+    Checkpointer(str(tmp_path / "ck")).save(1, _DURABLE_STATE).wait()
+
+    assert ("receipt", "") not in events
+    attempt = next(p for p in (tmp_path / "ck" / "step-000000001").iterdir() if p.name.startswith("attempt-"))
+    _durable_before(events, ("create", "step-000000001/manifest.json"), attempt)
+
+
+def test_a_non_coordinator_rank_is_durable_before_its_receipt(tmp_path, monkeypatch):
+    """Ranks > 0 still report through a receipt, written once their packs are durable: the job of
+    a one-process save, persisted as rank 1 of 2 (the coordinator's decision stubbed)."""
+    from resilient.storage import workers
+
+    jobs: list = []
+    monkeypatch.setattr(workers.PersistThread, "submit", lambda self, job, buffer, *rest: jobs.append((job, buffer)))
+    ckpt = Checkpointer(str(tmp_path / "ck"))
+    ckpt.save(1, _DURABLE_STATE)
+    (job, buffer), location = jobs[0], ckpt.location
+    job.rank, job.world_size = 1, 2
+    events = _record_syncs(monkeypatch)
+    monkeypatch.setattr(persist, "wait_for_commit", lambda job, store: events.append(("decided", "")))
+    real_receipt = persist.write_receipt
+    monkeypatch.setattr(
+        persist, "write_receipt", lambda *a, **k: (events.append(("receipt", "")), real_receipt(*a, **k))[1]
+    )
+    persist.run_persist(job, buffer.data, location, ckpt.store, None)
+
+    assert [e for e in events if e[0] != "sync"] == [("receipt", ""), ("decided", "")]
+    attempt = tmp_path / "ck" / "step-000000001" / job.attempt
+    assert sorted(p.name for p in attempt.iterdir()) == ["pack-r00001-0.zip", "receipts"]
+    _durable_before(events, ("receipt", ""), attempt)
 
 
 def test_writev_resumes_across_more_buffers_than_iov_max(tmp_path):

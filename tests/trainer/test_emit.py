@@ -4,9 +4,7 @@
 
 from __future__ import annotations
 
-import os
 import shlex
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,38 +15,12 @@ import yaml
 from resilient.errors import ConfigError
 from resilient.tools.train import main
 from resilient.trainer.launching.emit import EmitSpec, k8s_manifest, slurm_script
+from tests.trainer.emit_helpers import REPO, SPEC, TINY, stub, stubs, trainer_container
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.toml")
-K8S = ["--image", "i:1", "--set", "checkpoint.url=s3://bucket/omni"]
-"""What every k8s emit needs: an image, and checkpoints that outlive the pods."""
-SPEC = dict(job_name="omni", nproc_per_node=4, gpus_per_node=4, shm_size="32Gi", trainer_args=["--config", "r.toml"])
-
-
-def _stub(folder: Path, name: str, body: str) -> None:
-    path = folder / name
-    path.write_text("#!/bin/bash\n" + body)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-
-
-def _stubs(tmp_path: Path) -> dict[str, str]:
-    """PATH with fake ``scontrol``, ``srun`` (runs the command once per node, SLURM_NODEID=0..1) and
-    ``resilient-train`` (writes its environment of interest and argv to ``<out>/node-<id>``)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # A long host list: the script must read the first name without killing the writer by SIGPIPE
-    # (pipefail would turn that into a failed job).
-    _stub(bin_dir, "scontrol", 'printf "gpu-a17\\ngpu-a18\\n"\nseq 1 200000 | sed s/^/gpu-b/\n')
-    each_node = (
-        "while [[ $1 == --* ]]; do shift; done\n"
-        'for n in 0 1; do SLURM_NODEID=$n SLURMD_NODENAME=gpu-a1$((7 + n)) "$@" || exit; done\n'
-    )
-    _stub(bin_dir, "srun", each_node)
-    record = 'out="$OUT/node-$RESILIENT_NODE_ID"\nprintf "%s\\n" "$RESILIENT_NODE_ID" "$@" > "$out"\n'
-    _stub(bin_dir, "resilient-train", record)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path)}
+K8S = ["--image", "i:1", "--set", "checkpoint.url=s3://bucket/omni", "--run-volume", "omni-runs"]
+"""What every k8s emit needs: an image, checkpoints that outlive the pods, and a run.dir volume."""
 
 
 def _recorded(tmp_path: Path, node: str) -> tuple[str, list[str]]:
@@ -78,8 +50,8 @@ def test_sbatch_script_parses_and_starts_one_launcher_per_node(tmp_path: Path) -
     for wanted in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--requeue", "--job-name=omni"):
         assert f"#SBATCH {wanted}" in directives, directives
     assert "/dev/shm" in script and "32Gi" in script  # the note and the per-node check
-    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    env = {**stubs(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
+    done = subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     for node, host in (("0", "gpu-a17"), ("1", "gpu-a18")):
         node_id, argv = _recorded_by_rank(tmp_path, node)
@@ -97,8 +69,13 @@ def test_sbatch_script_elastic_and_cpu(tmp_path: Path) -> None:
     assert "#SBATCH --nodes=2-4" in script and "--gpus-per-node" not in script
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
-    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    env = {**stubs(tmp_path), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert (
+        subprocess.run(
+            ["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30
+        ).returncode
+        == 0
+    )
     _, argv = _recorded(tmp_path, "gpu-a18")  # the second node's machine name (the srun stub's)
     assert _flag(argv, "--nnodes") == "2:4" and "--node-rank" not in argv  # elastic: ranked at rendezvous
     assert _flag(argv, "--rdzv-id") == "7-0"
@@ -111,8 +88,13 @@ def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: 
     assert "--kill-on-bad-exit=0" in script  # a node's groups may die; the others train on
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
-    assert subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30).returncode == 0
+    env = {**stubs(tmp_path), "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
+    assert (
+        subprocess.run(
+            ["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30
+        ).returncode
+        == 0
+    )
     for node in ("0", "1"):
         _, argv = _recorded_by_rank(tmp_path, node)
         assert (_flag(argv, "--replica-groups"), _flag(argv, "--nproc-per-group")) == ("4", "4")
@@ -128,7 +110,7 @@ def test_sbatch_script_for_replica_groups_spreads_them_over_the_nodes(tmp_path: 
 def test_cli_emits_replica_groups(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--emit", "k8s", "--config", TINY, "--replica-groups", "4", "--nproc-per-group", "4", "--nnodes", "2", *K8S]
     assert main([*argv, "--set", "data.global_rows=24"]) == 0
-    container = _container(yaml.safe_load(capsys.readouterr().out))
+    container = trainer_container(yaml.safe_load(capsys.readouterr().out))
     command = shlex.split(container["args"][0].splitlines()[-1].removeprefix("exec "))
     assert _flag(command, "--rdzv-endpoint") == "resilient-node-0-0.resilient:29400"
     assert (_flag(command, "--replica-groups"), _flag(command, "--node-rank")) == ("4", "$JOB_COMPLETION_INDEX")
@@ -136,14 +118,10 @@ def test_cli_emits_replica_groups(capsys: pytest.CaptureFixture[str]) -> None:
     assert "replica.enabled=true" not in command  # the launcher adds the replica keys itself
 
 
-def _container(manifest: dict) -> dict:
-    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    return {"pod": pod, **container}
-
-
 def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, min_nodes=3, max_nodes=3, image="reg/omni:7")))
+    manifest = yaml.safe_load(
+        k8s_manifest(EmitSpec(**SPEC, min_nodes=3, max_nodes=3, image="reg/omni:7", run_volume="runs"))
+    )
     assert (manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]) == (
         "jobset.x-k8s.io/v1alpha2",
         "JobSet",
@@ -153,11 +131,17 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
     assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
     job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert (job["parallelism"], job["completions"], job["completionMode"]) == (3, 3, "Indexed")
-    container = _container(manifest)
+    container = trainer_container(manifest)
     pod = container["pod"]
     assert pod["restartPolicy"] == "OnFailure"
-    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}]
-    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert pod["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
+        {"name": "runs", "persistentVolumeClaim": {"claimName": "runs"}},
+    ]
+    assert container["volumeMounts"] == [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "runs", "mountPath": "/resilient/runs"},
+    ]
     assert container["image"] == "reg/omni:7" and container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert container["ports"] == [{"containerPort": 29400}]
     env = {e["name"]: e for e in container["env"]}
@@ -166,7 +150,7 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
     assert restart == "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
     # What pod 2 runs: the container's script with a stub resilient-train.
     assert container["command"] == ["bash", "-c"]
-    run_env = {**_stubs(tmp_path), "JOB_COMPLETION_INDEX": "2", "RDZV_ID": "omni-0"}
+    run_env = {**stubs(tmp_path), "JOB_COMPLETION_INDEX": "2", "RDZV_ID": "omni-0"}
     run_env["RESILIENT_NODE_ID"] = "omni-node-0-2"  # as an operator may pin it; else the hostname
     done = subprocess.run(["bash", "-c", *container["args"]], env=run_env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
@@ -174,14 +158,15 @@ def test_k8s_manifest_is_a_jobset_with_shm_restart_policy_and_rendezvous(tmp_pat
     assert node_id == "omni-node-0-2"
     assert _flag(argv, "--rdzv-endpoint") == "omni-node-0-0.omni:29400"  # pod 0's stable DNS name
     assert (_flag(argv, "--node-rank"), _flag(argv, "--rdzv-id"), _flag(argv, "--nnodes")) == ("2", "omni-0", "3")
-    assert _flag(argv, "--nproc-per-node") == "4" and argv[-2:] == ["--config", "r.toml"]
+    assert _flag(argv, "--nproc-per-node") == "4"
+    assert argv[-4:] == ["--config", "r.toml", "--set", "run.dir=/resilient/runs/omni"]  # on the claim
 
 
 def test_k8s_node_identity_defaults_to_the_pod_hostname(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**{**SPEC, "gpus_per_node": 0})))
-    container = _container(manifest)
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**{**SPEC, "gpus_per_node": 0}, run_volume="runs")))
+    container = trainer_container(manifest)
     assert "nvidia.com/gpu" not in str(container["resources"])  # a CPU recipe requests no GPU
-    env = {k: v for k, v in _stubs(tmp_path).items() if k != "RESILIENT_NODE_ID"}
+    env = {k: v for k, v in stubs(tmp_path).items() if k != "RESILIENT_NODE_ID"}
     env.update(JOB_COMPLETION_INDEX="0", RDZV_ID="omni-0")
     done = subprocess.run(["bash", "-c", *container["args"]], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
@@ -210,11 +195,12 @@ def test_cli_emits_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     # tiny.toml: dp_shard 2 x tp 2 = 4 ranks, split over the default 2 nodes; device auto: GPUs.
     assert main(["--emit", "k8s", "--config", TINY, *K8S, "--set", "run.steps=20"]) == 0
     manifest = yaml.safe_load(capsys.readouterr().out)
-    container = _container(manifest)
+    container = trainer_container(manifest)
     command = container["args"][0].splitlines()[-1]
     argv = shlex.split(command.removeprefix("exec "))
     assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--nproc-per-node") == "2"
-    assert argv[-6:] == ["--config", TINY, "--set", "checkpoint.url=s3://bucket/omni", "--set", "run.steps=20"]
+    assert argv[-6:-2] == ["--set", "checkpoint.url=s3://bucket/omni", "--set", "run.steps=20"]
+    assert argv[-2:] == ["--set", "run.dir=/resilient/runs/resilient"]  # after the recipe's: it wins
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert main(["--emit", "slurm", "--config", TINY, "--nnodes", "4", "--set", "parallel.dp_shard=4"]) == 0
     script = capsys.readouterr().out
@@ -266,7 +252,7 @@ def test_bad_emit_flags_are_one_line_exit_2(argv: list[str], says: str) -> None:
 def _preempt_stubs(tmp_path: Path) -> dict[str, str]:
     """An ``srun`` that runs until it gets SIGUSR1, then exits 143 as a preempted launcher does (it
     says it got the signal), and an ``scontrol`` that records a requeue."""
-    env = _stubs(tmp_path)
+    env = stubs(tmp_path)
     bin_dir = tmp_path / "bin"
     body = (
         'trap \'echo "step got USR1" >> "$OUT/log"; exit 143\' USR1\n'
@@ -274,8 +260,8 @@ def _preempt_stubs(tmp_path: Path) -> dict[str, str]:
         'echo started >> "$OUT/log"\n'
         "for i in $(seq 1 300); do sleep 0.1; done\nexit 0\n"
     )
-    _stub(bin_dir, "srun", body)
-    _stub(bin_dir, "scontrol", 'if [ "$1" = requeue ]; then echo "requeue $2" >> "$OUT/log"; else echo n1; fi\n')
+    stub(bin_dir, "srun", body)
+    stub(bin_dir, "scontrol", 'if [ "$1" = requeue ]; then echo "requeue $2" >> "$OUT/log"; else echo n1; fi\n')
     return env
 
 
@@ -286,7 +272,9 @@ def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempt
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]"}
-    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        ["bash", str(path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     log = tmp_path / "log"
     for _ in range(100):
         if log.exists() and "started" in log.read_text():
@@ -304,7 +292,9 @@ def test_sbatch_passes_sigterm_on_to_the_step_and_waits_for_it(tmp_path: Path) -
     path = tmp_path / "job.sbatch"
     path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)))
     env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "79", "SLURM_JOB_NODELIST": "n[1-2]"}
-    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        ["bash", str(path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     log = tmp_path / "log"
     for _ in range(100):
         if log.exists() and "started" in log.read_text():
@@ -319,13 +309,13 @@ def test_sbatch_passes_sigterm_on_to_the_step_and_waits_for_it(tmp_path: Path) -
 def test_sbatch_does_not_requeue_a_job_that_ended(tmp_path: Path) -> None:
     path = tmp_path / "job.sbatch"
     path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2)))
-    env = {**_stubs(tmp_path), "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n[1-2]"}
-    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    env = {**stubs(tmp_path), "SLURM_JOB_ID": "78", "SLURM_JOB_NODELIST": "n[1-2]"}
+    done = subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "requeue" not in done.stderr, done.stderr
 
 
 def test_jobset_grace_period_covers_the_trainers_preemption_grace() -> None:
-    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, preempt_grace_s=300.0)))
+    manifest = yaml.safe_load(k8s_manifest(EmitSpec(**SPEC, preempt_grace_s=300.0, run_volume="runs")))
     pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 370 > 300 + 30  # above the grace and torchrun's margin
 

@@ -12,7 +12,14 @@ import yaml
 from resilient.trainer.launching.emit import EmitSpec, k8s_manifest, slurm_script
 
 pytestmark = pytest.mark.timeout(30)
-SPEC = {"job_name": "omni", "min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2, "trainer_args": ["--config", "c.toml"]}
+SPEC = {
+    "job_name": "omni",
+    "min_nodes": 2,
+    "max_nodes": 2,
+    "nproc_per_node": 2,
+    "trainer_args": ["--config", "c.toml"],
+    "run_volume": "runs",
+}
 
 
 def test_every_pod_takes_the_job_secret_from_one_secret():

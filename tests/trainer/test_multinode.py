@@ -27,7 +27,7 @@ from resilient.trainer.launching.multinode import Rendezvous, parse_nnodes, rend
 from resilient.trainer.launching.torchrun import torchrun_command
 from resilient.trainer.observing.quiet import error_path
 from tests.procs import communicate_or_fail, kill_tree
-from tests.recovery.test_replica_e2e import _check_exactly_once
+from tests.recovery.replica_checks import check_exactly_once
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -370,7 +370,7 @@ def test_a_node_lost_with_its_memory_resumes_from_the_buddy_copies(tmp_path: Pat
     (step,) = {e["step"] for e in resumed}  # one decision for every rank
     assert max(persisted) < step <= killed_after, (persisted, killed_after, resumed)
     assert Checkpointer(str(ckpt)).steps()[-1] == 12
-    _check_exactly_once(run_dir, 12, groups=1)
+    check_exactly_once(run_dir, 12, groups=1)
     # A step redone after the restore consumed the very samples it had before the kill.
     redone: dict[int, list[list[str]]] = {}
     for record in iter_jsonl(str(run_dir / "group0" / "samples.jsonl")):

@@ -35,9 +35,16 @@ def test_the_watch_records_the_first_signal_and_restores_the_handlers() -> None:
     before = signal.getsignal(signal.SIGUSR1)
     with PreemptWatch(preempt_signals("SIGUSR1")) as watch:
         assert watch.flags() == [0.0, 0.0] and watch.agreed_signal(watch.start_flags().wait()) == 0
+        assert watch.deadline(5.0) - time.monotonic() == pytest.approx(5.0, abs=0.5)  # no signal: from now
+        sent = time.monotonic()
         os.kill(os.getpid(), signal.SIGUSR1)
+        handled = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
         assert watch.received == signal.SIGUSR1 and watch.flags() == [0.0, 1.0]  # [SIGTERM, SIGUSR1]
+        # The grace runs from the first signal on, however long the stop step takes after it.
+        assert sent <= watch.received_at <= handled
+        time.sleep(0.2)
+        assert watch.deadline(5.0) == watch.received_at + 5.0
         assert watch.agreed_signal(watch.start_flags().wait()) == signal.SIGUSR1  # no process group: alone
     # Summed over ranks: one rank's SIGTERM and another's SIGUSR1 give the larger number on every rank.
     assert watch.agreed_signal([1.0, 1.0]) == signal.SIGTERM and watch.agreed_signal([0.0, 2.0]) == signal.SIGUSR1

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 
 def _settled(root: str, step: int, timeout_s: float) -> list[int]:
-    """A group that does not write the stop step: until it is committed (as ``_settled_steps``)."""
+    """A group that does not write the stop step: until it is committed (as ``settled_steps``)."""
     from resilient import Checkpointer
 
     deadline = time.monotonic() + timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from resilient.errors import CommitError
 from resilient.trainer.loop import Trainer
-from resilient.trainer.preempt import Preempted
+from resilient.trainer.preempt import Preempted, PreemptWatch, preempt_signals
 from resilient.trainer.sync import LocalSync
 
 
@@ -47,11 +48,12 @@ def _trainer(step: int, checkpointer: FakeCheckpointer, *, saved_step: int | Non
     trainer._saved_step = saved_step
     trainer.checkpointer = checkpointer
     trainer.save = save
-    trainer._committed_steps = lambda: sorted(checkpointer.committed)
-    trainer._settled_steps = lambda timeout_s: sorted(checkpointer.committed)
-    trainer._saves_this_step = lambda: True
+    trainer.committed_steps = lambda: sorted(checkpointer.committed)
+    trainer.settled_steps = lambda deadline: sorted(checkpointer.committed)
+    trainer.saves_this_step = lambda: True
     trainer.config = SimpleNamespace(run=SimpleNamespace(preempt_grace_s=5.0, dir=""))
     trainer.observer = SimpleNamespace(paused=contextlib.nullcontext)
+    trainer.preemption = PreemptWatch(preempt_signals(""))
     trainer.outputs = SimpleNamespace(enabled=False, message=messages.append, messages=messages)
     return trainer
 
@@ -89,7 +91,7 @@ def test_a_replica_group_that_did_not_write_the_step_does_not_say_it_committed_i
     checkpointer = FakeCheckpointer(committed=[6])  # a peer group committed step 6
     trainer = _trainer(6, checkpointer, saved_step=None)
     trainer.sync = object()  # not LocalSync: one of several replica groups
-    trainer._saves_this_step = lambda: False
+    trainer.saves_this_step = lambda: False
     trainer._stop_preempted(signal.SIGTERM)
     assert checkpointer.saved == []
     assert trainer.outputs.messages == ["preempted: step 6 is committed (by a peer group); exiting 143 to be resumed"]
@@ -100,11 +102,14 @@ def test_a_replica_group_that_never_sees_the_step_committed_stops_with_exit_1_no
     checkpointer = FakeCheckpointer(committed=[4])  # the writing group did not commit step 6
     trainer = _trainer(6, checkpointer, saved_step=None)
     trainer.sync = object()
-    trainer._saves_this_step = lambda: False
+    trainer.saves_this_step = lambda: False
     waited: list[float] = []
-    trainer._settled_steps = lambda timeout_s: waited.append(timeout_s) or [4]
+    trainer.settled_steps = lambda deadline: waited.append(deadline) or [4]
+    # The SIGTERM came 3 s before the stop step ended: torchrun kills at signal + grace + a margin.
+    trainer.preemption.received, trainer.preemption.received_at = signal.SIGTERM, time.monotonic() - 3.0
     stop = trainer._stop_preempted(signal.SIGTERM)
-    assert stop.step == 6 and stop.committed is False and waited == [5.0]  # waited run.preempt_grace_s
+    assert stop.step == 6 and stop.committed is False
+    assert waited == [trainer.preemption.received_at + 5.0]  # run.preempt_grace_s from the signal on
     assert checkpointer.saved == []
     (line,) = trainer.outputs.messages
     assert line.startswith("preempted: step 6 is not committed") and "run.preempt_grace_s=5" in line

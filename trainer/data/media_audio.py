@@ -22,12 +22,12 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Iterator
 from fractions import Fraction
 
 import av
 import numpy as np
 import soundfile
+import soxr
 
 from resilient.trainer.data.media_stream import (
     MediaError,
@@ -53,13 +53,15 @@ _RESAMPLE_MARGIN_S = 0.01
 # only those probe decoders (not the one that decodes the audio): video decoders then skip every
 # frame, audio decoders do not look at skip_frame.
 PROBE_AUDIO_ONLY = {"skip_frame": "all"}
-# Native samples handed to the resampler per call. libswresample's output does not depend on how
-# its input is cut (tests hold it), but its cost does: one call with a whole clip runs several times
-# slower than the same samples in pieces of this size (benchmarks/README.md, data_bench).
+# Native samples handed to the resampler per call: libsoxr's output does not depend on how its
+# input is cut (tests hold it), and pieces of this size keep its work in cache while decoding goes
+# on (larger ones cost more per sample; benchmarks/README.md, data_bench).
 RESAMPLE_CHUNK = 1 << 15
-# Mono samples on their way to the resampler: an array, or a mono float-plane frame as FFmpeg's
-# sample FIFO hands it out (passed on without a round trip through numpy).
-Piece = np.ndarray | av.AudioFrame
+# libsoxr's "HQ" recipe (its default): flat further up the band and far more rejection of what lies
+# above the output's Nyquist frequency than libswresample's default filter (the one it replaced), so
+# no clip decodes worse than before; "MQ" saves little and is less accurate at 44.1 kHz, "LQ" rolls
+# off earlier (figures and commands: benchmarks/README.md, AAC third pass).
+RESAMPLE_QUALITY = "HQ"
 
 
 def native_span(start_s: float, duration_s: float | None, native_rate: int, sample_rate: int) -> tuple[int, int | None]:
@@ -114,49 +116,38 @@ def resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 class _RateConverter:
     """Mono float samples fed piece by piece, as they come, and handed back at the target rate.
 
-    libswresample through PyAV's AudioResampler: a windowed-sinc polyphase filter, band-limited,
-    so 44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
+    libsoxr's streaming resampler at RESAMPLE_QUALITY: a linear-phase band-limited filter, so
+    44.1/48 kHz -> 16 kHz does not fold the 8-24 kHz band back into the speech band as linear
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
-    so output sample 0 is the first piece's first instant. How the input is cut into pieces does
-    not change the output (tests hold it); each call gets at most RESAMPLE_CHUNK samples."""
+    so output sample 0 is the first piece's first instant, and N samples in give round(N * to_rate /
+    from_rate) out. How the input is cut into pieces does not change the output, nor does the
+    process (tests hold both); each call gets at most RESAMPLE_CHUNK samples."""
 
     def __init__(self, from_rate: int, to_rate: int) -> None:
-        self.from_rate = from_rate
-        self.resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate) if from_rate != to_rate else None
-        self.out: list[np.ndarray | av.AudioFrame] = []  # resampled frames, or the pieces themselves
+        self.stream = (
+            soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality=RESAMPLE_QUALITY)
+            if from_rate != to_rate
+            else None
+        )
+        self.out: list[np.ndarray] = []  # resampled pieces, or the pieces themselves
         self.fed = 0
 
-    def feed(self, piece: Piece) -> None:
-        if self.resampler is None:
-            self.out.append(piece)
+    def feed(self, samples: np.ndarray) -> None:
+        if self.stream is None:
+            self.out.append(samples)
             return
-        for frame in _mono_frames(piece):
-            frame.sample_rate, frame.pts, frame.time_base = self.from_rate, self.fed, Fraction(1, self.from_rate)
-            self.out.extend(self.resampler.resample(frame))
-            self.fed += frame.samples
+        for begin in range(0, len(samples), RESAMPLE_CHUNK):
+            self.out.append(self.stream.resample_chunk(samples[begin : begin + RESAMPLE_CHUNK]))
+        self.fed += len(samples)
 
     def result(self) -> np.ndarray:
-        if self.resampler is not None and self.fed:  # (PyAV cannot build an empty frame to flush)
-            self.out.extend(self.resampler.resample(None))
-        if len(self.out) == 1 and isinstance(self.out[0], np.ndarray):
+        if self.stream is not None and self.fed:
+            self.out.append(self.stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+        if len(self.out) == 1 and self.out[0].flags.writeable:  # (not a view of a decoder's buffer)
             return self.out[0]
         if not self.out:
             return np.zeros(0, dtype=np.float32)
-        return np.concatenate([_samples(piece) for piece in self.out]).astype(np.float32, copy=False)
-
-
-def _mono_frames(piece: Piece) -> Iterator[av.AudioFrame]:
-    """``piece`` as mono float-plane frames of at most RESAMPLE_CHUNK samples."""
-    if isinstance(piece, av.AudioFrame):
-        yield piece
-        return
-    for begin in range(0, len(piece), RESAMPLE_CHUNK):
-        chunk = np.ascontiguousarray(piece[None, begin : begin + RESAMPLE_CHUNK], dtype=np.float32)
-        yield av.AudioFrame.from_ndarray(chunk, format="fltp", layout="mono")
-
-
-def _samples(piece: Piece) -> np.ndarray:
-    return piece.to_ndarray().reshape(-1) if isinstance(piece, av.AudioFrame) else piece
+        return np.concatenate(self.out).astype(np.float32, copy=False)
 
 
 def _downmix(samples: np.ndarray) -> np.ndarray:
@@ -287,6 +278,7 @@ class _AudioTimeline:
         self._tail = 0  # native index past the FIFO's last sample
         self._gap = self._GAP_S * rate
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
+        self._next_pts: int | None = None  # the pts of a frame that would follow the last one exactly
         # Converts any sample format to float planes at the native rate (no rate change, so no filter
         # delay, and no layout change: channels are averaged like the wav/flac path does). AAC, MP3
         # and Vorbis decode to float planes already, and then it hands the frame back untouched.
@@ -294,31 +286,36 @@ class _AudioTimeline:
 
     def add(self, frame: av.AudioFrame) -> None:
         # Runs once per 21 ms AAC frame: locals instead of repeated attribute lookups.
-        tick = self._tick
-        if tick is None:
-            tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
-        # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
-        stamped = round((frame.pts * tick[0] / tick[1] - self.origin) * self.rate)
-        tail, fifo = self._tail, self._fifo
-        if self._head is None or abs(stamped - tail) > self._gap:
-            self._drain(whole=True)
-            self._head = tail = stamped
+        pts, tail, fifo = frame.pts, self._tail, self._fifo
+        if pts != self._next_pts:  # (a frame that follows the last one exactly continues the run)
+            tick = self._tick
+            if tick is None:
+                tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
+            # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
+            stamped = round((pts * tick[0] / tick[1] - self.origin) * self.rate)
+            if self._head is None or abs(stamped - tail) > self._gap:
+                self._drain(whole=True)
+                self._head = tail = stamped
+        start = tail
         for converted in self._to_float.resample(frame):
             converted.pts = None  # the FIFO would check it against a count from 0; placement is done here
             fifo.write(converted)
             tail += converted.samples
         self._tail = tail
+        if self._tick == (1, self.rate):  # pts counts samples: the next frame's pts if it follows on
+            self._next_pts = pts + tail - start
         if tail > self.end:
             self.end = tail
         if fifo.samples >= RESAMPLE_CHUNK:
             self._drain(whole=False)
 
     def finish(self, last: int) -> np.ndarray:
-        """Native samples [first, last) at the converter's rate; what no frame covered is zero."""
+        """Native samples [first, min(last, fed)) at the converter's rate, holes fed as zeros. What
+        no frame covered past the last decoded sample is left to the window's placement, which
+        zero-fills it: through the resampler, silence would come back as its rounding noise
+        (libsoxr convolves by FFT: not exact zeros where the input is all zeros), not as silence."""
         self.cap = last if self.cap is None else min(self.cap, last)
         self._drain(whole=True)
-        if self.fed < last:
-            self.out.feed(np.zeros(last - self.fed, dtype=np.float32))
         return self.out.result()
 
     def _drain(self, *, whole: bool) -> None:
@@ -332,8 +329,8 @@ class _AudioTimeline:
                 continue  # before the span (a seek's lead-in), past its cap, or decoded already
             if start > self.fed:  # a hole in the stream
                 self.out.feed(np.zeros(start - self.fed, dtype=np.float32))
-            if (start, stop) == (lo, self._head) and len(frame.planes) == 1:
-                self.out.feed(frame)
+            if len(frame.planes) == 1:  # a view of the FIFO's fresh frame, sliced: no copy, no vstack
+                self.out.feed(np.frombuffer(frame.planes[0], np.float32, frame.samples)[start - lo : stop - lo])
             else:
                 self.out.feed(_mix(frame.to_ndarray()[:, start - lo : stop - lo]))
             self.fed = stop

@@ -49,8 +49,11 @@ def packets(container: av.container.InputContainer, stream: av.stream.Stream, bu
 
 
 def decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
-    """Decoded frames of one stream, at most ``budget`` packets' worth."""
-    for packet in packets(container, stream, budget):
+    """Decoded frames of one stream, at most ``budget`` packets' worth. (``packets`` written out
+    again: this runs once per 21 ms AAC frame, where one more generator level is measurable.)"""
+    for count, packet in enumerate(container.demux(stream)):
+        if count >= budget:
+            raise MediaError(f"gave up after {budget} packets: the stream does not end")
         yield from packet.decode()
 
 

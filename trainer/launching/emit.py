@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ CPUS_PER_RANK = 8
 MEM_PER_RANK_GI = 16
 JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 """A DNS label short enough for the pod hostnames JobSet derives from it (``<name>-node-0-<i>``)."""
+CLAIM_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+RUN_MOUNT = "/resilient/runs"
+"""k8s: where every pod mounts ``--run-volume``; the job's run.dir is ``RUN_MOUNT/<job name>``."""
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,6 +79,11 @@ class EmitSpec:
     """0: one group across all nodes. G: G torchft replica groups, G / nodes on each node, meeting at
     the lighthouse node 0 starts on ``rdzv_port`` (``resilient.trainer.launching.multinode``)."""
     nproc_per_group: int = 0
+    run_dir: str = "runs/resilient"
+    """The recipe's ``run.dir`` (job record, events, the group's timeline): SLURM nodes check that
+    they all see the one the batch shell wrote into before they start."""
+    run_volume: str = ""
+    """k8s (required there): a ReadWriteMany PersistentVolumeClaim every pod mounts at ``RUN_MOUNT``."""
 
     def __post_init__(self) -> None:
         if not JOB_NAME.match(self.job_name):
@@ -96,6 +106,10 @@ class EmitSpec:
         if self.mem_per_node and not SHM_SIZE.match(self.mem_per_node):
             raise ConfigError(
                 f"--mem-per-node {self.mem_per_node!r} must be a number with Ki, Mi, Gi or Ti, e.g. 256Gi"
+            )
+        if self.run_volume and not CLAIM_NAME.match(self.run_volume):
+            raise ConfigError(
+                f"--run-volume {self.run_volume!r} must be a PersistentVolumeClaim name (lowercase, '-', '.')"
             )
         if self.replica_groups and (self.elastic or self.replica_groups % self.max_nodes):
             raise ConfigError(
@@ -146,6 +160,10 @@ def emit_flag_error(args: argparse.Namespace) -> str | None:
     for word in [args.config, *args.overrides]:
         if any(ord(c) < 32 or ord(c) == 127 for c in word):
             return f"--emit: {word!r} holds a control character (a newline would break the job file): drop it"
+    if args.emit == "slurm" and args.run_volume:
+        return "--run-volume is for --emit k8s; a SLURM job's run.dir is a path every node mounts: drop it"
+    if args.emit == "k8s" and any(o.partition("=")[0].strip() == "run.dir" for o in args.overrides):
+        return f"--emit k8s mounts --run-volume at {RUN_MOUNT}, run.dir={RUN_MOUNT}/{args.job_name}: drop --set run.dir"
     if args.emit == "k8s" and not args.image:
         return "--emit k8s takes --image IMAGE (a container image with resilient installed): the pods run it"
     if args.replica_groups is not None and args.nproc_per_node is not None:
@@ -171,6 +189,27 @@ def check_k8s_root(url: str) -> None:
         raise ConfigError(
             f"--emit k8s: checkpoint.url={url} is a path inside each pod, lost with it and seen by no other "
             "pod: set checkpoint.url=s3://BUCKET/PREFIX"
+        )
+
+
+def check_slurm_run_dir(run_dir: str) -> None:
+    """run.dir holds what every node's ranks must share (the job record, the group's timeline):
+    a path under a node-local root is refused here; the script checks any other on every node."""
+    path = os.path.normpath(run_dir)
+    local = next((root for root in NODE_LOCAL if path == root or path.startswith(root + "/")), None)
+    if local is not None:
+        raise ConfigError(
+            f"--emit slurm: run.dir={run_dir} is under {local}, each node's own: set run.dir to a path on a "
+            "file system every node mounts (e.g. --set run.dir=$HOME/runs/JOB)"
+        )
+
+
+def check_k8s_run_volume(spec: EmitSpec) -> None:
+    """A pod's own run.dir is lost when it restarts and seen by no other pod."""
+    if not spec.run_volume:
+        raise ConfigError(
+            "--emit k8s: run.dir would be inside each pod, lost when it restarts and seen by no other pod: give "
+            f"--run-volume CLAIM, a ReadWriteMany PersistentVolumeClaim (run.dir is then {RUN_MOUNT}/{spec.job_name})"
         )
 
 
@@ -243,6 +282,11 @@ def _slurm_node_script(spec: EmitSpec) -> str:
             f'if [ "$shm_kib" -lt {need} ]; then',
             f'  echo "warning: /dev/shm on $(hostname) has $shm_kib KiB, the RAM tier wants {spec.shm_size}" >&2',
             "fi",
+            'if [ ! -e "$RUN_DIR_MARK" ]; then',
+            '  echo "error: run.dir $RUN_DIR on $(hostname) is not the one the first node wrote: put run.dir on'
+            ' a file system every node mounts (--set run.dir=PATH)" >&2',
+            "  exit 2",
+            "fi",
             f"exec {command}",
         ]
     )
@@ -259,6 +303,11 @@ def slurm_script(spec: EmitSpec) -> str:
         "# The same on every node, new for each (re)queued run of the job.",
         'export RDZV_ID="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
         *_slurm_job_secret(),
+        "# run.dir (job record, events, the group's timeline) is one place for every node: each node",
+        "# looks for this file before it starts (a node-local run.dir would not have it).",
+        f"export RUN_DIR={shlex.quote(spec.run_dir)}",
+        'export RUN_DIR_MARK="$RUN_DIR/.nodes-see-$RDZV_ID"',
+        'mkdir -p "$RUN_DIR" && : > "$RUN_DIR_MARK"',
         "",
         "# The RAM tier keeps its snapshots in /dev/shm, a tmpfs SLURM does not size: it is the node's",
         "# (by default half its RAM) and counts against the job's memory. Each node warns if its",
@@ -292,6 +341,7 @@ def _slurm_preemption(spec: EmitSpec) -> list[str]:
         "  woke=0",
         '  if wait "$step_pid"; then code=0; else status=$?; [ "$status" = 127 ] || code=$status; fi',
         "done",
+        'rm -f "$RUN_DIR_MARK"',
         'if [ "$preempted" = 1 ] && [ "$code" = 143 ]; then',
         '  echo "preempted: the last step is saved; requeueing job $SLURM_JOB_ID" >&2',
         '  scontrol requeue "$SLURM_JOB_ID"',
@@ -349,7 +399,8 @@ def _q(value: str) -> str:
 
 
 def _k8s_container(spec: EmitSpec, endpoint: str) -> list[str]:
-    command = node_command(spec, '"$JOB_COMPLETION_INDEX"', f'"{endpoint}"', '"$RDZV_ID"')
+    run_dir = ("--set", f"run.dir={RUN_MOUNT}/{spec.job_name}")  # on --run-volume, after the recipe's
+    command = node_command(spec, '"$JOB_COMPLETION_INDEX"', f'"{endpoint}"', '"$RDZV_ID"', run_dir)
     lines = [
         "            containers:",
         "            - name: trainer",
@@ -376,6 +427,8 @@ def _k8s_container(spec: EmitSpec, endpoint: str) -> list[str]:
         "              volumeMounts:",
         "              - name: dshm",
         "                mountPath: /dev/shm",
+        "              - name: runs",
+        f"                mountPath: {RUN_MOUNT}",
     ]
     gpus = [f"                  nvidia.com/gpu: {spec.gpus_per_node}"] if spec.gpus_per_node else []
     return lines + [
@@ -391,6 +444,7 @@ def _k8s_container(spec: EmitSpec, endpoint: str) -> list[str]:
 
 def k8s_manifest(spec: EmitSpec) -> str:
     """A JobSet of one Indexed Job with N pods, one ``resilient-train`` each, meeting on pod 0."""
+    check_k8s_run_volume(spec)
     name = spec.job_name
     endpoint = f"{name}-node-0-0.{name}:{spec.rdzv_port}"
     lines = [
@@ -432,6 +486,12 @@ def k8s_manifest(spec: EmitSpec) -> str:
         "              emptyDir:",
         "                medium: Memory",
         f"                sizeLimit: {spec.shm_size}",
+        "            - name: runs",
+        "              # run.dir (job record, events, the group's timeline) outlives a pod and is one place",
+        "              # for all of them: a ReadWriteMany claim (NFS, CephFS, a cloud file store).",
+        f"              # run.dir is {RUN_MOUNT}/{spec.job_name}, in place of the recipe's {spec.run_dir}.",
+        "              persistentVolumeClaim:",
+        f"                claimName: {spec.run_volume}",
         "",
     ]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import pytest
 
 from resilient.errors import ConfigError
 from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, wire
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,14 +70,6 @@ def secret_never_logged(caplog: pytest.LogCaptureFixture, secret: bytes):
 def _contains_secret(text: str, secret: bytes) -> bool:
     forms = (secret.hex(), secret.hex().upper(), repr(secret)[2:-1], secret.decode("latin-1"))
     return any(form in text for form in forms)
-
-
-def _wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def _raw_session(server: ReplicationServer, secret: bytes, rank: int = 7) -> tuple[wire.Session, int]:
@@ -139,7 +132,7 @@ def test_wrong_secret_is_refused_and_nothing_stored(server, secret, handler, cap
     assert "rank4/step-000000001" in str(info.value)
     assert handler.puts == []
     assert server.stored == 0
-    _wait_for(lambda: len(server.rejected) == 1)
+    wait_until(lambda: len(server.rejected) == 1)
     assert "proof of claimed rank 4 does not match the job secret" in server.rejected[0]
     assert any("refused" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     for text in [str(info.value), *server.rejected]:
@@ -188,7 +181,7 @@ def test_garbage_connection_is_refused_and_server_keeps_serving(server, secret, 
         assert raw.recv(wire.GREETING.size, socket.MSG_WAITALL)[:8] == wire.MAGIC
         raw.sendall(garbage)
         assert _closed_by_server(raw)
-    _wait_for(lambda: len(server.rejected) == 1)
+    wait_until(lambda: len(server.rejected) == 1)
     assert "handshake refused" in server.rejected[0]
     assert server.stored == 0 and handler.puts == []
     _assert_good_client_works(server, secret, handler)
@@ -200,7 +193,7 @@ def test_peer_that_stops_during_the_handshake_is_dropped_while_others_are_served
             raw.sendall(b"\0" * 10)  # part of a hello, then silence
             _assert_good_client_works(server, secret, handler)
             assert _closed_by_server(raw)
-        _wait_for(lambda: len(server.rejected) == 1)
+        wait_until(lambda: len(server.rejected) == 1)
         assert "timed out waiting for the client hello" in server.rejected[0]
         assert handler.puts == [(1, "rank1/step-000000001")]
         assert server.stored == 1
@@ -224,7 +217,7 @@ def test_tampered_message_is_refused_and_nothing_stored(server, secret, handler,
     session.sock.sendall(head + body + mac + (b"\0" if where == "prefix" else b""))
     with session.sock:
         assert _closed_by_server(session.sock)
-    _wait_for(lambda: len(server.rejected) == 1)
+    wait_until(lambda: len(server.rejected) == 1)
     assert "failed its MAC check" in server.rejected[0]
     assert "rank 7" in server.rejected[0]
     assert handler.puts == [] and server.stored == 0
@@ -242,14 +235,14 @@ def test_replayed_message_is_refused_on_the_same_and_a_new_connection(server, se
     session.sock.sendall(captured)  # same connection: the server now expects sequence number 1
     with session.sock:
         assert _closed_by_server(session.sock)
-    _wait_for(lambda: len(server.rejected) == 1)
+    wait_until(lambda: len(server.rejected) == 1)
     assert "message #1 failed its MAC check" in server.rejected[0]
 
     other, _ = _raw_session(server, secret)  # new connection: new nonces, so a new session key
     other.sock.sendall(captured)
     with other.sock:
         assert _closed_by_server(other.sock)
-    _wait_for(lambda: len(server.rejected) == 2)
+    wait_until(lambda: len(server.rejected) == 2)
     assert "message #0 failed its MAC check" in server.rejected[1]
     assert handler.puts == [(7, "rank7/step-000000005")]
     assert server.stored == 1
@@ -266,7 +259,7 @@ def test_declared_payload_over_max_is_refused_without_reading_it(secret, handler
         assert "declared payload of 1099511627776 bytes exceeds max_message_bytes=1024" in reply.meta["message"]
         with session.sock:
             assert _closed_by_server(session.sock)
-        _wait_for(lambda: len(server.rejected) == 1)
+        wait_until(lambda: len(server.rejected) == 1)
         assert "refused before reading it" in server.rejected[0]
         assert handler.puts == [] and server.stored == 0
 
@@ -306,7 +299,7 @@ def test_secret_appears_in_no_log_exception_or_repr(server, secret, handler, cap
     session.sock.sendall(head + bytes([body[0], body[1], body[2] ^ 0x07]) + mac)
     with session.sock:
         assert _closed_by_server(session.sock)
-    _wait_for(lambda: len(server.rejected) == 2)
+    wait_until(lambda: len(server.rejected) == 2)
     with ReplicationClient(secret, server.address, rank=9) as client:
         errors.append(repr(client))
     errors += [repr(server), *server.rejected]
@@ -337,7 +330,7 @@ def test_stalled_peer_is_dropped_after_timeout_while_others_are_served(secret, h
         with session.sock:
             session.sock.settimeout(20.0)
             assert _closed_by_server(session.sock)
-        _wait_for(lambda: len(server.rejected) == 1)
+        wait_until(lambda: len(server.rejected) == 1)
         assert "timed out waiting for a payload" in server.rejected[0]
         assert handler.puts == [(1, "rank1/step-000000001")]
         assert server.stored == 1

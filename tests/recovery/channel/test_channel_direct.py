@@ -14,7 +14,7 @@ import pytest
 
 from resilient.recovery.channel import ChannelError, ReplicationClient, ReplicationServer, wire
 from resilient.recovery.channel.handler import PutTarget
-from tests.recovery.channel.test_channel import _wait_for
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,7 +91,7 @@ def test_tampered_put_is_aborted_never_committed(secret):
         body[len(body) // 2] ^= 0x04  # a man in the middle, after the MAC
         with sock:
             sock.sendall(head + body + tag)
-            _wait_for(lambda: len(server.rejected) == 1)
+            wait_until(lambda: len(server.rejected) == 1)
         assert "failed its MAC check" in server.rejected[0]
     assert handler.aborted == ["rank5/step-000000001"]
     assert handler.committed == [] and server.stored == 0

@@ -44,8 +44,11 @@ def test_restore_from_own_store_and_from_buddy_after_node_loss(tmp_path, caplog,
     restored = run_world(workers.restore, 3, store_dir, persistent_step, timeout_s=90)
     assert [r["source"] for r in restored] == ["own", "buddy", "own"]
     assert all(r["sources"] == ["own", "buddy", "own"] for r in restored)  # every rank knows the mix
-    # Rank 1 received its buddy's copy into fresh memory, or straight into its state.
+    # Rank 1 received its buddy's copy into fresh memory, or straight into its state; either way
+    # checksummed as it landed, never in a pass of its own. Ranks 0 and 2 check their own snapshot
+    # where it lies (one pass), or as they copy it into the state.
     assert [r["fresh_memory"] for r in restored] == [0, 1 if persistent_step is None else 0, 0]
+    assert [r["crc_passes"] for r in restored] == ([1, 0, 1] if persistent_step is None else [0, 0, 0])
     for rank, r in enumerate(restored):
         assert r["step"] == 4 and r["w"] == rank * 1000 + 4 and r["b_equal"] and r["optim_step"] == 4.0
         assert r["train"] == {"step": 4, "rank": rank}

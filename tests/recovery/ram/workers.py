@@ -92,29 +92,39 @@ def take_snapshots(rank: int, world: int, store_dir: str, steps: list[int]) -> d
 
 
 def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) -> dict:
-    """A restarted rank: restore into an empty state; report the outcome and the values. A copy
-    fetched from a buddy lands in an anonymous mapping whatever its size (as snapshots of 8 MiB and
-    more do), so these small states test that path too."""
+    """A restarted rank: restore into an empty state; report the outcome, the values, the whole
+    snapshots that landed in fresh memory and the crc32c passes over a snapshot after it was all
+    there (``first_corruption``; a buddy's copy is checksummed as it lands instead). A copy fetched
+    from a buddy lands in an anonymous mapping whatever its size (as snapshots of 8 MiB and more
+    do), so these small states test that path too."""
     from resilient.recovery.channel import wire
+    from resilient.recovery.ram import restore as ram_restore
 
     wire.MAPPED_BUFFER_MIN_BYTES = 1
-    fresh = wire.fresh_buffer
+    fresh, check = wire.fresh_buffer, ram_restore.first_corruption
     state = empty_state()
     snapshot_bytes = layout_tensors(local_tensors(flatten_state(state)))[1]
-    snapshots_into_fresh_memory = []
+    snapshots_into_fresh_memory, crc_passes = [], []
 
     def counting(nbytes: int) -> bytearray | memoryview:
         if nbytes == snapshot_bytes:  # a whole snapshot, not a reply header
             snapshots_into_fresh_memory.append(nbytes)
         return fresh(nbytes)
 
-    wire.fresh_buffer = counting
+    def checking(index: SnapshotIndex, data: torch.Tensor) -> str | None:
+        crc_passes.append(index.step)
+        return check(index, data)
+
+    # The client's fresh memory (wire) and the decision's own (the name it imported).
+    wire.fresh_buffer = ram_restore.fresh_buffer = counting
+    ram_restore.first_corruption = checking
     ram = tier(rank, world, store_dir)
     outcome = ram.restore(state, persistent_step)
     ram.close()
     w = float(state["model"]["w"][0, 0])
     return {
         "fresh_memory": len(snapshots_into_fresh_memory),
+        "crc_passes": len(crc_passes),
         "step": outcome.step,
         "source": outcome.source,
         "sources": outcome.sources,
