@@ -265,13 +265,12 @@ def _preempt_stubs(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempted(tmp_path: Path) -> None:
-    spec = EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)
-    script = slurm_script(spec)
-    assert "#SBATCH --signal=B:USR1@170" in script  # grace + torchrun's and the launcher's margins + 30
+def _start_preemptible_sbatch(tmp_path: Path, script: str, *, job_id: str) -> tuple[subprocess.Popen, Path]:
+    """The batch script running under the preemption stubs, once its step has started (and the
+    log the stubs write), so that a test can signal it as SLURM would."""
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]"}
+    env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "n[1-2]"}
     job = subprocess.Popen(
         ["bash", str(path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -280,6 +279,14 @@ def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempt
         if log.exists() and "started" in log.read_text():
             break
         subprocess.run(["sleep", "0.1"], check=True)
+    return job, log
+
+
+def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempted(tmp_path: Path) -> None:
+    spec = EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)
+    script = slurm_script(spec)
+    assert "#SBATCH --signal=B:USR1@170" in script  # grace + torchrun's and the launcher's margins + 30
+    job, log = _start_preemptible_sbatch(tmp_path, script, job_id="77")
     job.send_signal(10)  # SIGUSR1, as SLURM sends it to the batch shell (B:)
     _, stderr = job.communicate(timeout=30)
     assert job.returncode == 143, stderr
@@ -289,17 +296,8 @@ def test_sbatch_asks_for_the_signal_ahead_of_the_limit_and_requeues_when_preempt
 
 def test_sbatch_passes_sigterm_on_to_the_step_and_waits_for_it(tmp_path: Path) -> None:
     # scancel, a preemption or the time limit: SLURM sends SIGTERM, then SIGKILL after KillWait.
-    path = tmp_path / "job.sbatch"
-    path.write_text(slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0)))
-    env = {**_preempt_stubs(tmp_path), "SLURM_JOB_ID": "79", "SLURM_JOB_NODELIST": "n[1-2]"}
-    job = subprocess.Popen(
-        ["bash", str(path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    log = tmp_path / "log"
-    for _ in range(100):
-        if log.exists() and "started" in log.read_text():
-            break
-        subprocess.run(["sleep", "0.1"], check=True)
+    script = slurm_script(EmitSpec(**SPEC, min_nodes=2, max_nodes=2, preempt_grace_s=100.0))
+    job, log = _start_preemptible_sbatch(tmp_path, script, job_id="79")
     job.send_signal(15)
     _, stderr = job.communicate(timeout=30)
     assert job.returncode == 143, stderr
