@@ -200,9 +200,7 @@ def _committed_now(store: ObjectStore, step: int, listing: StepListing, known: C
     return False
 
 
-def _committed_strays(
-    store: ObjectStore, step: int, young_s: float, known: CheckedSteps | None
-) -> list[str] | None:
+def _committed_strays(store: ObjectStore, step: int, young_s: float, known: CheckedSteps | None) -> list[str] | None:
     """The stray attempts of committed ``step`` to delete (None: its manifest is gone now);
     DamagedManifest if the manifest is unreadable. A step ``known`` settled with these very
     manifest bytes is not listed again."""
