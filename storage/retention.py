@@ -309,12 +309,15 @@ def apply_retention(
     """Plan and delete; ``known`` (the committing process's, ``retention_cache.checked_steps``)
     lets a pass skip the committed steps earlier passes settled, so a commit's retention costs a
     bounded number of requests however many steps are kept."""
-    if known is None:
+    # Another pass of this process on this root holds ``known``: look at every step, as without it.
+    if known is None or not known.lock.acquire(blocking=False):
         doomed = plan_retention(store, policy, young_s=young_s)
         delete_step_keys(store, doomed)
         return doomed
-    with known.lock:
+    try:
         doomed = plan_retention(store, policy, young_s=young_s, known=known)
         delete_step_keys(store, doomed)
         known.confirm({_step_of_key(key)[1] for key in doomed if "/" not in key})
+    finally:
+        known.lock.release()
     return doomed

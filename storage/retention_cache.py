@@ -46,8 +46,9 @@ class CheckedStep:
 class CheckedSteps:
     """One checkpoint root's committed steps as retention last saw them, in this process.
 
-    A pass (``apply_retention``) holds ``lock``: two Checkpointers of one process on one root take
-    turns. Entries it makes are staged and kept only once the pass's deletions all succeeded."""
+    A pass (``apply_retention``) holds ``lock``; a pass that finds it held (two Checkpointers of
+    one process on one root) looks at every step instead of waiting. Entries a pass makes are
+    staged and kept only once its deletions all succeeded."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from resilient import Checkpointer
-from resilient.manifest import MANIFEST, step_dir
+from resilient.manifest import MANIFEST, Manifest, step_dir
 from resilient.storage import retention_cache
+from resilient.storage.commit import commit_manifest
 from resilient.storage.objects import FileObjectStore, open_store
 from resilient.storage.retention import KeepLast, apply_retention, new_attempt, set_aside
 from resilient.storage.url import parse_url
@@ -197,3 +198,42 @@ def test_a_step_another_process_set_aside_is_asked_about_before_it_is_deleted(tm
             ckpt.save(step, _state(step)).wait()
             assert (tmp_path / step_dir(2) / in_flight).is_dir()
         assert ckpt.steps() == [4, 5]
+
+
+def _committed_root(tmp_path, steps: range):
+    store = open_store(parse_url(str(tmp_path)))
+    for step in steps:
+        attempt = new_attempt()
+        store.write(f"{step_dir(step)}/{attempt}/w/c/0", b"x")
+        commit_manifest(store, Manifest(step=step, attempt=attempt, world_size=1, arrays={}, values={}))
+    return store
+
+
+def test_a_pass_whose_deletes_failed_settles_nothing(tmp_path):
+    store = _committed_root(tmp_path, range(1, 4))
+    dead = _old_attempt()
+    store.write(f"{step_dir(2)}/{dead}/w/c/0", b"x")
+    known = retention_cache.CheckedSteps()
+
+    class FailingDeletes:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def delete_prefix(self, key: str) -> None:
+            raise OSError("injected: delete refused")
+
+    with pytest.raises(OSError, match="injected"):
+        apply_retention(FailingDeletes(), KeepLast(None), young_s=60.0, known=known)
+    assert len(known) == 0  # step 2 is not settled: its stray is still there
+    assert apply_retention(store, KeepLast(None), young_s=60.0, known=known) == [f"{step_dir(2)}/{dead}"]
+    assert len(known) == 3 and apply_retention(store, KeepLast(None), young_s=60.0, known=known) == []
+
+
+def test_a_pass_that_finds_another_pass_running_looks_at_every_step(tmp_path):
+    store = _committed_root(tmp_path, range(1, 4))
+    known = retention_cache.CheckedSteps()
+    apply_retention(store, KeepLast(None), young_s=60.0, known=known)
+    dead = _old_attempt()
+    store.write(f"{step_dir(1)}/{dead}/w/c/0", b"x")
+    with known.lock:  # another Checkpointer of this process is in its pass: no wait, no skipping
+        assert apply_retention(store, KeepLast(None), young_s=60.0, known=known) == [f"{step_dir(1)}/{dead}"]
