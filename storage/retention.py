@@ -64,10 +64,11 @@ class DamagedManifest(Exception):
 
 _ATTEMPT_OF: dict[tuple[str, int, bytes], str] = {}
 """Attempt named by manifest bytes already parsed, by (root, step, BLAKE2b of those bytes): a
-committed manifest never changes, and every commit re-reads the kept steps' manifests, whose
-``json.loads`` was a visible share of a many-tensor save (benchmarks/README.md, "Choices in the
-code"). Bytes that differ (damaged, rewritten) miss; a cryptographic digest, not a crc, so no
-crafted or chance collision names another attempt."""
+committed manifest never changes, and a commit re-reads the manifests ``keep_last`` counts and
+those of steps not yet settled (``retention_cache``), whose ``json.loads`` was a visible share of
+a many-tensor save (benchmarks/README.md, "Choices in the code"). Bytes that differ (damaged,
+rewritten) miss; a cryptographic digest, not a crc, so no crafted or chance collision names
+another attempt."""
 _ATTEMPT_CACHE_MAX = 1024
 
 
