@@ -10,6 +10,9 @@ Two cases, each in ONE run with both implementations alternating:
 - ``s3``: one process, ``--small-tensors`` tensors of ``--small-kib`` KiB, saved to and loaded from a
   loopback S3 endpoint (moto) by us and by DCP through AWS's plugin (``s3torchconnector``'s
   ``S3StorageWriter``/``S3StorageReader``, path-style addressing); objects counted by listing.
+
+Each case ends with retention's requests per commit at 20 and 100 kept steps, on the disk and on
+the same moto server (``bench_retention.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench_common import alternate, emit, ratio_line, result_line, run_world, timed, timed_save_resilient
+from bench_retention import run_retention
 
 log = logging.getLogger("ckpt_bench.packed")
 MATRIX = (512, 256)
+RETENTION_KEPT, RETENTION_COMMITS = [20, 100], 5  # kept steps before a measured commit; commits measured
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,6 +141,7 @@ def run_objects(cfg: PackedConfig) -> None:
         )
         if rounds:
             _emit_times(result, cfg.world, count)
+    run_retention(RETENTION_KEPT, RETENTION_COMMITS, s3=False)  # requests, not files: a few seconds
 
 
 def _emit_times(result: dict, world: int, count: int) -> None:
@@ -227,6 +233,7 @@ def run_s3_small(cfg: S3SmallConfig) -> None:
         started = time.perf_counter()
         result = run_world(s3_small_world, 1, cfg, process_group=False)[0]
         log.info("s3 small case: %.1f s", time.perf_counter() - started)
+        run_retention(RETENTION_KEPT, RETENTION_COMMITS, s3=True)
     for impl, n in result["counts"].items():
         emit({"bench": "objects_per_step_s3", "impl": impl, "tensors": cfg.tensors, "world": 1, "objects": n})
     lines = {}

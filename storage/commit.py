@@ -51,6 +51,7 @@ from resilient.storage.gcpause import gc_paused
 from resilient.storage.objects import ObjectStore, write_advisory
 from resilient.storage.pack import PACK_MAX_BYTES
 from resilient.storage.retention import KeepLast, apply_retention, remember_committed
+from resilient.storage.retention_cache import checked_steps
 from resilient.storage.s3 import COMMIT_WRITE_BOUND_S
 from resilient.storage.shardfile import chunk_key
 
@@ -377,7 +378,8 @@ def _commit(job: PersistJob, store: ObjectStore, own: dict | None = None) -> Non
         # Another replica group may be persisting this very step (both restored it): its attempt,
         # younger than a commit can take, is left alone.
         young_s = job.commit_timeout_s + decision_grace_s(job.commit_timeout_s, store.location.scheme)
-        apply_retention(store, KeepLast(job.keep_last), young_s=young_s)
+        known = checked_steps(store.location.url)  # what earlier commits of this process found
+        apply_retention(store, KeepLast(job.keep_last), young_s=young_s, known=known)
     except Exception as e:  # noqa: BLE001 - the step is committed: cleanup is retried after the next commit and never decides the save
         log.warning("[rank 0] retention after step %d failed: %s", job.step, e)
 

@@ -8,7 +8,6 @@ simply uncommitted), and never touches the newest committed step or anything new
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import secrets
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from resilient.errors import ConfigError
 from resilient.manifest import LATEST, MANIFEST, parse_step_dir, step_dir
 from resilient.storage.objects import ObjectStore
+from resilient.storage.retention_cache import CheckedSteps, forget_step, manifest_digest
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,20 @@ class KeepLast:
 class StepListing:
     committed: list[int] = field(default_factory=list)
     uncommitted: list[int] = field(default_factory=list)  # a step dir with no manifest
+    presumed: set[int] = field(default_factory=set)  # taken as committed from ``known``, not asked
 
 
-def list_steps(store: ObjectStore) -> StepListing:
+def list_steps(store: ObjectStore, known: CheckedSteps | None = None) -> StepListing:
+    """The step directories under the root, committed or not (a manifest each, asked of the store
+    except for the steps ``known`` checked before: retention reads or verifies those itself)."""
     listing = StepListing()
     for name in store.list_children(""):
         step = parse_step_dir(name)
         if step is None:
+            continue
+        if known is not None and known.presumes_committed(step):
+            listing.presumed.add(step)
+            listing.committed.append(step)
             continue
         (listing.committed if store.exists(f"{name}/{MANIFEST}") else listing.uncommitted).append(step)
     listing.committed.sort()
@@ -57,15 +64,16 @@ class DamagedManifest(Exception):
 
 _ATTEMPT_OF: dict[tuple[str, int, bytes], str] = {}
 """Attempt named by manifest bytes already parsed, by (root, step, BLAKE2b of those bytes): a
-committed manifest never changes, and every commit re-reads the kept steps' manifests, whose
-``json.loads`` was a visible share of a many-tensor save (benchmarks/README.md, "Choices in the
-code"). Bytes that differ (damaged, rewritten) miss; a cryptographic digest, not a crc, so no
-crafted or chance collision names another attempt."""
+committed manifest never changes, and a commit re-reads the manifests ``keep_last`` counts and
+those of steps not yet settled (``retention_cache``), whose ``json.loads`` was a visible share of
+a many-tensor save (benchmarks/README.md, "Choices in the code"). Bytes that differ (damaged,
+rewritten) miss; a cryptographic digest, not a crc, so no crafted or chance collision names
+another attempt."""
 _ATTEMPT_CACHE_MAX = 1024
 
 
 def _attempt_key(store: ObjectStore, step: int, data: bytes) -> tuple[str, int, bytes]:
-    return (store.location.url, step, hashlib.blake2b(data, digest_size=32).digest())
+    return (store.location.url, step, manifest_digest(data))
 
 
 def _remember(key: tuple[str, int, bytes], attempt: str) -> None:
@@ -84,8 +92,10 @@ def remember_committed(store: ObjectStore, step: int, data: bytes, attempt: str)
 def committed_attempt(store: ObjectStore, step: int) -> str | None:
     """The attempt the step's manifest names (None: no manifest); DamagedManifest if unreadable."""
     data = store.read(f"{step_dir(step)}/{MANIFEST}")
-    if data is None:
-        return None
+    return None if data is None else _attempt_of(store, step, data)
+
+
+def _attempt_of(store: ObjectStore, step: int, data: bytes) -> str:
     key = _attempt_key(store, step, data)
     cached = _ATTEMPT_OF.get(key)
     if cached is not None:
@@ -131,7 +141,12 @@ def _in_flight(name: str, young_s: float) -> bool:
 
 
 def plan_retention(
-    store: ObjectStore, policy: KeepLast, damaged: list[int] | None = None, *, young_s: float = 0.0
+    store: ObjectStore,
+    policy: KeepLast,
+    damaged: list[int] | None = None,
+    *,
+    young_s: float = 0.0,
+    known: CheckedSteps | None = None,
 ) -> list[str]:
     """Keys (relative to the root) that retention would delete: whole steps oldest first, then
     the stray attempts of kept steps.
@@ -141,8 +156,11 @@ def plan_retention(
     restore falls back to, and one bad old step never makes retention (and with it every later
     commit) fail. Which attempt of a damaged step is real cannot be known: its attempts stay.
     Attempts younger than ``young_s`` that no manifest names (another writer's save in flight)
-    stay too, and so does an uncommitted step that holds one."""
-    listing = list_steps(store)
+    stay too, and so does an uncommitted step that holds one. ``known``: what earlier passes of
+    this process found, to skip the steps they settled (``retention_cache``); it never adds a key."""
+    listing = list_steps(store, known)
+    if known is not None:
+        known.begin_pass(listing.committed + listing.uncommitted)
     if not listing.committed:
         return []
     newest = listing.committed[-1]
@@ -150,28 +168,68 @@ def plan_retention(
     good = 0
     for step in reversed(listing.committed):  # the newest is always kept
         if policy.n is not None and good >= policy.n:
-            doomed.append(step_dir(step))
+            if _committed_now(store, step, listing, known):
+                doomed.append(step_dir(step))
             continue
+        if known is not None and policy.n is None and known.skips(step):
+            continue  # settled, and nothing to count: looked at again in its turn
         try:
-            attempt = committed_attempt(store, step)
+            strays = _committed_strays(store, step, young_s, known)
         except DamagedManifest as e:
             log.warning("retention skips step %d, its manifest is damaged (%s); run resilient-ckpt verify", step, e)
             if damaged is not None:
                 damaged.append(step)
             continue
-        if attempt is None:  # the manifest went away after listing (set aside): not a step that loads
+        if strays is None:  # the manifest went away after listing (set aside): not a step that loads
             continue
         good += 1
-        keep = {attempt, _set_aside_attempt(store, step)}  # a damaged step's data stays for inspection
-        for name in store.list_children(step_dir(step)):
-            if name.startswith("attempt-") and name not in keep and not _in_flight(name, young_s):
-                doomed.append(f"{step_dir(step)}/{name}")
+        doomed += strays
     kept = [step for step in listing.committed if step_dir(step) not in doomed]
+    doomed += _uncommitted_doomed(store, listing, newest, kept[0], young_s)
+    return sorted(doomed, key=_step_of_key)
+
+
+def _committed_now(store: ObjectStore, step: int, listing: StepListing, known: CheckedSteps | None) -> bool:
+    """Whether a step about to be deleted as committed is: one the listing took from ``known`` is
+    asked first (its manifest may have been moved away since; it is then left for the next pass)."""
+    if step not in listing.presumed:
+        return True
+    if store.exists(f"{step_dir(step)}/{MANIFEST}"):
+        return True
+    if known is not None:
+        known.forget(step)
+    return False
+
+
+def _committed_strays(store: ObjectStore, step: int, young_s: float, known: CheckedSteps | None) -> list[str] | None:
+    """The stray attempts of committed ``step`` to delete (None: its manifest is gone now);
+    DamagedManifest if the manifest is unreadable. A step ``known`` settled with these very
+    manifest bytes is not listed again."""
+    data = store.read(f"{step_dir(step)}/{MANIFEST}")
+    if data is None:
+        if known is not None:
+            known.forget(step)
+        return None
+    digest = manifest_digest(data)
+    if known is not None and known.settled_for(step, digest):
+        return []
+    keep = {_attempt_of(store, step, data), _set_aside_attempt(store, step)}  # a damaged step's data stays
+    attempts = [n for n in store.list_children(step_dir(step)) if n.startswith("attempt-") and n not in keep]
+    strays = [name for name in attempts if not _in_flight(name, young_s)]
+    if known is not None:  # settled once the strays are gone, unless another writer's save is in flight
+        known.stage(step, digest, settled=len(strays) == len(attempts))
+    return [f"{step_dir(step)}/{name}" for name in strays]
+
+
+def _uncommitted_doomed(
+    store: ObjectStore, listing: StepListing, newest: int, oldest_kept: int, young_s: float
+) -> list[str]:
+    doomed: list[str] = []
     for step in listing.uncommitted:
         if step >= newest:
             continue  # a newer uncommitted step may be a save still in flight
         aside = _set_aside_attempt(store, step)
-        if aside is not None and step > kept[0]:
+        if aside is not None and step > oldest_kept:
             continue  # set aside by a restore that fell back past it: kept for inspection, as a step is
         names = [n for n in store.list_children(step_dir(step)) if n != aside] if young_s > 0 else []
         if any(_in_flight(name, young_s) for name in names):
@@ -180,7 +238,7 @@ def plan_retention(
             doomed += [f"{step_dir(step)}/{n}" for n in stale]
         else:
             doomed.append(step_dir(step))
-    return sorted(doomed, key=_step_of_key)
+    return doomed
 
 
 def _set_aside_attempt(store: ObjectStore, step: int) -> str | None:
@@ -217,6 +275,7 @@ def set_aside(store: ObjectStore, step: int, damaged: bytes) -> bool:
         store.delete_prefix(copy)  # the step is committed afresh: nothing set aside
         return False
     store.delete_prefix(key)
+    forget_step(store.location.url, step)
     _point_latest_below(store, step)
     return True
 
@@ -245,7 +304,21 @@ def delete_step_keys(store: ObjectStore, keys: list[str]) -> None:
         log.info("retention deleted %s/%s", store.location.url, key)
 
 
-def apply_retention(store: ObjectStore, policy: KeepLast, *, young_s: float = 0.0) -> list[str]:
-    doomed = plan_retention(store, policy, young_s=young_s)
-    delete_step_keys(store, doomed)
+def apply_retention(
+    store: ObjectStore, policy: KeepLast, *, young_s: float = 0.0, known: CheckedSteps | None = None
+) -> list[str]:
+    """Plan and delete; ``known`` (the committing process's, ``retention_cache.checked_steps``)
+    lets a pass skip the committed steps earlier passes settled, so a commit's retention costs a
+    bounded number of requests however many steps are kept."""
+    # Another pass of this process on this root holds ``known``: look at every step, as without it.
+    if known is None or not known.lock.acquire(blocking=False):
+        doomed = plan_retention(store, policy, young_s=young_s)
+        delete_step_keys(store, doomed)
+        return doomed
+    try:
+        doomed = plan_retention(store, policy, young_s=young_s, known=known)
+        delete_step_keys(store, doomed)
+        known.confirm({_step_of_key(key)[1] for key in doomed if "/" not in key})
+    finally:
+        known.lock.release()
     return doomed
