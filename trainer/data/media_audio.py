@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterable
 from fractions import Fraction
 
 import av
@@ -33,9 +34,9 @@ from resilient.trainer.data.media_stream import (
     MediaError,
     check_complete,
     declared_duration,
-    decoded_frames,
     only_stream,
     packet_budget,
+    packets,
     seek_pts,
     timeline_origin,
 )
@@ -62,6 +63,8 @@ RESAMPLE_CHUNK = 1 << 15
 # no clip decodes worse than before; "MQ" saves little and is less accurate at 44.1 kHz, "LQ" rolls
 # off earlier (figures and commands: benchmarks/README.md, AAC third pass).
 RESAMPLE_QUALITY = "HQ"
+# A timestamp no frame has (a frame's pts is an int or None).
+_NO_PTS = object()
 
 
 def native_span(start_s: float, duration_s: float | None, native_rate: int, sample_rate: int) -> tuple[int, int | None]:
@@ -224,13 +227,11 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
         timeline = _AudioTimeline(
             origin=origin, rate=native_rate, first=first, cap=declared_end if last is None else last, out=converter
         )
-        for frame in decoded_frames(container, stream, packet_budget(data)):
-            if frame.pts is None:
-                raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
-            timeline.add(frame)
-            if last is not None and timeline.end >= last:
-                break
-        else:  # decoded to the end of the file: it must be as long as its header says
+        # One list of frames per packet, decoded by the codec context itself (packet.decode() goes
+        # through two more Python-level calls per packet).
+        decoded = map(stream.codec_context.decode, packets(container, stream, packet_budget(data)))
+        if not timeline.lay(decoded, stop=last, ext=ext):
+            # decoded to the end of the file: it must be as long as its header says
             check_complete(ext, declared_s, timeline.end / native_rate)
             if last is None and declared_end is not None:
                 last = min(timeline.end, declared_end)
@@ -274,40 +275,82 @@ class _AudioTimeline:
         self.fed = first  # the next native index to feed: everything before it is fed or dropped
         self.end = 0  # past the furthest decoded sample
         self._fifo = av.AudioFifo()
+        self._channels = 0  # of the frames the FIFO takes (0: none yet)
+        # None while the frames are float planes at the native rate (AAC, MP3, Vorbis and Opus
+        # decode to those): they go to the FIFO as decoded. Else it converts them to that (no rate
+        # change, so no filter delay; no layout change: channels are averaged as the wav/flac path
+        # averages them).
+        self._to_float: av.AudioResampler | None = None
         self._head: int | None = None  # native index of the FIFO's first sample
         self._tail = 0  # native index past the FIFO's last sample
         self._gap = self._GAP_S * rate
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
-        self._next_pts: int | None = None  # the pts of a frame that would follow the last one exactly
-        # Converts any sample format to float planes at the native rate (no rate change, so no filter
-        # delay, and no layout change: channels are averaged like the wav/flac path does). AAC, MP3
-        # and Vorbis decode to float planes already, and then it hands the frame back untouched.
-        self._to_float = av.AudioResampler(format="fltp", rate=rate)
+        self._next_pts: object = _NO_PTS  # the pts of a frame that would follow the last one exactly
 
-    def add(self, frame: av.AudioFrame) -> None:
-        # Runs once per 21 ms AAC frame: locals instead of repeated attribute lookups.
-        pts, tail, fifo = frame.pts, self._tail, self._fifo
-        if pts != self._next_pts:  # (a frame that follows the last one exactly continues the run)
-            tick = self._tick
-            if tick is None:
-                tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
-            # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
-            stamped = round((pts * tick[0] / tick[1] - self.origin) * self.rate)
-            if self._head is None or abs(stamped - tail) > self._gap:
-                self._drain(whole=True)
-                self._head = tail = stamped
-        start = tail
-        for converted in self._to_float.resample(frame):
-            converted.pts = None  # the FIFO would check it against a count from 0; placement is done here
-            fifo.write(converted)
-            tail += converted.samples
-        self._tail = tail
-        if self._tick == (1, self.rate):  # pts counts samples: the next frame's pts if it follows on
-            self._next_pts = pts + tail - start
-        if tail > self.end:
-            self.end = tail
-        if fifo.samples >= RESAMPLE_CHUNK:
-            self._drain(whole=False)
+    def lay(self, decoded: Iterable[list[av.AudioFrame]], *, stop: int | None = None, ext: str = "") -> bool:
+        """Lays the frames of ``decoded`` (one list per packet, as a decoder returns them) on the
+        timeline and feeds on every chunk they complete, until the timeline reaches native index
+        ``stop``: True if it did, False if the frames ran out first. A frame without a timestamp is
+        an error (``ext`` names the file's kind in it)."""
+        # The loop runs once per 21 ms AAC frame, and its Python is most of what such a frame costs
+        # after the decoder: every name it touches is a local, and a frame that follows the previous
+        # one exactly (its pts is the previous pts plus its samples, with the same channels: mp4,
+        # where the time base is 1 / rate) skips placement.
+        stop = math.inf if stop is None else stop
+        fifo, to_float, channels, next_pts = self._fifo, self._to_float, self._channels, self._next_pts
+        counts_samples, end, tail = self._tick == (1, self.rate), self.end, self._tail
+        for frames in decoded:
+            for frame in frames:
+                pts = frame.pts
+                if pts != next_pts or frame.layout.nb_channels != channels:
+                    if pts is None:
+                        raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
+                    self._tail, self.end = tail, end
+                    tail = self._place(frame)
+                    fifo, to_float, channels = self._fifo, self._to_float, self._channels
+                    counts_samples = self._tick == (1, self.rate)
+                start = tail
+                if to_float is None:
+                    frame.pts = None  # the FIFO would check it against a count from 0; placement is done here
+                    fifo.write(frame)
+                    tail += frame.samples
+                else:
+                    for converted in to_float.resample(frame):
+                        converted.pts = None
+                        fifo.write(converted)
+                        tail += converted.samples
+                next_pts = pts + tail - start if counts_samples else _NO_PTS
+                if tail > end:
+                    end = tail
+                if fifo.samples >= RESAMPLE_CHUNK:
+                    self._drain(whole=False)
+                if end >= stop:
+                    break
+            else:
+                continue
+            break
+        self._tail, self.end, self._next_pts = tail, end, next_pts
+        return end >= stop
+
+    def _place(self, frame: av.AudioFrame) -> int:
+        """Where a frame that does not follow the previous one exactly starts: at the end of the run
+        if its timestamp is within _GAP_S of it, else at its timestamp, starting a new run (what the
+        FIFO holds of the old one is fed on first). A frame with other channels than the FIFO's
+        gets a FIFO of its own, after the old one is fed on."""
+        tick = self._tick
+        if tick is None:
+            tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
+        # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
+        stamped = round((frame.pts * tick[0] / tick[1] - self.origin) * self.rate)
+        if self._head is None or abs(stamped - self._tail) > self._gap:
+            self._drain(whole=True)
+            self._head = self._tail = stamped
+        if frame.layout.nb_channels != self._channels:
+            self._drain(whole=True)
+            self._fifo, self._channels = av.AudioFifo(), frame.layout.nb_channels
+            float_planes = frame.format.name == "fltp" and frame.sample_rate == self.rate
+            self._to_float = None if float_planes else av.AudioResampler(format="fltp", rate=self.rate)
+        return self._tail
 
     def finish(self, last: int) -> np.ndarray:
         """Native samples [first, min(last, fed)) at the converter's rate, holes fed as zeros. What

@@ -48,15 +48,6 @@ def packets(container: av.container.InputContainer, stream: av.stream.Stream, bu
         yield packet
 
 
-def decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
-    """Decoded frames of one stream, at most ``budget`` packets' worth. (``packets`` written out
-    again: this runs once per 21 ms AAC frame, where one more generator level is measurable.)"""
-    for count, packet in enumerate(container.demux(stream)):
-        if count >= budget:
-            raise MediaError(f"gave up after {budget} packets: the stream does not end")
-        yield from packet.decode()
-
-
 def timeline_origin(container: av.container.InputContainer) -> float:
     """Seconds of the file's first presented instant, which becomes time 0. MP3 reports its first
     frame at the encoder+decoder delay (~25 ms) after skipping those samples; AAC in mp4 reports 0

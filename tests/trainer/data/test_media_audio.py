@@ -227,8 +227,7 @@ def test_timeline_lays_frames_by_their_timestamps(
     recorder = _Recorder()
     timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=first, cap=cap, out=recorder)
     for position, planes in runs:
-        for frame in _frames(planes, rate, position):
-            timeline.add(frame)
+        assert not timeline.lay([frame] for frame in _frames(planes, rate, position))
     assert timeline.end == max(position + length for position in positions)
     joined = timeline.finish(last)
     assert joined.dtype == np.float32
@@ -240,6 +239,37 @@ def test_timeline_lays_frames_by_their_timestamps(
     if length > media_audio.RESAMPLE_CHUNK:
         decoded = [len(piece) for piece in recorder.pieces if np.any(piece)]
         assert len(decoded) >= 4 and max(decoded) <= media_audio.RESAMPLE_CHUNK
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)])
+def test_timeline_follows_a_change_of_channels_and_sample_format(order: tuple[int, int]) -> None:
+    """Frames go to the FIFO as decoded while they are float planes at the native rate; a stream
+    whose channel count changes mid-run (a new channel configuration) is mixed per frame all the
+    same, and frames in another sample format (s16, as PCM and FLAC decode) are converted first."""
+    rate, length = 48000, 5000
+    rng = np.random.default_rng(7)
+    runs = [rng.uniform(-1, 1, (channels, length)).astype(np.float32) for channels in order]
+    recorder = _Recorder()
+    timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=0, cap=None, out=recorder)
+    assert not timeline.lay([frame] for frame in _frames(runs[0], rate, 0))
+    assert not timeline.lay([frame] for frame in _frames(runs[1], rate, length))
+    expected = np.concatenate([_laid([(0, planes)], 0, length, None) for planes in runs])
+    assert np.array_equal(timeline.finish(2 * length), expected)
+
+    quantized = np.round(runs[1] * 32767).astype(np.int16)
+    s16 = []
+    for begin in range(0, length, 1024):
+        piece = np.ascontiguousarray(quantized[:, begin : begin + 1024].T.reshape(1, -1))
+        frame = av.AudioFrame.from_ndarray(piece, "s16", "mono" if order[1] == 1 else "stereo")
+        frame.sample_rate, frame.pts, frame.time_base = rate, begin, Fraction(1, rate)
+        s16.append(frame)
+    recorder = _Recorder()
+    timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=0, cap=None, out=recorder)
+    assert timeline.lay([frame] for frame in s16[:3]) is False and timeline.lay([s16[3:]], stop=3073) is True
+    assert timeline.end == 4096  # it stops after the frame that reaches stop
+    planes = quantized[:, :4096].astype(np.float32) / np.float32(32768)
+    assert np.array_equal(timeline.finish(4096), _laid([(0, planes)], 0, 4096, None))
 
 
 @pytest.mark.timeout(60)
