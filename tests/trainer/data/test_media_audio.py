@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import struct
 import subprocess
 import sys
 from fractions import Fraction
@@ -284,7 +285,8 @@ def test_probe_options_leave_the_audio_as_a_plain_open_decodes_it(container: str
     def decoded(options: dict[str, str]) -> tuple:
         with av.open(io.BytesIO(data), options=options) as c:
             stream = c.streams.audio[0]
-            params = (stream.codec_context.sample_rate, stream.codec_context.format.name, stream.duration)
+            sample_format = stream.codec_context.format
+            params = (stream.codec_context.sample_rate, sample_format and sample_format.name, stream.duration)
             frames = [(f.pts, f.to_ndarray()) for f in c.decode(stream)]
         return params, [pts for pts, _ in frames], np.concatenate([a for _, a in frames], axis=1)
 
@@ -292,3 +294,29 @@ def test_probe_options_leave_the_audio_as_a_plain_open_decodes_it(container: str
     assert plain[:2] == probed[:2]
     assert len(plain[1]) > 80
     assert np.array_equal(plain[2], probed[2])
+    # Without probe decoders the headers give the same rate and length (the sample format is left
+    # to the decoder), and the decoder the same frames.
+    headers = decoded(media_audio.PROBE_HEADERS_ONLY)
+    assert headers[0] == (plain[0][0], None, plain[0][2]) and headers[1] == plain[1]
+    assert np.array_equal(plain[2], headers[2])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["header_rate_differs", "raw_adts"])
+def test_an_open_whose_headers_disagree_with_the_decoder_is_probed_again(case: str) -> None:
+    """The first open lets no probe decoder run (PROBE_HEADERS_ONLY). Where the headers' rate is not
+    the decoder's (HE-AAC signalled implicitly; here a Matroska header rewritten to half the rate)
+    or there is none (raw ADTS), the decode is that of the probed open, bit for bit."""
+    if case == "raw_adts":
+        ext, data = "aac", samples.encode_av(container="adts", audio=samples.chirp(2.0, 44100), sample_rate=44100)
+    else:
+        ext, written = "mkv", samples.encode_av(container="matroska", audio=samples.chirp(2.0, 48000))
+        sampling_frequency = b"\xb5\x88" + struct.pack(">d", 48000.0)  # EBML element, an 8-byte float
+        assert written.count(sampling_frequency) == 1
+        data = written.replace(sampling_frequency, b"\xb5\x88" + struct.pack(">d", 24000.0))
+    with av.open(io.BytesIO(data), options=media_audio.PROBE_HEADERS_ONLY) as c:
+        assert c.streams.audio[0].codec_context.sample_rate == (0 if case == "raw_adts" else 24000)
+    for start_s, duration_s in [(0.0, None), (0.7, 0.5)]:
+        probed = media_audio._decode_audio_av(data, ext, start_s, duration_s, 16000, media_audio.PROBE_AUDIO_ONLY)
+        assert len(probed) > 7000
+        assert np.array_equal(decode_audio(data, ext, start_s=start_s, duration_s=duration_s), probed)
