@@ -33,11 +33,11 @@ import soxr
 
 from resilient.trainer.data.media_stream import (
     MediaError,
+    bounded_packets,
     check_complete,
     declared_duration,
     only_stream,
     packet_budget,
-    packets,
     seek_pts,
     timeline_origin,
 )
@@ -280,10 +280,12 @@ def _decode_audio_av(
         timeline = _AudioTimeline(origin=origin, rate=native_rate, first=first, cap=cap, out=converter)
         # One list of frames per packet, decoded by the codec context itself (packet.decode() goes
         # through two more Python-level calls per packet).
-        decoded = map(stream.codec_context.decode, packets(container, stream, packet_budget(data)))
+        demuxed, check_ended = bounded_packets(container, stream, packet_budget(data))
+        decoded = map(stream.codec_context.decode, demuxed)
         if probe is PROBE_HEADERS_ONLY:
             decoded = _as_headers_say(decoded, native_rate, channels)
         if not timeline.lay(decoded, stop=last, ext=ext):
+            check_ended()
             # decoded to the end of the file: it must be as long as its header says
             check_complete(ext, declared_s, timeline.end / native_rate)
             if last is None and declared_end is not None:

@@ -273,6 +273,25 @@ def test_timeline_follows_a_change_of_channels_and_sample_format(order: tuple[in
     assert np.array_equal(timeline.finish(4096), _laid([(0, planes)], 0, 4096, None))
 
 
+@pytest.mark.timeout(30)
+def test_a_stream_with_more_packets_than_its_budget_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode stops with MediaError once a stream yields more packets than its budget (a broken
+    file that keeps yielding), counted as the demuxer yields them, flush packets included; one that
+    has exactly its budget decodes, and so does a window that ends within it."""
+    data = samples.encode_av(container="mp4", audio=samples.chirp(1.0, 48000), sample_rate=48000)
+    with av.open(io.BytesIO(data)) as c:
+        count = sum(1 for _ in c.demux(c.streams.audio[0]))
+    assert count > 40
+    whole, window = decode_audio(data, "m4a"), decode_audio(data, "m4a", duration_s=0.4)
+    monkeypatch.setattr(media_audio, "packet_budget", lambda data: count)
+    assert np.array_equal(decode_audio(data, "m4a"), whole)
+    monkeypatch.setattr(media_audio, "packet_budget", lambda data: count - 1)
+    with pytest.raises(MediaError, match=f"gave up after {count - 1} packets: the stream does not end"):
+        decode_audio(data, "m4a")
+    monkeypatch.setattr(media_audio, "packet_budget", lambda data: 30)  # 30 AAC frames: 0.64 s
+    assert np.array_equal(decode_audio(data, "m4a", duration_s=0.4), window)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("container", ["mp4", "matroska"])
 def test_probe_options_leave_the_audio_as_a_plain_open_decodes_it(container: str) -> None:
