@@ -65,6 +65,9 @@ PROBE_HEADERS_ONLY = {**PROBE_AUDIO_ONLY, "codec_whitelist": "none"}
 # input is cut (tests hold it), and pieces of this size keep its work in cache while decoding goes
 # on (larger ones cost more per sample; benchmarks/README.md, data_bench).
 RESAMPLE_CHUNK = 1 << 15
+# The FIFO is fed on once it holds this many samples, all of it: with the next frame it then stays
+# within RESAMPLE_CHUNK, where its buffer stops growing (FFmpeg doubles it when full).
+_DRAIN_AT = RESAMPLE_CHUNK - 4096
 # libsoxr's "HQ" recipe (its default): flat further up the band and far more rejection of what lies
 # above the output's Nyquist frequency than libswresample's default filter (the one it replaced), so
 # no clip decodes worse than before; "MQ" saves little and is less accurate at 44.1 kHz, "LQ" rolls
@@ -390,8 +393,8 @@ class _AudioTimeline:
                 next_pts = pts + tail - start if counts_samples else _NO_PTS
                 if tail > end:
                     end = tail
-                if fifo.samples >= RESAMPLE_CHUNK:
-                    self._drain(whole=False)
+                if fifo.samples >= _DRAIN_AT:
+                    self._drain()
                 if end >= stop:
                     break
             else:
@@ -411,10 +414,10 @@ class _AudioTimeline:
         # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
         stamped = round((frame.pts * tick[0] / tick[1] - self.origin) * self.rate)
         if self._head is None or abs(stamped - self._tail) > self._gap:
-            self._drain(whole=True)
+            self._drain()
             self._head = self._tail = stamped
         if frame.layout.nb_channels != self._channels:
-            self._drain(whole=True)
+            self._drain()
             self._fifo, self._channels = av.AudioFifo(), frame.layout.nb_channels
             float_planes = frame.format.name == "fltp" and frame.sample_rate == self.rate
             self._to_float = None if float_planes else av.AudioResampler(format="fltp", rate=self.rate)
@@ -426,12 +429,12 @@ class _AudioTimeline:
         zero-fills it: through the resampler, silence would come back as its rounding noise
         (libsoxr convolves by FFT: not exact zeros where the input is all zeros), not as silence."""
         self.cap = last if self.cap is None else min(self.cap, last)
-        self._drain(whole=True)
+        self._drain()
         return self.out.result()
 
-    def _drain(self, *, whole: bool) -> None:
-        """Feeds the FIFO's samples on, a chunk at a time: all of them, or whole chunks only."""
-        while self._fifo.samples >= (1 if whole else RESAMPLE_CHUNK):
+    def _drain(self) -> None:
+        """Feeds all of the FIFO's samples on, at most RESAMPLE_CHUNK at a time."""
+        while self._fifo.samples:
             frame = self._fifo.read(min(RESAMPLE_CHUNK, self._fifo.samples))
             lo = self._head
             self._head += frame.samples
