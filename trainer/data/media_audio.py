@@ -20,8 +20,10 @@ a frame (~21 ms of AAC at 48 kHz).
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import re
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
 
 import av
@@ -31,9 +33,9 @@ import soxr
 
 from resilient.trainer.data.media_stream import (
     MediaError,
+    bounded_packets,
     check_complete,
     declared_duration,
-    decoded_frames,
     only_stream,
     packet_budget,
     seek_pts,
@@ -53,15 +55,28 @@ _RESAMPLE_MARGIN_S = 0.01
 # only those probe decoders (not the one that decodes the audio): video decoders then skip every
 # frame, audio decoders do not look at skip_frame.
 PROBE_AUDIO_ONLY = {"skip_frame": "all"}
+# The open tried first: no probe decoder opens at all (none is on the whitelist), and the stream's
+# parameters are its headers'. Opening the AAC decoder twice (the probe's, then ours) and the probe
+# decode cost ~0.2 ms of a 10 s clip. Where the headers lack the rate or channels (raw ADTS) or the
+# first decoded frame disagrees with them (HE-AAC signalled implicitly: the header gives the core
+# rate, the decoder doubles it), the file is opened again with PROBE_AUDIO_ONLY and decoded anew.
+PROBE_HEADERS_ONLY = {**PROBE_AUDIO_ONLY, "codec_whitelist": "none"}
 # Native samples handed to the resampler per call: libsoxr's output does not depend on how its
 # input is cut (tests hold it), and pieces of this size keep its work in cache while decoding goes
 # on (larger ones cost more per sample; benchmarks/README.md, data_bench).
 RESAMPLE_CHUNK = 1 << 15
+# The FIFO is fed on once it holds this many samples, all of it: with the next frame it then stays
+# within RESAMPLE_CHUNK, where its buffer stops growing (FFmpeg doubles it when full).
+_DRAIN_AT = RESAMPLE_CHUNK - 4096
 # libsoxr's "HQ" recipe (its default): flat further up the band and far more rejection of what lies
 # above the output's Nyquist frequency than libswresample's default filter (the one it replaced), so
 # no clip decodes worse than before; "MQ" saves little and is less accurate at 44.1 kHz, "LQ" rolls
 # off earlier (figures and commands: benchmarks/README.md, AAC third pass).
 RESAMPLE_QUALITY = "HQ"
+# The largest output (samples) a _RateConverter allocates whole up front: 17 minutes at 16 kHz.
+_PREALLOCATE_MAX = 1 << 24
+# A timestamp no frame has (a frame's pts is an int or None).
+_NO_PTS = object()
 
 
 def native_span(start_s: float, duration_s: float | None, native_rate: int, sample_rate: int) -> tuple[int, int | None]:
@@ -108,7 +123,7 @@ def _place(samples: np.ndarray, offset: int, length: int | None) -> np.ndarray:
 
 def resample(mono: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     """``mono`` at ``to_rate`` (the same array when the rates are equal)."""
-    converter = _RateConverter(from_rate, to_rate)
+    converter = _RateConverter(from_rate, to_rate, expected=len(mono))
     converter.feed(mono)
     return converter.result()
 
@@ -121,9 +136,14 @@ class _RateConverter:
     interpolation would; its output starts aligned with its input (the filter delay is compensated),
     so output sample 0 is the first piece's first instant, and N samples in give round(N * to_rate /
     from_rate) out. How the input is cut into pieces does not change the output, nor does the
-    process (tests hold both); each call gets at most RESAMPLE_CHUNK samples."""
+    process (tests hold both); each call gets at most RESAMPLE_CHUNK samples.
 
-    def __init__(self, from_rate: int, to_rate: int) -> None:
+    With ``expected``, the most samples that will be fed, the output is written into one array of
+    that size at the target rate as it comes, instead of kept in pieces and joined at the end: the
+    pieces and the join took fresh memory pages on every decode (glibc hands the heap back between
+    decodes), which cost more than the copies. More samples than expected are still taken."""
+
+    def __init__(self, from_rate: int, to_rate: int, *, expected: int | None = None) -> None:
         self.stream = (
             soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality=RESAMPLE_QUALITY)
             if from_rate != to_rate
@@ -131,18 +151,41 @@ class _RateConverter:
         )
         self.out: list[np.ndarray] = []  # resampled pieces, or the pieces themselves
         self.fed = 0
+        # Whether it holds on to the arrays it is fed (no rate change: they are its output); a
+        # resampler consumes each piece during the call, so a feeder may reuse the memory after it.
+        self.keeps_input = self.stream is None
+        size = None if expected is None or self.stream is None else round(max(expected, 0) * to_rate / from_rate)
+        # (A header declaring more than this is not trusted with the memory: pieces, as without one.)
+        self._whole = np.empty(size, dtype=np.float32) if size is not None and size <= _PREALLOCATE_MAX else None
+        self._filled = 0  # output samples written into _whole
 
     def feed(self, samples: np.ndarray) -> None:
         if self.stream is None:
             self.out.append(samples)
             return
         for begin in range(0, len(samples), RESAMPLE_CHUNK):
-            self.out.append(self.stream.resample_chunk(samples[begin : begin + RESAMPLE_CHUNK]))
+            self._keep(self.stream.resample_chunk(samples[begin : begin + RESAMPLE_CHUNK]))
         self.fed += len(samples)
+
+    def _keep(self, piece: np.ndarray) -> None:
+        whole, filled = self._whole, self._filled
+        if whole is not None and filled + len(piece) <= len(whole):
+            whole[filled : filled + len(piece)] = piece
+            self._filled = filled + len(piece)
+            return
+        if whole is not None:  # more than expected: what was written becomes the first piece
+            self.out.append(whole[:filled])
+            self._whole = None
+        self.out.append(piece)
 
     def result(self) -> np.ndarray:
         if self.stream is not None and self.fed:
-            self.out.append(self.stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+            self._keep(self.stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+        if self._whole is not None:
+            # Less than expected (a stream ending before its header says) is copied out of the
+            # larger array unless that wastes little.
+            filled = self._whole[: self._filled]
+            return filled if 2 * self._filled >= len(self._whole) else filled.copy()
         if len(self.out) == 1 and self.out[0].flags.writeable:  # (not a view of a decoder's buffer)
             return self.out[0]
         if not self.out:
@@ -203,12 +246,27 @@ def _check_wav_complete(ext: str, f: soundfile.SoundFile) -> None:
 
 
 def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int) -> np.ndarray:
-    with av.open(io.BytesIO(data), mode="r", options=PROBE_AUDIO_ONLY) as container:
+    try:
+        return _decode_audio_av(data, ext, start_s, duration_s, sample_rate, PROBE_HEADERS_ONLY)
+    except _HeadersDisagree:
+        return _decode_audio_av(data, ext, start_s, duration_s, sample_rate, PROBE_AUDIO_ONLY)
+
+
+class _HeadersDisagree(Exception):
+    """Opened with PROBE_HEADERS_ONLY, the stream's headers do not give what its decoder gives."""
+
+
+def _decode_audio_av(
+    data: bytes, ext: str, start_s: float, duration_s: float | None, sample_rate: int, probe: dict[str, str]
+) -> np.ndarray:
+    with av.open(io.BytesIO(data), mode="r", options=probe) as container:
         if not container.streams.audio:
             raise MediaError(f"cannot decode audio from .{ext}: the file has no audio stream")
         stream = container.streams.audio[0]
         only_stream(container, stream)
-        native_rate = stream.codec_context.sample_rate
+        native_rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
+        if probe is PROBE_HEADERS_ONLY and not (native_rate and channels):
+            raise _HeadersDisagree
         if not native_rate:
             raise MediaError(f"cannot decode audio from .{ext}: the audio stream has no sample rate")
         first, last = native_span(start_s, duration_s, native_rate, sample_rate)
@@ -220,17 +278,18 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
         declared_s = declared_duration(container, stream)
         # AAC pads its last frame to 1024 samples; the declared duration is where the audio ends.
         declared_end = None if declared_s is None else round(declared_s * native_rate)
-        converter = _RateConverter(native_rate, sample_rate)
-        timeline = _AudioTimeline(
-            origin=origin, rate=native_rate, first=first, cap=declared_end if last is None else last, out=converter
-        )
-        for frame in decoded_frames(container, stream, packet_budget(data)):
-            if frame.pts is None:
-                raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
-            timeline.add(frame)
-            if last is not None and timeline.end >= last:
-                break
-        else:  # decoded to the end of the file: it must be as long as its header says
+        cap = declared_end if last is None else last
+        converter = _RateConverter(native_rate, sample_rate, expected=None if cap is None else cap - first)
+        timeline = _AudioTimeline(origin=origin, rate=native_rate, first=first, cap=cap, out=converter)
+        # One list of frames per packet, decoded by the codec context itself (packet.decode() goes
+        # through two more Python-level calls per packet).
+        demuxed, check_ended = bounded_packets(container, stream, packet_budget(data))
+        decoded = map(stream.codec_context.decode, demuxed)
+        if probe is PROBE_HEADERS_ONLY:
+            decoded = _as_headers_say(decoded, native_rate, channels)
+        if not timeline.lay(decoded, stop=last, ext=ext):
+            check_ended()
+            # decoded to the end of the file: it must be as long as its header says
             check_complete(ext, declared_s, timeline.end / native_rate)
             if last is None and declared_end is not None:
                 last = min(timeline.end, declared_end)
@@ -238,6 +297,19 @@ def decode_audio_av(data: bytes, ext: str, start_s: float, duration_s: float | N
         last = timeline.end
     samples = timeline.finish(max(last, first))
     return place_window(samples, first, native_rate, start_s, duration_s, sample_rate)
+
+
+def _as_headers_say(decoded: Iterator[list[av.AudioFrame]], rate: int, channels: int) -> Iterator[list[av.AudioFrame]]:
+    """``decoded`` as it comes, once its first frame has the headers' rate and channels (else
+    _HeadersDisagree). Decodes ahead up to that frame; the rest is not touched (no Python per packet)."""
+    ahead = []
+    for frames in decoded:
+        ahead.append(frames)
+        if frames:
+            if frames[0].sample_rate != rate or frames[0].layout.nb_channels != channels:
+                raise _HeadersDisagree
+            break
+    return itertools.chain(ahead, decoded)
 
 
 def _sample_exact_timestamps(stream: av.audio.stream.AudioStream, native_rate: int) -> bool:
@@ -274,40 +346,82 @@ class _AudioTimeline:
         self.fed = first  # the next native index to feed: everything before it is fed or dropped
         self.end = 0  # past the furthest decoded sample
         self._fifo = av.AudioFifo()
+        self._channels = 0  # of the frames the FIFO takes (0: none yet)
+        # None while the frames are float planes at the native rate (AAC, MP3, Vorbis and Opus
+        # decode to those): they go to the FIFO as decoded. Else it converts them to that (no rate
+        # change, so no filter delay; no layout change: channels are averaged as the wav/flac path
+        # averages them).
+        self._to_float: av.AudioResampler | None = None
         self._head: int | None = None  # native index of the FIFO's first sample
         self._tail = 0  # native index past the FIFO's last sample
         self._gap = self._GAP_S * rate
         self._tick: tuple[int, int] | None = None  # the frames' time base as (numerator, denominator)
-        self._next_pts: int | None = None  # the pts of a frame that would follow the last one exactly
-        # Converts any sample format to float planes at the native rate (no rate change, so no filter
-        # delay, and no layout change: channels are averaged like the wav/flac path does). AAC, MP3
-        # and Vorbis decode to float planes already, and then it hands the frame back untouched.
-        self._to_float = av.AudioResampler(format="fltp", rate=rate)
+        self._next_pts: object = _NO_PTS  # the pts of a frame that would follow the last one exactly
 
-    def add(self, frame: av.AudioFrame) -> None:
-        # Runs once per 21 ms AAC frame: locals instead of repeated attribute lookups.
-        pts, tail, fifo = frame.pts, self._tail, self._fifo
-        if pts != self._next_pts:  # (a frame that follows the last one exactly continues the run)
-            tick = self._tick
-            if tick is None:
-                tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
-            # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
-            stamped = round((pts * tick[0] / tick[1] - self.origin) * self.rate)
-            if self._head is None or abs(stamped - tail) > self._gap:
-                self._drain(whole=True)
-                self._head = tail = stamped
-        start = tail
-        for converted in self._to_float.resample(frame):
-            converted.pts = None  # the FIFO would check it against a count from 0; placement is done here
-            fifo.write(converted)
-            tail += converted.samples
-        self._tail = tail
-        if self._tick == (1, self.rate):  # pts counts samples: the next frame's pts if it follows on
-            self._next_pts = pts + tail - start
-        if tail > self.end:
-            self.end = tail
-        if fifo.samples >= RESAMPLE_CHUNK:
-            self._drain(whole=False)
+    def lay(self, decoded: Iterable[list[av.AudioFrame]], *, stop: int | None = None, ext: str = "") -> bool:
+        """Lays the frames of ``decoded`` (one list per packet, as a decoder returns them) on the
+        timeline and feeds on every chunk they complete, until the timeline reaches native index
+        ``stop``: True if it did, False if the frames ran out first. A frame without a timestamp is
+        an error (``ext`` names the file's kind in it)."""
+        # The loop runs once per 21 ms AAC frame, and its Python is most of what such a frame costs
+        # after the decoder: every name it touches is a local, and a frame that follows the previous
+        # one exactly (its pts is the previous pts plus its samples, with the same channels: mp4,
+        # where the time base is 1 / rate) skips placement.
+        stop = math.inf if stop is None else stop
+        fifo, to_float, channels, next_pts = self._fifo, self._to_float, self._channels, self._next_pts
+        counts_samples, end, tail = self._tick == (1, self.rate), self.end, self._tail
+        for frames in decoded:
+            for frame in frames:
+                pts = frame.pts
+                if pts != next_pts or frame.layout.nb_channels != channels:
+                    if pts is None:
+                        raise MediaError(f"cannot decode audio from .{ext}: a decoded frame has no timestamp")
+                    self._tail, self.end = tail, end
+                    tail = self._place(frame)
+                    fifo, to_float, channels = self._fifo, self._to_float, self._channels
+                    counts_samples = self._tick == (1, self.rate)
+                start = tail
+                if to_float is None:
+                    frame.pts = None  # the FIFO would check it against a count from 0; placement is done here
+                    fifo.write(frame)
+                    tail += frame.samples
+                else:
+                    for converted in to_float.resample(frame):
+                        converted.pts = None
+                        fifo.write(converted)
+                        tail += converted.samples
+                next_pts = pts + tail - start if counts_samples else _NO_PTS
+                if tail > end:
+                    end = tail
+                if fifo.samples >= _DRAIN_AT:
+                    self._drain()
+                if end >= stop:
+                    break
+            else:
+                continue
+            break
+        self._tail, self.end, self._next_pts = tail, end, next_pts
+        return end >= stop
+
+    def _place(self, frame: av.AudioFrame) -> int:
+        """Where a frame that does not follow the previous one exactly starts: at the end of the run
+        if its timestamp is within _GAP_S of it, else at its timestamp, starting a new run (what the
+        FIFO holds of the old one is fed on first). A frame with other channels than the FIFO's
+        gets a FIFO of its own, after the old one is fed on."""
+        tick = self._tick
+        if tick is None:
+            tick = self._tick = (frame.time_base.numerator, frame.time_base.denominator)
+        # Integer true division rounds once, exactly as float(Fraction(pts * numerator, denominator)).
+        stamped = round((frame.pts * tick[0] / tick[1] - self.origin) * self.rate)
+        if self._head is None or abs(stamped - self._tail) > self._gap:
+            self._drain()
+            self._head = self._tail = stamped
+        if frame.layout.nb_channels != self._channels:
+            self._drain()
+            self._fifo, self._channels = av.AudioFifo(), frame.layout.nb_channels
+            float_planes = frame.format.name == "fltp" and frame.sample_rate == self.rate
+            self._to_float = None if float_planes else av.AudioResampler(format="fltp", rate=self.rate)
+        return self._tail
 
     def finish(self, last: int) -> np.ndarray:
         """Native samples [first, min(last, fed)) at the converter's rate, holes fed as zeros. What
@@ -315,12 +429,12 @@ class _AudioTimeline:
         zero-fills it: through the resampler, silence would come back as its rounding noise
         (libsoxr convolves by FFT: not exact zeros where the input is all zeros), not as silence."""
         self.cap = last if self.cap is None else min(self.cap, last)
-        self._drain(whole=True)
+        self._drain()
         return self.out.result()
 
-    def _drain(self, *, whole: bool) -> None:
-        """Feeds the FIFO's samples on, a chunk at a time: all of them, or whole chunks only."""
-        while self._fifo.samples >= (1 if whole else RESAMPLE_CHUNK):
+    def _drain(self) -> None:
+        """Feeds all of the FIFO's samples on, at most RESAMPLE_CHUNK at a time."""
+        while self._fifo.samples:
             frame = self._fifo.read(min(RESAMPLE_CHUNK, self._fifo.samples))
             lo = self._head
             self._head += frame.samples

@@ -7,7 +7,8 @@ header says the stream is, and whether the decode reached that length.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import av
@@ -44,17 +45,27 @@ def packets(container: av.container.InputContainer, stream: av.stream.Stream, bu
     decoder's delayed frames."""
     for count, packet in enumerate(container.demux(stream)):
         if count >= budget:
-            raise MediaError(f"gave up after {budget} packets: the stream does not end")
+            raise _endless(budget)
         yield packet
 
 
-def decoded_frames(container: av.container.InputContainer, stream: av.stream.Stream, budget: int) -> Iterator:
-    """Decoded frames of one stream, at most ``budget`` packets' worth. (``packets`` written out
-    again: this runs once per 21 ms AAC frame, where one more generator level is measurable.)"""
-    for count, packet in enumerate(container.demux(stream)):
-        if count >= budget:
-            raise MediaError(f"gave up after {budget} packets: the stream does not end")
-        yield from packet.decode()
+def bounded_packets(
+    container: av.container.InputContainer, stream: av.stream.Stream, budget: int
+) -> tuple[Iterator[av.Packet], Callable[[], None]]:
+    """``packets`` without a Python frame per packet (a 21 ms AAC frame is one packet): the first
+    ``budget`` packets, and a check to call once they have run out, which raises as ``packets``
+    does where the stream had more."""
+    demuxed = container.demux(stream)
+
+    def check_ended() -> None:
+        if next(demuxed, None) is not None:
+            raise _endless(budget)
+
+    return itertools.islice(demuxed, budget), check_ended
+
+
+def _endless(budget: int) -> MediaError:
+    return MediaError(f"gave up after {budget} packets: the stream does not end")
 
 
 def timeline_origin(container: av.container.InputContainer) -> float:

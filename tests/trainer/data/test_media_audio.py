@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import struct
 import subprocess
 import sys
 from fractions import Fraction
@@ -227,8 +228,7 @@ def test_timeline_lays_frames_by_their_timestamps(
     recorder = _Recorder()
     timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=first, cap=cap, out=recorder)
     for position, planes in runs:
-        for frame in _frames(planes, rate, position):
-            timeline.add(frame)
+        assert not timeline.lay([frame] for frame in _frames(planes, rate, position))
     assert timeline.end == max(position + length for position in positions)
     joined = timeline.finish(last)
     assert joined.dtype == np.float32
@@ -240,6 +240,56 @@ def test_timeline_lays_frames_by_their_timestamps(
     if length > media_audio.RESAMPLE_CHUNK:
         decoded = [len(piece) for piece in recorder.pieces if np.any(piece)]
         assert len(decoded) >= 4 and max(decoded) <= media_audio.RESAMPLE_CHUNK
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)])
+def test_timeline_follows_a_change_of_channels_and_sample_format(order: tuple[int, int]) -> None:
+    """Frames go to the FIFO as decoded while they are float planes at the native rate; a stream
+    whose channel count changes mid-run (a new channel configuration) is mixed per frame all the
+    same, and frames in another sample format (s16, as PCM and FLAC decode) are converted first."""
+    rate, length = 48000, 5000
+    rng = np.random.default_rng(7)
+    runs = [rng.uniform(-1, 1, (channels, length)).astype(np.float32) for channels in order]
+    recorder = _Recorder()
+    timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=0, cap=None, out=recorder)
+    assert not timeline.lay([frame] for frame in _frames(runs[0], rate, 0))
+    assert not timeline.lay([frame] for frame in _frames(runs[1], rate, length))
+    expected = np.concatenate([_laid([(0, planes)], 0, length, None) for planes in runs])
+    assert np.array_equal(timeline.finish(2 * length), expected)
+
+    quantized = np.round(runs[1] * 32767).astype(np.int16)
+    s16 = []
+    for begin in range(0, length, 1024):
+        piece = np.ascontiguousarray(quantized[:, begin : begin + 1024].T.reshape(1, -1))
+        frame = av.AudioFrame.from_ndarray(piece, "s16", "mono" if order[1] == 1 else "stereo")
+        frame.sample_rate, frame.pts, frame.time_base = rate, begin, Fraction(1, rate)
+        s16.append(frame)
+    recorder = _Recorder()
+    timeline = media_audio._AudioTimeline(origin=0.0, rate=rate, first=0, cap=None, out=recorder)
+    assert timeline.lay([frame] for frame in s16[:3]) is False and timeline.lay([s16[3:]], stop=3073) is True
+    assert timeline.end == 4096  # it stops after the frame that reaches stop
+    planes = quantized[:, :4096].astype(np.float32) / np.float32(32768)
+    assert np.array_equal(timeline.finish(4096), _laid([(0, planes)], 0, 4096, None))
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_with_more_packets_than_its_budget_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode stops with MediaError once a stream yields more packets than its budget (a broken
+    file that keeps yielding), counted as the demuxer yields them, flush packets included; one that
+    has exactly its budget decodes, and so does a window that ends within it."""
+    data = samples.encode_av(container="mp4", audio=samples.chirp(1.0, 48000), sample_rate=48000)
+    with av.open(io.BytesIO(data)) as c:
+        count = sum(1 for _ in c.demux(c.streams.audio[0]))
+    assert count > 40
+    whole, window = decode_audio(data, "m4a"), decode_audio(data, "m4a", duration_s=0.4)
+    monkeypatch.setattr(media_audio, "packet_budget", lambda data: count)
+    assert np.array_equal(decode_audio(data, "m4a"), whole)
+    monkeypatch.setattr(media_audio, "packet_budget", lambda data: count - 1)
+    with pytest.raises(MediaError, match=f"gave up after {count - 1} packets: the stream does not end"):
+        decode_audio(data, "m4a")
+    monkeypatch.setattr(media_audio, "packet_budget", lambda data: 30)  # 30 AAC frames: 0.64 s
+    assert np.array_equal(decode_audio(data, "m4a", duration_s=0.4), window)
 
 
 @pytest.mark.timeout(60)
@@ -254,7 +304,8 @@ def test_probe_options_leave_the_audio_as_a_plain_open_decodes_it(container: str
     def decoded(options: dict[str, str]) -> tuple:
         with av.open(io.BytesIO(data), options=options) as c:
             stream = c.streams.audio[0]
-            params = (stream.codec_context.sample_rate, stream.codec_context.format.name, stream.duration)
+            sample_format = stream.codec_context.format
+            params = (stream.codec_context.sample_rate, sample_format and sample_format.name, stream.duration)
             frames = [(f.pts, f.to_ndarray()) for f in c.decode(stream)]
         return params, [pts for pts, _ in frames], np.concatenate([a for _, a in frames], axis=1)
 
@@ -262,3 +313,29 @@ def test_probe_options_leave_the_audio_as_a_plain_open_decodes_it(container: str
     assert plain[:2] == probed[:2]
     assert len(plain[1]) > 80
     assert np.array_equal(plain[2], probed[2])
+    # Without probe decoders the headers give the same rate and length (the sample format is left
+    # to the decoder), and the decoder the same frames.
+    headers = decoded(media_audio.PROBE_HEADERS_ONLY)
+    assert headers[0] == (plain[0][0], None, plain[0][2]) and headers[1] == plain[1]
+    assert np.array_equal(plain[2], headers[2])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["header_rate_differs", "raw_adts"])
+def test_an_open_whose_headers_disagree_with_the_decoder_is_probed_again(case: str) -> None:
+    """The first open lets no probe decoder run (PROBE_HEADERS_ONLY). Where the headers' rate is not
+    the decoder's (HE-AAC signalled implicitly; here a Matroska header rewritten to half the rate)
+    or there is none (raw ADTS), the decode is that of the probed open, bit for bit."""
+    if case == "raw_adts":
+        ext, data = "aac", samples.encode_av(container="adts", audio=samples.chirp(2.0, 44100), sample_rate=44100)
+    else:
+        ext, written = "mkv", samples.encode_av(container="matroska", audio=samples.chirp(2.0, 48000))
+        sampling_frequency = b"\xb5\x88" + struct.pack(">d", 48000.0)  # EBML element, an 8-byte float
+        assert written.count(sampling_frequency) == 1
+        data = written.replace(sampling_frequency, b"\xb5\x88" + struct.pack(">d", 24000.0))
+    with av.open(io.BytesIO(data), options=media_audio.PROBE_HEADERS_ONLY) as c:
+        assert c.streams.audio[0].codec_context.sample_rate == (0 if case == "raw_adts" else 24000)
+    for start_s, duration_s in [(0.0, None), (0.7, 0.5)]:
+        probed = media_audio._decode_audio_av(data, ext, start_s, duration_s, 16000, media_audio.PROBE_AUDIO_ONLY)
+        assert len(probed) > 7000
+        assert np.array_equal(decode_audio(data, ext, start_s=start_s, duration_s=duration_s), probed)
