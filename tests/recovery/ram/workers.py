@@ -119,7 +119,8 @@ def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) 
     wire.fresh_buffer = ram_restore.fresh_buffer = counting
     ram_restore.first_corruption = checking
     ram = tier(rank, world, store_dir)
-    outcome = ram.restore(state, persistent_step)
+    # In place with a persistent step behind the decision, as the policy passes it without a reinit.
+    outcome = ram.restore(state, persistent_step, in_place=persistent_step is not None)
     ram.close()
     w = float(state["model"]["w"][0, 0])
     return {
