@@ -24,8 +24,8 @@ an own snapshot is checked where it lies and a buddy's copy received into fresh 
 checksummed as it lands, and either is copied only after every rank agreed, so a rank never holds
 the step while its peers keep the initial state (the fresh start left if a peer's fetch fails
 trains the state's tensors as they are: they are the model's and the optimizer's). That order
-costs the fetching rank a fresh mapping and a copy more (benchmarks/README.md, "in place with
-no persistent step").
+costs the fetching rank a fresh mapping and a copy more (benchmarks/README.md, "The buddy restore
+without a persistent step, in place").
 
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
