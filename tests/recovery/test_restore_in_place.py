@@ -13,10 +13,10 @@ import pytest
 
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram import node_store_dir
-from resilient.recovery.ram.store import RankStore
 from resilient.storage.checkpointer import Checkpointer
 from tests.dist import run_world
 from tests.recovery.policy import restore_with, snapshot_rank, state, tier
+from tests.recovery.ram import workers as ram_workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,23 +24,8 @@ REINIT = pytest.mark.parametrize("reinit", [True, False], ids=["reinit", "no_rei
 
 
 def _restore_rank(rank: int, world: int, store_dir: str, ckpt_url: str, run_dir: str, reinit: bool) -> dict[str, Any]:
-    """A restarted rank, counting the whole snapshots that land in fresh memory (the client's or the
-    decision's own; an anonymous mapping whatever their size, as for 8 MiB and more)."""
-    from resilient.recovery.channel import wire
-    from resilient.recovery.ram import restore as ram_restore
-    from resilient.recovery.snapshot_format import layout_tensors, local_tensors
-    from resilient.state import flatten_state
-
-    wire.MAPPED_BUFFER_MIN_BYTES = 1
-    snapshot_bytes = layout_tensors(local_tensors(flatten_state(state(0))))[1]
-    fresh, mapped = wire.fresh_buffer, []
-
-    def counting(nbytes: int) -> bytearray | memoryview:
-        if nbytes == snapshot_bytes:  # a whole snapshot, not a reply header
-            mapped.append(nbytes)
-        return fresh(nbytes)
-
-    wire.fresh_buffer = ram_restore.fresh_buffer = counting
+    """A restarted rank, counting the whole snapshots that land in fresh memory."""
+    mapped = ram_workers.count_snapshots_into_fresh_memory(state(0))
     ram = tier(Path(store_dir), rank=rank, world=world)
     try:
         with Checkpointer(ckpt_url) as ckpt:
@@ -88,10 +73,7 @@ def test_without_a_persistent_step_a_rank_whose_peer_fails_keeps_its_initial_sta
     # committed step, the group starts fresh. Rank 0, whose own snapshot was fine, must not train
     # from step 4 while rank 1 trains from the initial state.
     store, ckpt, run_dir = _snapshot_then_lose_node_1(tmp_path)
-    config = RamTierConfig(store_dir=store, ranks_per_node=1)
-    kept = RankStore(os.path.join(node_store_dir(config, os.path.join(store, "run"), 0, 0), "buddy", "rank1"), keep=2)
-    index = kept.indexes()[4]
-    kept.data(index)[index.tensors[0].offset] ^= 1
+    ram_workers.corrupt_kept_copy(store, 1, 4, node=0)
     restored = run_world(_restore_rank, 2, store, ckpt, run_dir, reinit, timeout_s=90)
     assert [(r["source"], r["step"]) for r in restored] == [("fresh", 0), ("fresh", 0)]
     assert all(r["values"] == {"w": [-1.0], "z": [-0.5]} for r in restored)
