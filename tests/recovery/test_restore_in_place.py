@@ -73,7 +73,7 @@ def test_without_a_persistent_step_a_rank_whose_peer_fails_keeps_its_initial_sta
     # committed step, the group starts fresh. Rank 0, whose own snapshot was fine, must not train
     # from step 4 while rank 1 trains from the initial state.
     store, ckpt, run_dir = _snapshot_then_lose_node_1(tmp_path)
-    ram_workers.corrupt_kept_copy(store, 1, 4, node=0)
+    assert ram_workers.corrupt_kept_copies(store, os.path.join(store, "run"), 1, node=0) == [4]
     restored = run_world(_restore_rank, 2, store, ckpt, run_dir, reinit, timeout_s=90)
     assert [(r["source"], r["step"]) for r in restored] == [("fresh", 0), ("fresh", 0)]
     assert all(r["values"] == {"w": [-1.0], "z": [-0.5]} for r in restored)

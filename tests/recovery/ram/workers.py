@@ -110,14 +110,14 @@ def count_snapshots_into_fresh_memory(state: dict) -> list[int]:
     return mapped
 
 
-def corrupt_kept_copy(store_dir: str, rank: int, step: int, *, node: int) -> None:
-    """Flip a bit of the first tensor of ``rank``'s copy of ``step`` kept on ``node`` (of the tier
-    ``tier`` builds under ``store_dir``)."""
+def corrupt_kept_copies(store_dir: str, run_dir: str, rank: int, *, node: int) -> list[int]:
+    """Flip a bit of the first tensor of every copy of ``rank``'s snapshots kept on ``node`` (one
+    rank per node, group 0); the steps of those copies."""
     config = RamTierConfig(store_dir=store_dir, ranks_per_node=1)
-    directory = os.path.join(node_store_dir(config, os.path.join(store_dir, "run"), 0, node), "buddy", f"rank{rank}")
-    kept = RankStore(directory, keep=2)
-    index = kept.indexes()[step]
-    kept.data(index)[index.tensors[0].offset] ^= 1
+    kept = RankStore(os.path.join(node_store_dir(config, run_dir, 0, node), "buddy", f"rank{rank}"), keep=2)
+    for index in kept.indexes().values():
+        kept.data(index)[index.tensors[0].offset] ^= 1
+    return sorted(kept.indexes())
 
 
 def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) -> dict:
