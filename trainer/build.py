@@ -1,4 +1,5 @@
-"""Building a run's pieces from its config: device, mesh, model, optimizer, data, checkpointer."""
+"""Building a run's pieces from its config: device, mesh, model, optimizer, data, checkpointer;
+and the step-0 model and optimizer again, into the live ones (``reinitialize``)."""
 
 from __future__ import annotations
 
@@ -104,9 +105,10 @@ def reinitialize(config: TrainConfig, mesh: DeviceMesh, device: torch.device, pa
     """Put the step-0 model and optimizer state back into ``parts``, in place: what a fresh start
     trains from after a RAM restore wrote a step into them and no step was restored after all
     (``recovery.restore``'s ``reinit``). Deterministic from ``run.seed``: the model is built again
-    on ``mesh`` (its init reads no global RNG) and its optimizer's initial state taken as a restore
-    target takes it, then copied into the live tensors. The global RNGs, the scheduler and the data
-    cursor are left as they are (a RAM restore writes only tensors before every rank agreed)."""
+    on ``mesh`` (its init reads no global RNG) with a fresh optimizer, whose state comes as the live
+    one's came when ``capture_state`` built the restore target; both are copied into the live
+    tensors. The global RNGs, the scheduler and the data cursor are left as they are (a RAM restore
+    writes only tensors before every rank agreed)."""
     rng = capture_rng_state()
     try:  # building modules draws from the global RNG (their default init, then overwritten)
         model, _, _ = build_model(config, mesh, device)
