@@ -11,8 +11,9 @@ moments) and measures, side by side:
   has ``moto_server``), also from ``s3://`` on a ``moto_server`` this run starts on 127.0.0.1 and
   kills at its end (``persistent_s3_load_s``). Each is timed ``--restore-repeats`` times, the line
   gives medians. The RAM restores run with the committed step behind them, as the restore policy
-  passes it (the snapshot goes straight into the state, ``ram.inplace``), and without one
-  (``*_no_persistent_s``: checked where it lies, copied after every rank agreed);
+  passes it (the snapshot goes straight into the state, ``ram.inplace``), without one as the
+  trainer restores (``*_no_persistent_s``: in place too, its ``reinit`` behind the decision), and
+  without either (``*_no_reinit_s``: checked where it lies, copied after every rank agreed);
 - ``contention`` (``--contend``, the default): the buddy restores again while one process spins,
   each restore with the CPU seconds the job and the rest of the machine spent (the
   ``ram_restore_contention`` line: a CPU-bound restore's wall time is set by its neighbours);
@@ -137,10 +138,11 @@ def restore_bench(rank: int, mib: float, root: str, s3_url: str | None, repeats:
     out["snapshot_copy_s"] = tier.stats.records[-1]["copy_s"]
     tier.close()
     own = _tier(rank, os.path.join(root, "store"), root)
-    # Committed step 1 backs the decision, as the restore policy passes it: each snapshot is put
-    # straight into the state as it is checked (``ram.inplace``). With no persistent step behind it
-    # (``*_no_persistent_s``) a snapshot is checked where it lies and copied only once every rank
-    # has agreed: the only safe order when a failed fetch elsewhere would leave a fresh start.
+    # Committed step 1 backs the decision, or the caller's reinit does (``*_no_persistent_s``, the
+    # trainer's case): each snapshot is put straight into the state as it is checked
+    # (``ram.inplace``). With neither (``*_no_reinit_s``) a snapshot is checked where it lies and
+    # copied only once every rank has agreed: the only safe order when a failed fetch elsewhere
+    # would leave a fresh start that keeps the state's tensors as they are.
     _ram_restores(own, "own", rank, mib, state, out, repeats)
     own.close()
     dist.barrier()
@@ -166,16 +168,21 @@ def _record(out: dict, key: str, seconds: list[float]) -> None:
 def _ram_restores(
     tier, kind: str, rank: int, mib: float, state: dict, out: dict, repeats: int, suffix: str = ""
 ) -> None:
-    """``ram_<kind>_s`` (committed step 1 behind the decision) and ``ram_<kind>_no_persistent_s``,
-    each with ``<key>_cpu_s`` (CPU seconds both ranks spent) and ``<key>_others_cpu_s`` (what the
-    rest of the machine spent meanwhile: wall time above the job's CPU over the cores is theirs)."""
+    """``ram_<kind>_s`` (committed step 1 behind the decision), ``ram_<kind>_no_persistent_s`` (none;
+    in place, as with the trainer's reinit) and ``ram_<kind>_no_reinit_s`` (neither), each with
+    ``<key>_cpu_s`` (CPU seconds both ranks spent) and ``<key>_others_cpu_s`` (what the rest of the
+    machine spent meanwhile: wall time above the job's CPU over the cores is theirs)."""
     source = "buddy" if kind == "buddy" and rank == 1 else "own"
-    variants = ((f"ram_{kind}{suffix}_s", 1), (f"ram_{kind}_no_persistent{suffix}_s", None))
-    times: dict[str, list[tuple[float, float, float, list[float]]]] = {key: [] for key, _ in variants}
+    variants = (
+        (f"ram_{kind}{suffix}_s", 1, True),
+        (f"ram_{kind}_no_persistent{suffix}_s", None, True),
+        (f"ram_{kind}_no_reinit{suffix}_s", None, False),
+    )
+    times: dict[str, list[tuple[float, float, float, list[float]]]] = {key: [] for key, _, _ in variants}
     for _ in range(repeats):
-        for key, persistent_step in variants:
+        for key, persistent_step, in_place in variants:
             target = _state(mib, -1.0)
-            restore = functools.partial(tier.restore, target, persistent_step)
+            restore = functools.partial(tier.restore, target, persistent_step, in_place=in_place)
             times[key].append(_timed_cpu(lambda: out.setdefault("restored", restore())))  # noqa: B023 (called at once)
             assert out.pop("restored").source == source
             assert torch.equal(target["model"]["layer7"], state["model"]["layer7"])

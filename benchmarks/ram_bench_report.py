@@ -43,6 +43,7 @@ def print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
                 "ram_buddy_s": round(restore["ram_buddy_s"], 4),
                 "ram_own_no_persistent_s": round(restore["ram_own_no_persistent_s"], 4),
                 "ram_buddy_no_persistent_s": round(restore["ram_buddy_no_persistent_s"], 4),
+                **{k: round(restore[k], 4) for k in ("ram_own_no_reinit_s", "ram_buddy_no_reinit_s") if k in restore},
                 "memcpy_s": round(restore["memcpy_s"], 4),
                 "persistent_over_ram_own": round(restore["persistent_s"] / restore["ram_own_s"], 2),
                 "persistent_over_ram_buddy": round(restore["persistent_s"] / restore["ram_buddy_s"], 2),
@@ -87,13 +88,15 @@ def print_restore(rank: int, restore: dict, args: argparse.Namespace) -> None:
 
 
 def contention_fields(restore: dict) -> dict:
-    """The buddy restores alone and beside a spinning process (``--contend``): wall, the job's CPU
-    seconds, each rank's (rank 1 fetches) and the other processes' (medians), and the ratio of the
-    two walls."""
+    """The buddy restores (with a persistent step, without one, without a reinit either) alone and
+    beside a spinning process (``--contend``): wall, the job's CPU seconds, each rank's (rank 1
+    fetches) and the other processes' (medians), and the ratio of the two walls."""
     if "ram_buddy_no_persistent_contended_s" not in restore:
         return {}
     out: dict = {}
-    for case in ("ram_buddy", "ram_buddy_no_persistent"):
+    for case in ("ram_buddy", "ram_buddy_no_persistent", "ram_buddy_no_reinit"):
+        if f"{case}_contended_s" not in restore:  # no_reinit: absent in lines of older runs
+            continue
         for key in (case, f"{case}_contended"):
             out[f"{key}_s"] = round(restore[f"{key}_s"], 4)
             out[f"{key}_cpu_s"] = round(restore[f"{key}_cpu_s"], 4)

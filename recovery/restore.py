@@ -35,6 +35,12 @@ since this group's snapshots were taken) keeps no RAM snapshot of the history it
 RAM restore to step S branches: the parent's snapshots up to S stay eligible, none after S (a node
 absent during the restore still holds them).
 
+A RAM restore puts each snapshot straight into the state as it checks it when whatever lands
+there of a step not restored after all is overwritten: by the persistent step behind it, or, with
+none, by the caller's ``reinit`` (the initial state put back on every rank together). Without
+either (a caller that cannot rebuild its initial state), the snapshots are checked in fresh memory
+and copied only once every rank has its own (``resilient.recovery.ram.restore``).
+
 The group decides together before any rank loads, and falls back together (the model is Orbax's
 emergency checkpoint manager: decide globally, try the fast tier, fall back through one collective):
 rank 0 lists the committed steps and every rank gets the same list or the same error
@@ -132,6 +138,7 @@ def restore(
     say: Callable[[str], None] | None = None,
     layout: str = "",
     load_step: int | None = None,
+    reinit: Callable[[], None] | None = None,
 ) -> RestoreResult:
     """Collective over the group: decide where this group's state comes from and load it.
 
@@ -140,7 +147,11 @@ def restore(
     counts in ``seconds``); ``peer``: the heal of the first quorum, if there was one; ``resume``:
     ``checkpoint.resume`` (off: a fresh start, no event); ``say``: where the one-line outcome goes
     ("resumed from step N of ... on <layout> in X s"); ``load_step``: ``checkpoint.load_step``, a
-    committed step to resume from instead of the newest (ConfigError on every rank if it is not one).
+    committed step to resume from instead of the newest (ConfigError on every rank if it is not one);
+    ``reinit``: puts the initial (step-0) state back into the tensors ``target``'s state shares, in
+    place; called, inside one agreement over the group, on each rank a RAM restore wrote into when
+    no step was restored after all. Given, a RAM restore with no persistent step behind it puts
+    each snapshot straight into the state (``ram.inplace``); without it, fresh memory first.
     """
     if peer is not None:
         result = RestoreResult(peer.step, "peer", peer.bytes, peer.seconds)
@@ -154,7 +165,7 @@ def restore(
         fresh.timeline = _shared_timeline(timelines.start, checkpointer, run_dir, ram)
         return fresh
     else:
-        result = _from_tiers(target(), apply, checkpointer, ram, run_dir, load_step)
+        result = _from_tiers(target(), apply, checkpointer, ram, run_dir, load_step, reinit)
     assert result.timeline is not None
     write_event(
         run_dir,
@@ -184,6 +195,7 @@ def _from_tiers(
     ram: RamTier | None,
     run_dir: str,
     load_step: int | None,
+    reinit: Callable[[], None] | None = None,
 ) -> RestoreResult:
     """Own RAM, buddy RAM, persistent, fresh: the RAM tier's step wins when it is not older."""
     start = time.perf_counter()
@@ -196,15 +208,24 @@ def _from_tiers(
     persistent = rewind if rewind is not None else (steps[-1] if steps else None)
     reads_before = checkpointer.storage_reads
     result = RestoreResult(0, "fresh", timeline=current)
+    touched = False
     if ram is not None:
-        fast = ram.restore(state, persistent, newest=rewind)
-        result.excluded = fast.excluded
+        # In place only if what lands of a step not restored after all is overwritten: by the
+        # persistent load the policy falls back to, or by the caller's initial state (``reinit``).
+        in_place = persistent is not None or reinit is not None
+        fast = ram.restore(state, persistent, newest=rewind, in_place=in_place)
+        result.excluded, touched = fast.excluded, fast.touched
         if fast.step is not None and fast.source is not None:
             result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes
             result.group_sources = fast.sources
             result.snapshot_timeline = fast.snapshot_timeline
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
+    if not result.loaded and persistent is None and ram is not None and reinit is not None:
+        # A fresh start after a RAM decision that may have written in place: each rank whose
+        # tensors took bytes of a step not restored puts the initial state back (ranks may differ,
+        # so all go through one agreement), and a rank whose reinit fails raises with the others.
+        _put_back_initial(reinit, touched)
     if not result.loaded and persistent is not None:
         if rewind is not None:  # the step asked for, or an error: never another step in its place
             _load_committed(result, state, checkpointer, rewind)
@@ -225,6 +246,18 @@ def _from_tiers(
     result.seconds = time.perf_counter() - start
     result.storage_reads = checkpointer.storage_reads - reads_before
     return result
+
+
+def _put_back_initial(reinit: Callable[[], None], touched: bool) -> None:
+    """Collective: ``reinit`` on each rank whose state a RAM decision wrote into (``touched``), the
+    same error on every rank if one fails."""
+
+    def put_back() -> None:
+        if touched:
+            log.warning("[rank %d] no RAM step restored: putting the initial state back", rdist.get_rank())
+            reinit()
+
+    rdist.agree(put_back, what="putting the initial state back after a RAM restore that did not complete")
 
 
 def _branch_fields(result: RestoreResult) -> dict[str, Any]:
@@ -312,7 +345,10 @@ def _from_persistent(
             damaged.append(f"step {step}: {e}")
             passed.append((step, _manifest_bytes(checkpointer, step)))
         if ram is not None:
-            fast = ram.restore(state, older)  # a RAM apply writes every tensor and value, as a strict load
+            # A RAM apply writes every tensor and value, as a strict load. In place: the state holds
+            # part of a failed load already, and if RAM does not restore either, the older step's
+            # load overwrites it, or nothing loads (RestoreError below).
+            fast = ram.restore(state, older, in_place=True)
             result.excluded += [x for x in fast.excluded if x not in result.excluded]
             if fast.step is not None and fast.source is not None:
                 result.step, result.source, result.bytes = fast.step, fast.source, fast.bytes

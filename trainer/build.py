@@ -1,4 +1,5 @@
-"""Building a run's pieces from its config: device, mesh, model, optimizer, data, checkpointer."""
+"""Building a run's pieces from its config: device, mesh, model, optimizer, data, checkpointer;
+and the step-0 model and optimizer again, into the live ones (``reinitialize``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from resilient.errors import ConfigError
+from resilient.rng import capture_rng_state, restore_rng_state
 from resilient.storage.checkpointer import Checkpointer
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.data import OmniPipeline
@@ -22,7 +24,7 @@ from resilient.trainer.model import OmniModel
 from resilient.trainer.parallelize import build_mesh, parallelize_model, stage_mesh
 from resilient.trainer.pipeline_parallel import OmniStage, Stages, prune_to_stages, rank_stages, stage_layers
 from resilient.trainer.schedule import build_optimizer, build_scheduler
-from resilient.trainer.state import TrainingParts
+from resilient.trainer.state import TrainingParts, copy_model_and_optimizer
 
 if TYPE_CHECKING:
     from resilient.trainer.loop import Trainer
@@ -67,15 +69,7 @@ def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, 
     """Mesh, parallelized model (and pipeline stages), optimizer, scheduler and this rank's data."""
     p = config.parallel
     mesh = build_mesh(p.dp_shard, p.tp, device.type, pp=p.pp)
-    # Same seed on every rank: each rank cuts its shards from an identical full model, no broadcast.
-    # Under pipelining the whole model is built on the CPU and only this rank's stages go to the
-    # device: a GPU never holds the other stages.
-    model = OmniModel(config.model, seed=config.run.seed)
-    stages, global_params = None, {}
-    if p.pp == 1:
-        parallelize_model(model.to(device), mesh, p)
-    else:
-        stages, global_params = build_stages(config, model, mesh, device)
+    model, stages, global_params = build_model(config, mesh, device)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.decay_steps)
     # Data-parallel rank = dp_shard coordinate: tensor-parallel and pipeline peers share their batch.
@@ -89,6 +83,38 @@ def build_parts(config: TrainConfig, device: torch.device) -> tuple[DeviceMesh, 
         global_params=global_params,
     )
     return mesh, parts
+
+
+def build_model(
+    config: TrainConfig, mesh: DeviceMesh, device: torch.device
+) -> tuple[OmniModel, Stages | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """The step-0 rank model on ``mesh``, parallelized (under pipelining: cut to this rank's stages,
+    with their schedule and every parameter's global shape and dtype; else None and {})."""
+    # Same seed on every rank: each rank cuts its shards from an identical full model, no broadcast.
+    # Under pipelining the whole model is built on the CPU and only this rank's stages go to the
+    # device: a GPU never holds the other stages.
+    model = OmniModel(config.model, seed=config.run.seed)
+    if config.parallel.pp > 1:
+        stages, global_params = build_stages(config, model, mesh, device)
+        return model, stages, global_params
+    parallelize_model(model.to(device), mesh, config.parallel)
+    return model, None, {}
+
+
+def reinitialize(config: TrainConfig, mesh: DeviceMesh, device: torch.device, parts: TrainingParts) -> None:
+    """Put the step-0 model and optimizer state back into ``parts``, in place: what a fresh start
+    trains from after a RAM restore wrote a step into them and no step was restored after all
+    (``recovery.restore``'s ``reinit``). Deterministic from ``run.seed``: the model is built again
+    on ``mesh`` (its init reads no global RNG) with a fresh optimizer, whose state comes as the live
+    one's came when ``capture_state`` built the restore target; both are copied into the live
+    tensors. The global RNGs, the scheduler and the data cursor are left as they are (a RAM restore
+    writes only tensors before every rank agreed)."""
+    rng = capture_rng_state()
+    try:  # building modules draws from the global RNG (their default init, then overwritten)
+        model, _, _ = build_model(config, mesh, device)
+    finally:
+        restore_rng_state(rng)
+    copy_model_and_optimizer(parts.model, parts.optimizer, model, build_optimizer(model, config.optim))
 
 
 def build_stages(

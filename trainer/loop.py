@@ -33,7 +33,7 @@ from resilient.recovery.restore import committed_steps as list_committed
 from resilient.runfiles import group_id, write_event
 from resilient.storage.checkpointer import Checkpointer
 from resilient.storage.handle import SaveHandle
-from resilient.trainer.build import StepHook, load_step_hooks
+from resilient.trainer.build import StepHook, load_step_hooks, reinitialize
 from resilient.trainer.cadence import Cadence
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.model import BATCH_KEYS, OmniOutput, count_loss_tokens, flops_per_token
@@ -143,6 +143,7 @@ class Trainer:
             say=self.outputs.message,
             layout=p.describe(),
             load_step=self.config.checkpoint.load_step,
+            reinit=lambda: reinitialize(self.config, self.mesh, self.device, self.parts),
         )
         self.restored_from = result.source
         self.observer.restore_sources = result.group_sources or [result.source]

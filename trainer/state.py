@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from resilient.errors import StateError
 from resilient.rng import capture_rng_state, restore_rng_state
-from resilient.state import held_elsewhere, placeholder
+from resilient.state import flatten_state, held_elsewhere, placeholder
 from resilient.trainer.data import OmniPipeline
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
 
@@ -104,6 +105,30 @@ def _name_other_stages(
             "or train with parallel.pp=1"
         )
     groups[0]["params"] = list(global_params)
+
+
+@torch.no_grad()
+def copy_model_and_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, source: nn.Module, source_optimizer: torch.optim.Optimizer
+) -> None:
+    """Copy every tensor of ``source``'s parameters and ``source_optimizer``'s state (built the same
+    way, on the same mesh) into ``model``'s and ``optimizer``'s, in place: the tensors a restore
+    target shares (``capture_state``) keep their storage. An optimizer whose state is not there yet
+    gets it as a restore target does (``get_state_dict``), on both sides alike."""
+    into, source_tensors = _local_tensors(model, optimizer), _local_tensors(source, source_optimizer)
+    if into.keys() != source_tensors.keys():
+        differ = sorted(into.keys() ^ source_tensors.keys())[:3]
+        raise StateError(f"the rebuilt model and optimizer name other tensors than the live ones (e.g. {differ})")
+    for fqn, tensor in into.items():
+        tensor.copy_(source_tensors[fqn])
+
+
+def _local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's own tensors of ``model`` and ``optimizer`` by state FQN (a DTensor's local shard)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    leaves = flatten_state({"model": model_state, "optim": optim_state})
+    tensors = {fqn: leaf.value for fqn, leaf in leaves.items() if leaf.is_tensor}
+    return {fqn: t.to_local() if isinstance(t, DTensor) else t for fqn, t in tensors.items()}
 
 
 def apply_state(parts: TrainingParts, state: dict[str, Any]) -> tuple[int, int]:

@@ -13,10 +13,11 @@ a tensor subclass) sends the whole restore of that rank the old way.
 
 This is only safe when whatever lands in the tensors is always overwritten if the step is not
 restored after all (another rank's fetch failed, so the decision moves on): by an older RAM step,
-or by the persistent step the policy then loads, which writes every tensor. With no persistent
-step the fallback is a fresh start that keeps the initial state, so the restore decision
-verifies in the snapshot's own memory and copies only once every rank has agreed
-(``restore.restore_from_ram``).
+by the persistent step the policy then loads, which writes every tensor, or, with no persistent
+step, by the initial state the caller puts back before its fresh start (``recovery.restore``'s
+``reinit``: the trainer rebuilds it from its seed). A caller that can do neither has the restore
+decision verify in the snapshot's own memory and copy only once every rank has agreed
+(``restore.restore_from_ram``, ``in_place`` off).
 """
 
 from __future__ import annotations

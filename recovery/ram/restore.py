@@ -15,13 +15,17 @@ rank r's snapshot wherever it now lies — a store of its own node (read in plac
 else any rank that offers it (its buddy first; source "buddy"). Restoring the snapshot a machine
 took into the rank that machine now runs would put another rank's shard there.
 
-When a persistent step backs the decision, each rank puts its snapshot straight into the training
-tensors while checking it: an own snapshot is copied in, a buddy's copy received into them
-(``ram.inplace``; whatever lands there is overwritten if the step is not restored after all). With
-none, an own snapshot is checked where it lies and a buddy's copy received into fresh memory,
+When the caller allows it (``in_place``: a persistent step backs the decision, or the caller can
+put the initial state back), each rank puts its snapshot straight into the training tensors while
+checking it: an own snapshot is copied in, a buddy's copy received into them (``ram.inplace``).
+Whatever lands there of a step that is not restored after all is then the caller's to overwrite
+(``RamRestore.touched``): by the persistent load, or by putting the initial state back. Otherwise
+an own snapshot is checked where it lies and a buddy's copy received into fresh memory,
 checksummed as it lands, and either is copied only after every rank agreed, so a rank never holds
 the step while its peers keep the initial state (the fresh start left if a peer's fetch fails
-trains the state's tensors as they are: they are the model's and the optimizer's).
+trains the state's tensors as they are: they are the model's and the optimizer's). That order
+costs the fetching rank a fresh mapping and a copy more (benchmarks/README.md, "The buddy restore
+without a persistent step, in place").
 
 Each exchange goes through ``dist.agree``. A store that cannot be read or a copy that cannot be
 fetched is a vote (this rank reports nothing, or votes against the step), so no rank raises alone
@@ -97,26 +101,36 @@ class RamRestore:
     snapshot is gone or damaged fetched its buddy's copy, so a group's ranks may differ."""
     snapshot_timeline: str = ""
     """The timeline the snapshot this rank restored was taken on (the current one or an ancestor)."""
+    touched: bool = False
+    """Whether this rank began writing a snapshot into ``state``'s tensors (``in_place``, and they
+    could take it: host memory, dense); ranks may differ. With source None they then hold bytes of
+    a step that was not restored: the caller must load a step into them, put the initial state
+    back, or fail."""
 
 
 def restore_from_ram(
-    view: RamView, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None
+    view: RamView,
+    state: dict[str, Any],
+    persistent_step: int | None,
+    *,
+    newest: int | None = None,
+    in_place: bool = False,
 ) -> RamRestore:
     """Collective: restore ``state`` in place from the newest step every rank has in RAM, if it is
     not older than ``persistent_step`` nor newer than ``newest`` (``checkpoint.load_step``).
-    Returns what was decided (source None: not from RAM). With ``persistent_step`` given and source
-    None, ``state``'s tensors are undefined (a snapshot may have landed in part): the caller must
-    load a committed step into it, or fail."""
+    Returns what was decided (source None: not from RAM). ``in_place``: each snapshot may land in
+    ``state``'s tensors as it is checked (``ram.inplace``), because the caller overwrites them if
+    no step is restored after all (``RamRestore.touched``); otherwise a rank's state keeps what it
+    holds until every rank has its snapshot."""
     start = time.perf_counter()
-    # Receiving in place is safe only if a step that is not restored after all is overwritten by
-    # the persistent load the caller falls back to (see ``ram.inplace``).
-    decision = _Decision(view, flatten_state(state), newest, in_place=persistent_step is not None)
+    decision = _Decision(view, flatten_state(state), newest, in_place=in_place)
     reports: list[Report] = rdist.agree(decision.report, what="RAM restore")
     ruled_out: set[int] = set()
     while True:
         step = choose_step(reports, ruled_out)
         if step is None or (persistent_step is not None and step < persistent_step):
-            return RamRestore(None, None, excluded=decision.excluded, seconds=time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            return RamRestore(None, None, excluded=decision.excluded, seconds=seconds, touched=decision.touched)
         votes = rdist.agree(functools.partial(decision.fetch, step, reports), what=f"RAM restore of step {step}")
         if all(votes):
             rdist.agree(functools.partial(decision.apply, step), what=f"RAM restore of step {step}")
@@ -124,7 +138,7 @@ def restore_from_ram(
             source, index, _ = decision.fetched
             seconds = time.perf_counter() - start
             restored = RamRestore(step, source, index.nbytes, seconds, decision.excluded, sources=list(votes))
-            restored.snapshot_timeline = index.timeline
+            restored.snapshot_timeline, restored.touched = index.timeline, decision.touched
             return restored
         failed = [r for r, ok in enumerate(votes) if not ok]
         log.warning("[rank %d] RAM step %d unusable on rank(s) %s: excluded", view.rank, step, failed)
@@ -154,6 +168,8 @@ class _Decision:
         self.view, self.leaves, self.newest, self.in_place = view, leaves, newest, in_place
         self.excluded: list[dict[str, Any]] = []
         self.fetched: Fetched | None = None
+        self.touched = False
+        """Whether a snapshot began landing in the training tensors (``RamRestore.touched``)."""
 
     def _exclude(self, step: int | None, source: str, reason: str) -> None:
         self.excluded.append({"step": step, "source": source, "reason": reason})
@@ -289,6 +305,7 @@ class _Decision:
         targets = tensor_targets(index, local_tensors(self.leaves)) if self.in_place else None
         if targets is None:
             return Verdict.checked(first_corruption(index, data), Fetched(source, index, data))
+        self.touched = True
         return Verdict.checked(copy_verified(index, data, targets), Fetched(source, index, None))
 
     def _fetch_from_buddy(self, step: int, holder: int) -> Fetched | None:
@@ -361,7 +378,7 @@ class _IntoTensors:
         try:
             if targets is not None:
                 landing = TensorLanding(index, targets)
-                self.crc = landing.crc
+                self.crc, decision.touched = landing.crc, True
                 return landing.scatter()
             crc = CrcAsItLands(index)
         except ValueError:  # overlapping offsets (never from layout_tensors): checked the old way

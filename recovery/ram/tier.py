@@ -450,10 +450,13 @@ class RamTier:
 
     # -- restore -----------------------------------------------------------------------------
 
-    def restore(self, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None) -> RamRestore:
+    def restore(
+        self, state: dict[str, Any], persistent_step: int | None, *, newest: int | None = None, in_place: bool = False
+    ) -> RamRestore:
         """Collective: restore ``state`` in place from the newest step every rank has in RAM of the
         current ``timeline``, if it is not older than ``persistent_step`` (nor newer than ``newest``).
-        Returns what was decided (source None: not from RAM; with ``persistent_step`` given, the
-        state's tensors are then undefined and the caller must load a committed step, or fail); see
+        Returns what was decided (source None: not from RAM). ``in_place``: snapshots may land in the
+        state's tensors before every rank has its own; with source None and ``touched`` they are
+        then undefined, and the caller must load a step, put the initial state back, or fail; see
         ``resilient.recovery.ram.restore``."""
-        return restore_from_ram(self.view(), state, persistent_step, newest=newest)
+        return restore_from_ram(self.view(), state, persistent_step, newest=newest, in_place=in_place)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from resilient.dist import barrier
 from resilient.recovery.ram import RamTier
 from resilient.recovery.restore import RestoreResult, restore
 from resilient.runfiles import read_events
@@ -33,18 +34,32 @@ class Caller:
     def __init__(self) -> None:
         self.built = 0
         self.applied: dict[str, Any] | None = None
+        self.target_state: dict[str, Any] | None = None
+        self.found_by_reinit: list[dict[str, float]] = []
+        """Each ``reinit`` call: the last value of each model tensor it found (what had landed)."""
 
     def target(self) -> dict[str, Any]:
         self.built += 1
-        return state(0, value=-1.0)
+        self.target_state = state(0, value=-1.0)
+        return self.target_state
 
     def apply(self, loaded: dict[str, Any]) -> None:
         self.applied = loaded
 
+    def reinit(self) -> None:
+        """Put the initial state back into the target's tensors, in place, as a trainer does into
+        its live model and optimizer (``trainer.build.reinitialize``)."""
+        assert self.target_state is not None
+        model = self.target_state["model"]
+        self.found_by_reinit.append({name: float(t.flatten()[-1]) for name, t in model.items()})
+        for name, initial in state(0, value=-1.0)["model"].items():
+            model[name].copy_(initial)
+
 
 def restore_with(
-    run_dir: Path, ckpt: Checkpointer, ram: RamTier | None = None, **kwargs: Any
+    run_dir: Path, ckpt: Checkpointer, ram: RamTier | None = None, *, reinit: bool = False, **kwargs: Any
 ) -> tuple[RestoreResult, Caller, list[str]]:
+    """``restore`` for a ``Caller`` (with its ``reinit`` when asked); the lines it says."""
     caller, said = Caller(), []
     result = restore(
         caller.target,
@@ -54,9 +69,26 @@ def restore_with(
         run_dir=str(run_dir),
         say=said.append,
         layout=LAYOUT,
+        reinit=caller.reinit if reinit else None,
         **kwargs,
     )
     return result, caller, said
+
+
+def snapshot_rank(rank: int, world: int, store_dir: str, steps: list[int], ckpt_url: str, run_dir: str) -> None:
+    """A first run's rank on ``world`` gloo ranks: starts the run's timeline and takes RAM
+    snapshots of ``steps``, each copied to its buddy."""
+    ram = tier(Path(store_dir), rank=rank, world=world)
+    try:
+        with Checkpointer(ckpt_url) as ckpt:
+            start_run(Path(run_dir), ckpt, ram)
+        snapshot(ram, *steps)
+        # As Trainer.finish does: every copy has reached its buddy before any rank closes its
+        # channel (a rank closing first breaks the pipe of a peer still sending to it).
+        ram.wait(60.0)
+        barrier()
+    finally:
+        ram.close()
 
 
 def start_run(run_dir: Path, ckpt: Checkpointer, ram: RamTier | None) -> None:

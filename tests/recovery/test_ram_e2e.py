@@ -25,6 +25,7 @@ from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram import node_store_dir, store_root
 from resilient.runfiles import read_events, read_jsonl_by_step, read_pid
 from tests.procs import communicate_or_fail
+from tests.recovery.ram import workers as ram_workers
 from tests.trainer.e2e_runs import load_tensors
 
 pytestmark = [pytest.mark.e2e]
@@ -102,14 +103,17 @@ def _assert_same_as_twin(run_dir: Path, twin: Path) -> None:
         assert torch.equal(got[fqn], tensor), fqn
 
 
-def _kill_node(run_dir: Path, store: Path, rank: int, *, wipe: list[int]) -> None:
-    """SIGKILL ``rank``; first, while it is stopped (it cannot write), wipe the given nodes' stores."""
+def _kill_node(run_dir: Path, store: Path, rank: int, *, wipe: list[int], damage_copies_on: int | None = None) -> None:
+    """SIGKILL ``rank``; first, while it is stopped (it cannot write nor send a copy), wipe the
+    given nodes' stores and damage every copy of its snapshots kept on node ``damage_copies_on``."""
     pid = read_pid(str(run_dir), 0, rank)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     config = RamTierConfig(store_dir=str(store), ranks_per_node=1)
     for node in wipe:
         shutil.rmtree(node_store_dir(config, str(run_dir), 0, node))
+    if damage_copies_on is not None:
+        assert ram_workers.corrupt_kept_copies(str(store), str(run_dir), rank, node=damage_copies_on)
     os.kill(pid, signal.SIGKILL)
 
 
@@ -120,14 +124,16 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "run"
 
 
-def _faulted(tmp_path: Path, wipe: list[int], extra: tuple[str, ...] = ()) -> tuple[Path, Path, list[dict]]:
+def _faulted(
+    tmp_path: Path, wipe: list[int], extra: tuple[str, ...] = (), damage_copies_on: int | None = None
+) -> tuple[Path, Path, list[dict]]:
     run_dir, store = tmp_path / "run", tmp_path / "store"
     proc = _start(_command(run_dir, store, 2, *extra), step_sleep=0.3)
     try:
         _wait_for_step(run_dir, 5, proc)
-        _kill_node(run_dir, store, 1, wipe=wipe)
+        _kill_node(run_dir, store, 1, wipe=wipe, damage_copies_on=damage_copies_on)
     finally:
-        _finish(proc)
+        tmp_path.joinpath("out.txt").write_text(_finish(proc))
     restores = _restores(run_dir)
     assert len(restores) == 4, restores  # the first start and the restart, two ranks each
     assert {(r["rank"], r["source"]) for r in restores[:2]} == {(0, "fresh"), (1, "fresh")}
@@ -174,6 +180,23 @@ def test_pipelined_node_lost_its_stage_restores_from_the_buddy(tmp_path: Path, t
         assert abs(ran[step]["loss"] - ref[step]["loss"]) < 1e-4, step
     samples, ref_samples = (read_jsonl_by_step(str(d / "group0" / "samples.jsonl")) for d in (run_dir, twin))
     assert {s: r["sample_ids"] for s, r in samples.items()} == {s: r["sample_ids"] for s, r in ref_samples.items()}
+
+
+@pytest.mark.timeout(400)
+def test_a_ram_restore_undone_puts_the_initial_state_back_and_trains_as_a_fresh_start(
+    tmp_path: Path, twin: Path
+) -> None:
+    # No committed step: the restart's RAM restore goes straight into the live model and optimizer.
+    # Rank 1's node is lost and every copy of its snapshots on node 0 is damaged, so rank 1's
+    # fetches fail after rank 0's own snapshot (and rank 1's bad copy) landed in their tensors:
+    # both put the step-0 state back (the trainer's reinit), and the fresh start trains bit for
+    # bit as the twin.
+    run_dir, _, restarted = _faulted(tmp_path, wipe=[1], damage_copies_on=0)
+    assert [(r["source"], r["step"]) for r in restarted] == [("fresh", 0), ("fresh", 0)]
+    assert any("crc32c mismatch" in e["reason"] for e in restarted[1]["excluded"])
+    out = (tmp_path / "out.txt").read_text()
+    assert all(f"[rank {rank}] no RAM step restored: putting the initial state back" in out for rank in (0, 1)), out
+    _assert_same_as_twin(run_dir, twin)
 
 
 @pytest.mark.timeout(400)

@@ -14,14 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from resilient.dist import barrier
 from resilient.errors import StorageError
 from resilient.recovery.config import RamTierConfig
 from resilient.recovery.ram import node_store_dir
 from resilient.recovery.restore import PeerHeal, RestoreResult, committed_steps, describe
 from resilient.storage.checkpointer import Checkpointer
 from tests.dist import run_world
-from tests.recovery.policy import LAYOUT, events, restore_with, save, snapshot, start_run, tier
+from tests.recovery.policy import LAYOUT, events, restore_with, save, snapshot, snapshot_rank, start_run, tier
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -183,20 +182,6 @@ def test_a_peer_heal_comes_first_and_is_recorded_without_touching_storage(tmp_pa
 # -- two gloo ranks ------------------------------------------------------------------------------
 
 
-def _snapshot_rank(rank: int, world: int, store_dir: str, steps: list[int], ckpt_url: str, run_dir: str) -> None:
-    ram = tier(Path(store_dir), rank=rank, world=world)
-    try:
-        with Checkpointer(ckpt_url) as ckpt:
-            start_run(Path(run_dir), ckpt, ram)
-        snapshot(ram, *steps)
-        # As Trainer.finish does: every copy has reached its buddy before any rank closes its
-        # channel (a rank closing first breaks the pipe of a peer still sending to it).
-        ram.wait(60.0)
-        barrier()
-    finally:
-        ram.close()
-
-
 def _restore_rank(rank: int, world: int, store_dir: str, ckpt_url: str, run_dir: str) -> dict[str, Any]:
     ram = tier(Path(store_dir), rank=rank, world=world)
     try:
@@ -216,7 +201,7 @@ def test_a_lost_node_restores_from_its_buddy_and_ranks_fail_together(tmp_path):
     store, run_dir = tmp_path / "store", tmp_path / "run"
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
         save(ckpt, 2)
-    run_world(_snapshot_rank, 2, str(store), [4], str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)
+    run_world(snapshot_rank, 2, str(store), [4], str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)
     config = RamTierConfig(store_dir=str(store), ranks_per_node=1)
     shutil.rmtree(node_store_dir(config, str(store / "run"), 0, 1))  # node 1 is replaced
     restored = run_world(_restore_rank, 2, str(store), str(tmp_path / "ckpt"), str(run_dir), timeout_s=90)

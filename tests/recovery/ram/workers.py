@@ -9,7 +9,7 @@ import os
 import torch
 
 from resilient.recovery.config import RamTierConfig
-from resilient.recovery.ram.store import RankStore
+from resilient.recovery.ram.store import RankStore, node_store_dir
 from resilient.recovery.ram.tier import RamTier
 from resilient.recovery.snapshot_format import SnapshotIndex, checksum, layout_tensors, local_tensors, tensor_view
 from resilient.state import flatten_state
@@ -91,35 +91,55 @@ def take_snapshots(rank: int, world: int, store_dir: str, steps: list[int]) -> d
     return {"stats": ram.stats.records, "secret": ram._secret.hex()}
 
 
+def count_snapshots_into_fresh_memory(state: dict) -> list[int]:
+    """From now on in this process, each whole snapshot of ``state``'s layout that lands in fresh
+    memory (the client's, wire, or the decision's own) is appended to the list returned; a copy
+    fetched from a buddy lands in an anonymous mapping whatever its size (as 8 MiB and more do)."""
+    from resilient.recovery.channel import wire
+    from resilient.recovery.ram import restore as ram_restore
+
+    wire.MAPPED_BUFFER_MIN_BYTES = 1
+    fresh, snapshot_bytes, mapped = wire.fresh_buffer, layout_tensors(local_tensors(flatten_state(state)))[1], []
+
+    def counting(nbytes: int) -> bytearray | memoryview:
+        if nbytes == snapshot_bytes:  # a whole snapshot, not a reply header
+            mapped.append(nbytes)
+        return fresh(nbytes)
+
+    wire.fresh_buffer = ram_restore.fresh_buffer = counting  # the name the decision imported too
+    return mapped
+
+
+def corrupt_kept_copies(store_dir: str, run_dir: str, rank: int, *, node: int) -> list[int]:
+    """Flip a bit of the first tensor of every copy of ``rank``'s snapshots kept on ``node`` (one
+    rank per node, group 0); the steps of those copies."""
+    config = RamTierConfig(store_dir=store_dir, ranks_per_node=1)
+    kept = RankStore(os.path.join(node_store_dir(config, run_dir, 0, node), "buddy", f"rank{rank}"), keep=2)
+    for index in kept.indexes().values():
+        kept.data(index)[index.tensors[0].offset] ^= 1
+    return sorted(kept.indexes())
+
+
 def restore(rank: int, world: int, store_dir: str, persistent_step: int | None) -> dict:
     """A restarted rank: restore into an empty state; report the outcome, the values, the whole
     snapshots that landed in fresh memory and the crc32c passes over a snapshot after it was all
     there (``first_corruption``; a buddy's copy is checksummed as it lands instead). A copy fetched
     from a buddy lands in an anonymous mapping whatever its size (as snapshots of 8 MiB and more
     do), so these small states test that path too."""
-    from resilient.recovery.channel import wire
     from resilient.recovery.ram import restore as ram_restore
 
-    wire.MAPPED_BUFFER_MIN_BYTES = 1
-    fresh, check = wire.fresh_buffer, ram_restore.first_corruption
+    check = ram_restore.first_corruption
     state = empty_state()
-    snapshot_bytes = layout_tensors(local_tensors(flatten_state(state)))[1]
-    snapshots_into_fresh_memory, crc_passes = [], []
-
-    def counting(nbytes: int) -> bytearray | memoryview:
-        if nbytes == snapshot_bytes:  # a whole snapshot, not a reply header
-            snapshots_into_fresh_memory.append(nbytes)
-        return fresh(nbytes)
+    snapshots_into_fresh_memory, crc_passes = count_snapshots_into_fresh_memory(state), []
 
     def checking(index: SnapshotIndex, data: torch.Tensor) -> str | None:
         crc_passes.append(index.step)
         return check(index, data)
 
-    # The client's fresh memory (wire) and the decision's own (the name it imported).
-    wire.fresh_buffer = ram_restore.fresh_buffer = counting
     ram_restore.first_corruption = checking
     ram = tier(rank, world, store_dir)
-    outcome = ram.restore(state, persistent_step)
+    # In place with a persistent step behind the decision, as the policy passes it without a reinit.
+    outcome = ram.restore(state, persistent_step, in_place=persistent_step is not None)
     ram.close()
     w = float(state["model"]["w"][0, 0])
     return {
