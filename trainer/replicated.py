@@ -30,7 +30,7 @@ import re
 import time
 from typing import Any
 
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from resilient import dist as rdist
 from resilient.errors import ResilientError
@@ -44,6 +44,7 @@ from resilient.state import state_digest
 from resilient.storage.shared import check_group_tokens, remove_group_token, write_group_token
 from resilient.trainer.loop import StepResult, Trainer
 from resilient.trainer.schedule import load_scheduler_state, scheduler_state
+from resilient.trainer.state import state_dicts
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,9 @@ class ReplicatedTrainer(Trainer):
         """A quorum already joined for the next step attempt (the run's first, see ``run``)."""
         self.heals: list[dict[str, Any]] = []
         self._unproven: dict[str, str] = {}
-        # get_state_dict() on an optimizer without state runs a zero-lr step to create it (Adam's
-        # step becomes 1). A group serving a heal does that; do it in EVERY group up front so the
-        # numerics never depend on who served whom (a storage restore overwrites it anyway).
-        get_state_dict(self.parts.model, self.parts.optimizer)
+        # The optimizer's state exists in EVERY group up front (a group serving a heal needs it), so
+        # nothing about it depends on who served whom (a storage restore overwrites it anyway).
+        state_dicts(self.parts.model, self.parts.optimizer)
         secret = job_secret(self.config.run.dir)
         self._secret_fingerprint = secret_fingerprint(secret)
         self._seen_members: set[str] = set()
@@ -174,7 +174,7 @@ class ReplicatedTrainer(Trainer):
     def _heal_state(self) -> dict[str, Any]:
         """What a healing peer of this group rank receives. JSON parts are the same in every group
         (per-group data positions derive from the quorum, never from this state)."""
-        model_state, optim_state = get_state_dict(self.parts.model, self.parts.optimizer)
+        model_state, optim_state = state_dicts(self.parts.model, self.parts.optimizer)
         return {
             "model": model_state,
             "optim": optim_state,
@@ -281,7 +281,7 @@ class ReplicatedTrainer(Trainer):
     def write_final_digest(self) -> dict[str, Any]:
         """sha256 of the full parameters and optimizer state (collective within the group); rank 0
         writes it to ``<group dir>/final.json``. Groups that ended in the same state match bit for bit."""
-        model_state, optim_state = get_state_dict(self.parts.model, self.parts.optimizer)
+        model_state, optim_state = state_dicts(self.parts.model, self.parts.optimizer)
         digest = {
             "step": self.step,
             # Over the pipeline's ranks: every stage's tensors count, not rank 0's alone.

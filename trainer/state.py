@@ -55,18 +55,40 @@ class TrainingParts:
     by name; empty without pipelining (``model`` then holds them all)."""
 
 
-def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str, Any]:
-    """The nested state to hand to ``Checkpointer.save`` (or to ``load`` as the target).
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict`` of ``model`` and ``optimizer``, sharing their tensors, with an optimizer
+    that had no state left as a fresh one trains.
 
-    ``get_state_dict`` materializes the optimizer's moments on a fresh optimizer (a zero-lr step
-    on zero gradients), which is what a load needs as a target; a fresh run never calls this before
-    its first real step, so its Adam step counter is not shifted by that initialization.
+    On such an optimizer ``get_state_dict`` materializes the moments (what a load needs as its
+    target) by a zero-lr step on zero gradients, which also counts a step: AdamW's ``step`` became 1,
+    so the first real update took Adam's bias correction for step 2, and a fresh run trained
+    differently with ``checkpoint.resume`` on (its restore target is built before step 1) than off.
+    The counters go back to 0; the moments that step left are zeros, as a fresh optimizer's are.
+    """
+    fresh = not optimizer.state
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if fresh:
+        numbers = False
+        for per_param in optimizer.state.values():
+            step = per_param.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()  # in place: the state dict holds this very tensor
+            elif step is not None:
+                per_param["step"], numbers = 0, True
+        if numbers:  # a number is not shared with the state dict: take it again
+            model_state, optim_state = get_state_dict(model, optimizer)
+    return model_state, optim_state
+
+
+def capture_state(parts: TrainingParts, step: int, tokens_seen: int) -> dict[str, Any]:
+    """The nested state to hand to ``Checkpointer.save`` (or to ``load`` as the target); on a
+    fresh optimizer it materializes the moments without counting a step (``state_dicts``).
 
     Under pipelining every rank names every parameter: those of other stages as placeholders
     (``resilient.state.held_elsewhere``), so the checkpoint's keys, global shapes and optimizer
     param group are the same whatever the stage split, and any split loads them.
     """
-    model_state, optim_state = get_state_dict(parts.model, parts.optimizer)
+    model_state, optim_state = state_dicts(parts.model, parts.optimizer)
     if parts.global_params:
         _name_other_stages(model_state, optim_state, parts.global_params)
     return {
@@ -114,7 +136,7 @@ def copy_model_and_optimizer(
     """Copy every tensor of ``source``'s parameters and ``source_optimizer``'s state (built the same
     way, on the same mesh) into ``model``'s and ``optimizer``'s, in place: the tensors a restore
     target shares (``capture_state``) keep their storage. An optimizer whose state is not there yet
-    gets it as a restore target does (``get_state_dict``), on both sides alike."""
+    gets it as a restore target does (``state_dicts``), on both sides alike."""
     into, source_tensors = _local_tensors(model, optimizer), _local_tensors(source, source_optimizer)
     if into.keys() != source_tensors.keys():
         differ = sorted(into.keys() ^ source_tensors.keys())[:3]
@@ -125,7 +147,7 @@ def copy_model_and_optimizer(
 
 def _local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """This rank's own tensors of ``model`` and ``optimizer`` by state FQN (a DTensor's local shard)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = state_dicts(model, optimizer)
     leaves = flatten_state({"model": model_state, "optim": optim_state})
     tensors = {fqn: leaf.value for fqn, leaf in leaves.items() if leaf.is_tensor}
     return {fqn: t.to_local() if isinstance(t, DTensor) else t for fqn, t in tensors.items()}

@@ -48,6 +48,12 @@ def _reinit_rank(rank: int, world: int, root: str, layout: tuple[str, ...]) -> d
     from resilient.rng import capture_rng_state
     from resilient.trainer.build import reinitialize
 
+    untouched = _trainer(os.path.join(root, "untouched"), layout)
+    try:  # a fresh run with checkpoint.resume off: no restore target is built before step 1
+        untouched_loss = untouched.train_step(untouched.parts.data.next_batch()).loss
+        untouched_after = {fqn: t.clone() for fqn, t in _tensors(untouched).items()}
+    finally:
+        untouched.close()
     fresh = _trainer(os.path.join(root, "fresh"), layout)
     try:
         initial = {fqn: t.clone() for fqn, t in _tensors(fresh).items()}  # as resume builds its target
@@ -73,6 +79,8 @@ def _reinit_rank(rank: int, world: int, root: str, layout: tuple[str, ...]) -> d
         "differ_after_reinit": differ,
         "rng_kept": rng_kept,
         "same_loss": loss == fresh_loss,
+        "resume_off_same_loss": untouched_loss == fresh_loss,
+        "resume_off_differ": sorted(fqn for fqn, t in fresh_after.items() if not torch.equal(untouched_after[fqn], t)),
         "differ_after_a_step": sorted(fqn for fqn, t in fresh_after.items() if not torch.equal(after[fqn], t)),
     }
 
@@ -88,3 +96,6 @@ def test_reinit_puts_back_the_state_a_fresh_build_trains_from(tmp_path: Path, la
         assert r["tensors"] > 10 and r["optim_tensors"] > 0 and r["same_names"]
         assert r["differ_after_reinit"] == [] and r["rng_kept"]
         assert r["same_loss"] and r["differ_after_a_step"] == []
+        # Building the restore target (resume on) materializes the optimizer's state without
+        # counting a step: the first step is the one a run with resume off takes, bit for bit.
+        assert r["resume_off_same_loss"] and r["resume_off_differ"] == []
