@@ -47,6 +47,7 @@ a scheduler) every SIGTERM is a preemption, as the scheduler's cannot be told fr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -118,6 +119,7 @@ class PreemptWatch:
         self._lineage = (0, 0)
         self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the previous wakeup fd)
         self._watcher: threading.Thread | None = None
+        self._stopping = False
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self.asks_to_save(signum):
@@ -134,7 +136,7 @@ class PreemptWatch:
         return _lineage() != self._lineage  # torchrun or the launcher died: their death signal
 
     def _end_now(self, signum: int) -> None:
-        log.warning(
+        log.info(
             "%s with no preemption marked: torchrun stops this rank because another one failed; exiting %d "
             "(the newest committed step stays the resume point)",
             signal.Signals(signum).name,
@@ -146,12 +148,13 @@ class PreemptWatch:
 
     def _watch(self, read_fd: int) -> None:
         """The signal numbers the C handler writes to the wakeup fd, read while the main thread may
-        be blocked in C++ (where Python handlers wait); ends when ``uninstall`` closes the write end."""
-        while data := _read(read_fd):
+        be blocked in C++ (where Python handlers wait); ends when ``uninstall`` wakes it to stop."""
+        while (data := _read(read_fd)) and not self._stopping:
             if signal.SIGTERM in data and not self.asks_to_save(signal.SIGTERM):
                 self._end_now(signal.SIGTERM)
 
     def _start_watcher(self) -> None:
+        self._stopping = False
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -164,9 +167,13 @@ class PreemptWatch:
             return
         read_fd, write_fd, previous = self._wakeup
         signal.set_wakeup_fd(previous)
-        os.close(write_fd)  # the watcher reads end-of-file and returns
+        # A byte, not end-of-file: the loader workers forked meanwhile hold copies of the write end.
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(write_fd, b"\0")
         if self._watcher is not None:
             self._watcher.join(timeout=5.0)
+        os.close(write_fd)
         os.close(read_fd)
         self._wakeup = self._watcher = None
 

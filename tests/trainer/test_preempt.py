@@ -83,6 +83,26 @@ def test_under_a_marking_launcher_only_a_marked_sigterm_or_a_dead_parent_asks_to
     assert not os.path.exists(os.path.dirname(mark.path))
 
 
+@pytest.mark.timeout(20)
+def test_uninstall_is_prompt_while_a_forked_child_holds_the_wakeup_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank's loader workers are forked after the watch is installed: their copies of the pipe's
+    # write end must not keep the watcher (and the rank's exit) waiting.
+    monkeypatch.setenv(PREEMPT_MARK_ENV, "/nonexistent/mark")
+    watch = PreemptWatch([signal.SIGTERM])
+    watch.install()
+    child = os.fork()
+    if child == 0:
+        time.sleep(5.0)
+        os._exit(0)
+    try:
+        start = time.monotonic()
+        watch.uninstall()
+        assert time.monotonic() - start < 1.0 and watch._watcher is None
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 @pytest.mark.timeout(10)
 def test_torchrun_waits_out_the_grace_and_passes_the_preempt_signal_on() -> None:
     config = load_config(TINY, ["run.preempt_signal='SIGUSR1'", "run.preempt_grace_s=200"])
