@@ -31,14 +31,32 @@ periodic save would be lost. With it:
 
 The launcher gives torchrun a shutdown timeout (``torchrun --shutdown-timeout``) that covers
 ``run.preempt_grace_s``: torchrun kills its workers that long after passing the signal on.
+
+torchrun also sends SIGTERM on its own: when a rank fails it stops the others (to restart the
+group, or to give up) and kills them 30 s later (a constant in torchrun). Saving then is pointless
+(the failed rank's part of the step is gone) and waiting costs the whole group's recovery those
+30 s, since a survivor blocked in a collective with the dead rank never reaches its stop step. So
+under our launcher a SIGTERM is a preemption only when the launcher says so: it creates the file
+that ``RESILIENT_PREEMPT_MARK`` names (``PreemptMark``) before it passes a signal on, and a rank
+whose torchrun or launcher died (their death signal, no one left to mark) saves as well. Any other
+SIGTERM ends the rank at once with exit 1 (``PreemptWatch``: a thread woken through
+``signal.set_wakeup_fd`` decides, since a Python handler cannot run while the main thread is inside
+a collective); what is committed stays the resume point. Without the variable (plain torchrun under
+a scheduler) every SIGTERM is a preemption, as the scheduler's cannot be told from torchrun's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import os
+import shutil
 import signal
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -59,6 +77,10 @@ PREEMPTED_EVENT = "preempted"
 SHUTDOWN_MARGIN_S = 30.0
 """What torchrun and the launcher add to ``run.preempt_grace_s`` before killing: closing the
 writer, the loader workers and the process group after the save."""
+PREEMPT_MARK_ENV = "RESILIENT_PREEMPT_MARK"
+"""Set by the launcher: the file that exists once it passed a preemption on (``PreemptMark``)."""
+ENDED_EXIT = 1
+"""Exit status of a rank that torchrun stopped because another rank failed: not finished, not saved."""
 
 
 class Preempted(Exception):  # noqa: N818 - a stop, not an error: nothing may catch it as a ResilientError
@@ -82,7 +104,9 @@ def preempt_signals(preempt_signal: str) -> list[signal.Signals]:
 
 class PreemptWatch:
     """Records the preemption signals this process receives (``install`` / ``uninstall``, or as a
-    context manager); ``flags`` and ``agreed_signal`` turn them into what a step's sums carry."""
+    context manager); ``flags`` and ``agreed_signal`` turn them into what a step's sums carry.
+    Under a launcher that marks its preemptions (``PREEMPT_MARK_ENV``) an unmarked SIGTERM ends the
+    process at once instead (exit ``ENDED_EXIT``), even while the main thread waits in a collective."""
 
     def __init__(self, signals: list[signal.Signals]) -> None:
         self.signals = signals
@@ -91,10 +115,67 @@ class PreemptWatch:
         self.received_at = 0.0
         """When (``time.monotonic``) it came: the grace runs from then, not from the stop step."""
         self._previous: dict[signal.Signals, Any] = {}
+        self._mark = os.environ.get(PREEMPT_MARK_ENV, "")
+        self._lineage = (0, 0)
+        self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the previous wakeup fd)
+        self._watcher: threading.Thread | None = None
+        self._stopping = False
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if not self.asks_to_save(signum):
+            self._end_now(signum)  # the watcher thread may not have run yet (or its fd was replaced)
         if not self.received:
             self.received, self.received_at = signum, time.monotonic()
+
+    def asks_to_save(self, signum: int) -> bool:
+        """Whether ``signum`` asks this rank to save and stop (a preemption) rather than to end now:
+        every watched signal but an unmarked SIGTERM under a marking launcher whose torchrun and
+        launcher are both still there (then it is torchrun stopping the group after a rank failed)."""
+        if signum != signal.SIGTERM or not self._mark or os.path.exists(self._mark):
+            return True
+        return _lineage() != self._lineage  # torchrun or the launcher died: their death signal
+
+    def _end_now(self, signum: int) -> None:
+        log.info(
+            "%s with no preemption marked: torchrun stops this rank because another one failed; exiting %d "
+            "(the newest committed step stays the resume point)",
+            signal.Signals(signum).name,
+            ENDED_EXIT,
+        )
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(ENDED_EXIT)  # now: the main thread may be inside a collective that never returns
+
+    def _watch(self, read_fd: int) -> None:
+        """The signal numbers the C handler writes to the wakeup fd, read while the main thread may
+        be blocked in C++ (where Python handlers wait); ends when ``uninstall`` wakes it to stop."""
+        while (data := _read(read_fd)) and not self._stopping:
+            if signal.SIGTERM in data and not self.asks_to_save(signal.SIGTERM):
+                self._end_now(signal.SIGTERM)
+
+    def _start_watcher(self) -> None:
+        self._stopping = False
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._wakeup = (read_fd, write_fd, previous)
+        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="preempt-watch", daemon=True)
+        self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        if self._wakeup is None:
+            return
+        read_fd, write_fd, previous = self._wakeup
+        signal.set_wakeup_fd(previous)
+        # A byte, not end-of-file: the loader workers forked meanwhile hold copies of the write end.
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(write_fd, b"\0")
+        if self._watcher is not None:
+            self._watcher.join(timeout=5.0)
+        os.close(write_fd)
+        os.close(read_fd)
+        self._wakeup = self._watcher = None
 
     def deadline(self, grace_s: float) -> float:
         """When (``time.monotonic``) the stop must be over: ``grace_s`` after the signal, which the
@@ -104,8 +185,12 @@ class PreemptWatch:
 
     def install(self) -> None:
         self._previous = {sig: signal.signal(sig, self._record) for sig in self.signals}
+        if self._mark:
+            self._lineage = _lineage()
+            self._start_watcher()
 
     def uninstall(self) -> None:
+        self._stop_watcher()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -131,6 +216,24 @@ class PreemptWatch:
         """This rank's flags as they stand, combined (MAX) over ``group`` in the background: the
         ranks of ``group`` must all put the same flags in sums they do not reduce among themselves."""
         return StopFlags(self.flags(), group)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 64)
+    except OSError:
+        return b""
+
+
+def _lineage() -> tuple[int, int]:
+    """This process's parent (torchrun) and that one's parent (the launcher): a death signal comes
+    after the dead process's children were handed to another parent, so a changed pair says who died."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            return parent, int(f.read().rsplit(")", 1)[1].split()[1])  # after the name: state, ppid
+    except (OSError, ValueError, IndexError):
+        return parent, 0
 
 
 class StopFlags:
@@ -252,6 +355,26 @@ def preempt_flags(config: TrainConfig) -> list[str]:
         signals.append(config.run.preempt_signal)
     timeout = math.ceil(config.run.preempt_grace_s + SHUTDOWN_MARGIN_S)
     return ["--shutdown-timeout", str(timeout), "--signals-to-handle", ",".join(signals)]
+
+
+class PreemptMark:
+    """The launcher's side of ``PREEMPT_MARK_ENV``: ``env`` goes to torchrun (its ranks inherit it),
+    ``set`` before the launcher sends a signal that asks the ranks to save and stop, ``close`` when
+    the launch is over. The file lives in a private temporary folder: one per launcher, on its node."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="resilient-preempt-")
+        self.path = os.path.join(self._folder, "preempting")
+
+    def env(self) -> dict[str, str]:
+        return {PREEMPT_MARK_ENV: self.path}
+
+    def set(self) -> None:
+        with open(self.path, "w"):
+            pass
+
+    def close(self) -> None:
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def launcher_grace_s(config: TrainConfig, grace_s: float) -> float:

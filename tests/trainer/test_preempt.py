@@ -14,9 +14,12 @@ import pytest
 
 from resilient import Checkpointer
 from resilient.runfiles import read_events, read_jsonl_by_step
+from resilient.trainer import preempt
 from resilient.trainer.config import load_config
 from resilient.trainer.preempt import (
+    PREEMPT_MARK_ENV,
     PREEMPTED_EXIT,
+    PreemptMark,
     PreemptWatch,
     forwarded_signals,
     launcher_grace_s,
@@ -50,6 +53,54 @@ def test_the_watch_records_the_first_signal_and_restores_the_handlers() -> None:
     assert watch.agreed_signal([1.0, 1.0]) == signal.SIGTERM and watch.agreed_signal([0.0, 2.0]) == signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) == before
     assert preempt_signals("") == [signal.SIGTERM]
+
+
+@pytest.mark.timeout(10)
+def test_under_a_marking_launcher_only_a_marked_sigterm_or_a_dead_parent_asks_to_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mark = PreemptMark()
+    try:
+        monkeypatch.setenv(PREEMPT_MARK_ENV, mark.path)
+        watch = PreemptWatch(preempt_signals("SIGUSR1"))
+        with watch:
+            assert watch._watcher is not None and watch._watcher.is_alive()  # woken through set_wakeup_fd
+            # torchrun's own SIGTERM (a rank failed): end now; the preempt signal is never torchrun's.
+            assert not watch.asks_to_save(signal.SIGTERM) and watch.asks_to_save(signal.SIGUSR1)
+            parent, launcher = preempt._lineage()
+            monkeypatch.setattr(preempt, "_lineage", lambda: (parent, 1))  # the launcher died: its death signal
+            assert watch.asks_to_save(signal.SIGTERM)
+            monkeypatch.setattr(preempt, "_lineage", lambda: (parent, launcher))
+            mark.set()  # the launcher passes a preemption on
+            assert watch.asks_to_save(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # marked: recorded, the process lives on
+            assert watch.received == signal.SIGTERM
+        assert watch._watcher is None and signal.set_wakeup_fd(-1) == -1  # uninstalled: no fd left behind
+        monkeypatch.delenv(PREEMPT_MARK_ENV)
+        assert PreemptWatch([signal.SIGTERM]).asks_to_save(signal.SIGTERM)  # plain torchrun: every SIGTERM
+    finally:
+        mark.close()
+    assert not os.path.exists(os.path.dirname(mark.path))
+
+
+@pytest.mark.timeout(20)
+def test_uninstall_is_prompt_while_a_forked_child_holds_the_wakeup_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank's loader workers are forked after the watch is installed: their copies of the pipe's
+    # write end must not keep the watcher (and the rank's exit) waiting.
+    monkeypatch.setenv(PREEMPT_MARK_ENV, "/nonexistent/mark")
+    watch = PreemptWatch([signal.SIGTERM])
+    watch.install()
+    child = os.fork()
+    if child == 0:
+        time.sleep(5.0)
+        os._exit(0)
+    try:
+        start = time.monotonic()
+        watch.uninstall()
+        assert time.monotonic() - start < 1.0 and watch._watcher is None
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 @pytest.mark.timeout(10)

@@ -61,6 +61,7 @@ from resilient.trainer.launching.lighthouse import (
 )
 from resilient.trainer.launching.torchrun import shell_code
 from resilient.trainer.observing.quiet import ERROR_EXIT, RUNTIME_EXIT, final_claim_since
+from resilient.trainer.preempt import PreemptMark
 from resilient.validate import check_int
 
 FINAL_STOP_S = 15.0
@@ -158,6 +159,8 @@ class ReplicaJob:
         self._started_t = time.time()  # events.jsonl also holds earlier runs' events
         self._logs: list[IO[str]] = []
         self.events = EventLog(self.run_dir, enabled=True)
+        self.mark = PreemptMark()
+        """Set before this launcher signals the groups: their ranks save (``trainer.preempt``)."""
 
     def _log(self, name: str) -> IO[str]:
         f = open(os.path.join(self.log_dir, name), "a")  # noqa: SIM115 (closed in stop())
@@ -190,6 +193,7 @@ class ReplicaJob:
                 GROUP_ENV: str(group),
                 "REPLICA_GROUP_ID": str(group),
                 LIGHTHOUSE_ENV: self.lighthouse_url,
+                **self.mark.env(),
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 "PYTHONUNBUFFERED": "1",
             }
@@ -333,6 +337,7 @@ class ReplicaJob:
         return next((code for code in codes.values() if code != 0), 0)
 
     def _signal_groups(self, sig: int) -> None:
+        self.mark.set()
         for proc in self.groups.values():
             if proc.poll() is None:
                 signal_group(proc, sig)
@@ -351,6 +356,7 @@ class ReplicaJob:
         if self.lighthouse is not None:
             kill_group(self.lighthouse)
         self.events.close()
+        self.mark.close()
         for f in self._logs:
             f.close()
 

@@ -23,7 +23,7 @@ from resilient.errors import ConfigError
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.launching.lighthouse import die_with_parent
 from resilient.trainer.launching.multinode import MULTINODE_RESTARTS, rendezvous_of
-from resilient.trainer.preempt import preempt_flags
+from resilient.trainer.preempt import PreemptMark, preempt_flags
 
 
 def trainer_args(args: argparse.Namespace) -> list[str]:
@@ -81,7 +81,10 @@ def run(
     # Own session: a Ctrl-C in the terminal reaches torchrun once (forwarded by us), not twice; a
     # second SIGINT would cut short torchrun's shutdown of its workers.
     # A restarted group must not reuse the dead incarnation's store (pytorch/pytorch#135712).
-    env = {**os.environ, **(env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # Every signal this launcher sends asks the ranks to save and stop: marked, so that they can tell
+    # it from the SIGTERM torchrun sends on its own when a rank failed (``trainer.preempt``).
+    mark = PreemptMark()
+    env = {**os.environ, **(env or {}), **mark.env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if _nproc_of(command) > 1:
         # What torchrun sets for more than one rank when unset, without the 5-line warning it
         # prints above the one line the operator should read.
@@ -91,6 +94,7 @@ def run(
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if proc.poll() is None:
+            mark.set()
             proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in forward_signals}
@@ -100,16 +104,18 @@ def run(
         while (code := _wait_a_second(proc)) is None:
             if watch is not None and watch(proc.pid) and not stopping:
                 stopping = True
+                mark.set()
                 proc.terminate()
         return shell_code(code)
     except BaseException:
-        _stop(proc, grace_s)
+        _stop(proc, grace_s, mark)
         raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if proc.poll() is None:
-            _stop(proc, grace_s)
+            _stop(proc, grace_s, mark)
+        mark.close()
 
 
 def _wait_a_second(proc: subprocess.Popen) -> int | None:
@@ -124,8 +130,9 @@ def _nproc_of(command: list[str]) -> int:
     return int(command[command.index(flag) + 1]) if flag in command else 1
 
 
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+def _stop(proc: subprocess.Popen, grace_s: float, mark: PreemptMark) -> None:
     if proc.poll() is None:
+        mark.set()
         proc.terminate()
     try:
         proc.wait(timeout=grace_s)
