@@ -222,9 +222,9 @@ def _from_tiers(
     if not result.loaded and listing_error is not None:
         raise listing_error  # on every rank: each got the same error, and the RAM decision is collective
     if not result.loaded and persistent is None and ram is not None and reinit is not None:
-        # A fresh start after a RAM decision that may have written in place: each rank whose
-        # tensors took bytes of a step not restored puts the initial state back (ranks may differ,
-        # so all go through one agreement), and a rank whose reinit fails raises with the others.
+        # A fresh start after a RAM decision that may have written in place: if any rank's tensors
+        # took bytes of a step not restored, every rank puts the initial state back, and a rank
+        # whose reinit fails raises with the others.
         _put_back_initial(reinit, touched)
     if not result.loaded and persistent is not None:
         if rewind is not None:  # the step asked for, or an error: never another step in its place
@@ -249,13 +249,16 @@ def _from_tiers(
 
 
 def _put_back_initial(reinit: Callable[[], None], touched: bool) -> None:
-    """Collective: ``reinit`` on each rank whose state a RAM decision wrote into (``touched``), the
-    same error on every rank if one fails."""
+    """Collective: when a RAM decision wrote into any rank's state (``touched`` may differ across
+    ranks), ``reinit`` on every rank, the same error on every rank if one fails. Every rank, not the
+    touched ones alone: rebuilding the initial state may run collectives of its own (a tensor-parallel
+    model's build broadcasts its replicated parameters), which a rank left out would never join."""
+    if not any(rdist.agree(lambda: touched, what="whether a RAM restore wrote into the state")):
+        return
 
     def put_back() -> None:
-        if touched:
-            log.warning("[rank %d] no RAM step restored: putting the initial state back", rdist.get_rank())
-            reinit()
+        log.warning("[rank %d] no RAM step restored: putting the initial state back", rdist.get_rank())
+        reinit()
 
     rdist.agree(put_back, what="putting the initial state back after a RAM restore that did not complete")
 

@@ -161,9 +161,11 @@ def plan_retention(
     listing = list_steps(store, known)
     if known is not None:
         known.begin_pass(listing.committed + listing.uncommitted)
-    if not listing.committed:
+    # The newest step committed now: an uncommitted step above it may be a save in flight. Not a
+    # step taken from ``known`` unasked (another process may have set it aside since).
+    newest = next((s for s in reversed(listing.committed) if _committed_now(store, s, listing, known)), None)
+    if newest is None:
         return []
-    newest = listing.committed[-1]
     doomed: list[str] = []
     good = 0
     for step in reversed(listing.committed):  # the newest is always kept

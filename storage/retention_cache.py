@@ -52,6 +52,7 @@ class CheckedSteps:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self._edit = threading.Lock()  # ``forget`` comes from a restore's thread, outside any pass
         self._steps: dict[int, CheckedStep] = {}
         self._staged: dict[int, CheckedStep] = {}
         self._pass = 0
@@ -61,10 +62,11 @@ class CheckedSteps:
         """Start a pass over the steps the root listing shows: entries of steps gone are dropped,
         and the settled step checked longest ago is due for a look in full."""
         self._pass += 1
-        self._staged.clear()
         present = set(listed)
-        self._steps = {step: entry for step, entry in self._steps.items() if step in present}
-        settled = [(entry.checked, step) for step, entry in self._steps.items() if entry.settled]
+        with self._edit:
+            self._staged.clear()
+            self._steps = {step: entry for step, entry in self._steps.items() if step in present}
+            settled = [(entry.checked, step) for step, entry in self._steps.items() if entry.settled]
         self._due = min(settled)[1] if settled else None
 
     def presumes_committed(self, step: int) -> bool:
@@ -83,20 +85,23 @@ class CheckedSteps:
         return entry is not None and entry.settled and entry.digest == digest and step != self._due
 
     def stage(self, step: int, digest: bytes, *, settled: bool) -> None:
-        self._staged[step] = CheckedStep(digest=digest, settled=settled, checked=self._pass)
+        with self._edit:
+            self._staged[step] = CheckedStep(digest=digest, settled=settled, checked=self._pass)
 
     def forget(self, step: int) -> None:
-        self._steps.pop(step, None)
-        self._staged.pop(step, None)
+        with self._edit:
+            self._steps.pop(step, None)
+            self._staged.pop(step, None)
 
     def confirm(self, deleted_steps: set[int]) -> None:
         """The pass's deletions succeeded: keep what it learned (not about the steps it deleted)."""
-        for step, entry in self._staged.items():
-            if step not in deleted_steps:
-                self._steps[step] = entry
-        for step in deleted_steps:
-            self._steps.pop(step, None)
-        self._staged.clear()
+        with self._edit:
+            for step, entry in self._staged.items():
+                if step not in deleted_steps:
+                    self._steps[step] = entry
+            for step in deleted_steps:
+                self._steps.pop(step, None)
+            self._staged.clear()
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -115,7 +120,7 @@ def checked_steps(url: str) -> CheckedSteps:
 
 def forget_step(url: str, step: int) -> None:
     """The step's manifest was moved away here (set aside): passes stop presuming it committed.
-    Without the lock (a pass may be deleting for a while): an entry that survives a race is stale,
+    Without the pass's lock (a pass may be deleting for a while): an entry that survives a race is stale,
     which is safe (see above), and the next full look at the step drops it."""
     with _BY_ROOT_LOCK:
         known = _BY_ROOT.get(url)

@@ -115,7 +115,8 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig
     ``model``: an ``OmniModel`` or one pipeline stage of it (``resilient.trainer.pipeline_parallel.OmniStage``,
     which holds the embeddings or heads only on the first or last stage). Call on the fully
     initialized, unsharded model, built identically (same seed) on every rank:
-    shards are cut locally, nothing is broadcast. Afterwards call the model only through
+    shards are cut locally (the tensor-parallel replicated modules are broadcast from tp rank 0:
+    a collective, so every rank of the mesh builds together). Afterwards call the model only through
     ``forward`` (FSDP2 gathers parameters in hooks around it), build the optimizer over
     ``model.parameters()``, and normalize the loss globally (see the module docstring).
     """

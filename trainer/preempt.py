@@ -79,6 +79,10 @@ SHUTDOWN_MARGIN_S = 30.0
 writer, the loader workers and the process group after the save."""
 PREEMPT_MARK_ENV = "RESILIENT_PREEMPT_MARK"
 """Set by the launcher: the file that exists once it passed a preemption on (``PreemptMark``)."""
+MARK_WAIT_S = 1.0
+"""How long an unmarked SIGTERM waits for the mark before it ends the rank: a scheduler that
+signals every process of the job at once (SLURM's preemption grace, a container runtime's process
+group) reaches the launcher in the same instant, and the launcher marks before it passes anything on."""
 ENDED_EXIT = 1
 """Exit status of a rank that torchrun stopped because another rank failed: not finished, not saved."""
 
@@ -130,10 +134,18 @@ class PreemptWatch:
     def asks_to_save(self, signum: int) -> bool:
         """Whether ``signum`` asks this rank to save and stop (a preemption) rather than to end now:
         every watched signal but an unmarked SIGTERM under a marking launcher whose torchrun and
-        launcher are both still there (then it is torchrun stopping the group after a rank failed)."""
-        if signum != signal.SIGTERM or not self._mark or os.path.exists(self._mark):
+        launcher are both still there (then it is torchrun stopping the group after a rank failed),
+        ``MARK_WAIT_S`` after the signal came."""
+        if signum != signal.SIGTERM or not self._mark:
             return True
-        return _lineage() != self._lineage  # torchrun or the launcher died: their death signal
+        deadline = time.monotonic() + MARK_WAIT_S
+        while True:
+            # The launcher marked it, or torchrun or the launcher died (their death signal).
+            if os.path.exists(self._mark) or _lineage() != self._lineage:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
     def _end_now(self, signum: int) -> None:
         log.info(

@@ -83,3 +83,29 @@ def test_without_a_persistent_step_a_rank_whose_peer_fails_keeps_its_initial_sta
     # landed there.
     landed = [{"w": 1004.0, "z": 1004.5}]
     assert [r["found_by_reinit"] for r in restored] == ([landed, landed] if reinit else [[], []])
+
+
+def _put_back_rank(rank: int, world: int, touched_ranks: list[int]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from resilient.recovery.restore import _put_back_initial
+
+    calls: list[float] = []
+
+    def reinit() -> None:  # as a tensor-parallel model's build: a collective of its own
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        calls.append(total.item())
+
+    _put_back_initial(reinit, rank in touched_ranks)
+    return {"calls": calls}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("touched_ranks", [[0], [1], [0, 1], []], ids=["rank0", "rank1", "both", "none"])
+def test_the_initial_state_goes_back_on_every_rank_when_any_was_written_into(touched_ranks: list[int]) -> None:
+    # One rank's own snapshot landed while its peer's fetch failed before a byte did: the reinit
+    # runs everywhere (its collectives need every rank), or nowhere when nothing landed.
+    results = run_world(_put_back_rank, 2, touched_ranks, timeout_s=60)
+    assert [r["calls"] for r in results] == ([[2.0], [2.0]] if touched_ranks else [[], []])

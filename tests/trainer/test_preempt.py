@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,8 +66,16 @@ def test_under_a_marking_launcher_only_a_marked_sigterm_or_a_dead_parent_asks_to
         watch = PreemptWatch(preempt_signals("SIGUSR1"))
         with watch:
             assert watch._watcher is not None and watch._watcher.is_alive()  # woken through set_wakeup_fd
-            # torchrun's own SIGTERM (a rank failed): end now; the preempt signal is never torchrun's.
+            # torchrun's own SIGTERM (a rank failed): end once no mark came in MARK_WAIT_S; the preempt
+            # signal is never torchrun's.
+            start = time.monotonic()
             assert not watch.asks_to_save(signal.SIGTERM) and watch.asks_to_save(signal.SIGUSR1)
+            assert preempt.MARK_WAIT_S <= time.monotonic() - start < preempt.MARK_WAIT_S + 1.0
+            # A scheduler signalling the whole job at once: the rank's SIGTERM comes before the
+            # launcher's mark, which follows within the wait.
+            threading.Timer(0.3, mark.set).start()
+            assert watch.asks_to_save(signal.SIGTERM)
+            os.unlink(mark.path)
             parent, launcher = preempt._lineage()
             monkeypatch.setattr(preempt, "_lineage", lambda: (parent, 1))  # the launcher died: its death signal
             assert watch.asks_to_save(signal.SIGTERM)

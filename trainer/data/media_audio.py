@@ -56,8 +56,8 @@ _RESAMPLE_MARGIN_S = 0.01
 # frame, audio decoders do not look at skip_frame.
 PROBE_AUDIO_ONLY = {"skip_frame": "all"}
 # The open tried first: no probe decoder opens at all (none is on the whitelist), and the stream's
-# parameters are its headers'. Opening the AAC decoder twice (the probe's, then ours) and the probe
-# decode cost ~0.2 ms of a 10 s clip. Where the headers lack the rate or channels (raw ADTS) or the
+# parameters are its headers'. The probe's own decoder open and decode are the cost saved
+# (benchmarks/README.md, "AAC, fourth pass"). Where the headers lack the rate or channels (raw ADTS) or the
 # first decoded frame disagrees with them (HE-AAC signalled implicitly: the header gives the core
 # rate, the decoder doubles it), the file is opened again with PROBE_AUDIO_ONLY and decoded anew.
 PROBE_HEADERS_ONLY = {**PROBE_AUDIO_ONLY, "codec_whitelist": "none"}
@@ -151,9 +151,6 @@ class _RateConverter:
         )
         self.out: list[np.ndarray] = []  # resampled pieces, or the pieces themselves
         self.fed = 0
-        # Whether it holds on to the arrays it is fed (no rate change: they are its output); a
-        # resampler consumes each piece during the call, so a feeder may reuse the memory after it.
-        self.keeps_input = self.stream is None
         size = None if expected is None or self.stream is None else round(max(expected, 0) * to_rate / from_rate)
         # (A header declaring more than this is not trusted with the memory: pieces, as without one.)
         self._whole = np.empty(size, dtype=np.float32) if size is not None and size <= _PREALLOCATE_MAX else None
