@@ -102,7 +102,8 @@ class MetricsConfig:
     straggler_windows: int = 2
     """... for this many consecutive ``rank_every`` windows: then a ``straggler`` event and one
     warning; as many windows slow in nothing end the episode (``straggler_cleared``). With the
-    defaults a rank held from outside is named within 10 steps."""
+    defaults a rank held from outside is named within 15 steps (two full windows after the one the
+    hold starts in)."""
     tensorboard: bool = False
     """Also write each step's metrics as TensorBoard scalars under ``group<G>/tensorboard/``
     (``metrics.jsonl`` stays the source of truth)."""
