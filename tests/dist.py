@@ -20,8 +20,11 @@ from typing import Any
 from resilient.dist import free_port
 
 # What every rank imports first, done once in the fork server: a rank then starts in a fraction of
-# the seconds a fresh interpreter takes to import torch. Nothing here starts a thread or touches
-# TensorStore (which must not be used across fork): ranks import the rest themselves.
+# the seconds a fresh interpreter takes to import torch. Nothing here touches TensorStore (which
+# must not be used across fork), and the only threads started are OpenBLAS's pool (numpy), which
+# has its own fork handlers: ranks import the rest themselves. The server imports these under the
+# environment of the first test that starts a world: variables read at import (thread counts,
+# TORCH_LOGS) cannot be changed by a later test's ``env=``.
 _PRELOAD = [
     "torch",
     "torch.distributed",

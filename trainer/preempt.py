@@ -79,10 +79,14 @@ SHUTDOWN_MARGIN_S = 30.0
 writer, the loader workers and the process group after the save."""
 PREEMPT_MARK_ENV = "RESILIENT_PREEMPT_MARK"
 """Set by the launcher: the file that exists once it passed a preemption on (``PreemptMark``)."""
-MARK_WAIT_S = 1.0
-"""How long an unmarked SIGTERM waits for the mark before it ends the rank: a scheduler that
-signals every process of the job at once (SLURM's preemption grace, a container runtime's process
-group) reaches the launcher in the same instant, and the launcher marks before it passes anything on."""
+MARK_WAIT_S = 5.0
+"""How long an unmarked SIGTERM waits for the mark before it ends the rank, unless a rank of this
+node already exited (then torchrun is stopping the group after a failure: at once). A scheduler
+that signals every process of the job at once (SLURM's preemption grace, ``scancel``, a node
+shutdown) reaches the launcher in the same instant, and the launcher marks before it passes
+anything on; the wait covers a launcher whose main thread is slow to run its handler."""
+WATCHER_JOIN_S = 5.0
+"""How long ``uninstall`` waits for the watcher thread to see its stop byte."""
 ENDED_EXIT = 1
 """Exit status of a rank that torchrun stopped because another rank failed: not finished, not saved."""
 
@@ -121,6 +125,7 @@ class PreemptWatch:
         self._previous: dict[signal.Signals, Any] = {}
         self._mark = os.environ.get(PREEMPT_MARK_ENV, "")
         self._lineage = (0, 0)
+        self._siblings: list[int] = []  # the other ranks torchrun runs on this node, at install
         self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the previous wakeup fd)
         self._watcher: threading.Thread | None = None
         self._stopping = False
@@ -143,27 +148,35 @@ class PreemptWatch:
             # The launcher marked it, or torchrun or the launcher died (their death signal).
             if os.path.exists(self._mark) or _lineage() != self._lineage:
                 return True
-            if time.monotonic() >= deadline:
+            # A rank of this node exited: torchrun stops the others to restart or give up.
+            if time.monotonic() >= deadline or any(not _alive(pid) for pid in self._siblings):
                 return False
             time.sleep(0.02)
 
     def _end_now(self, signum: int) -> None:
-        log.info(
-            "%s with no preemption marked: torchrun stops this rank because another one failed; exiting %d "
-            "(the newest committed step stays the resume point)",
-            signal.Signals(signum).name,
-            ENDED_EXIT,
+        # Written straight to the fd: this may run in a signal handler that interrupted a write to
+        # the same stream (a reentrant flush raises), or with a stream's pipe full.
+        gone = [pid for pid in self._siblings if not _alive(pid)]
+        why = f"rank pid(s) {gone} of this node exited" if gone else f"no mark within {MARK_WAIT_S:.0f} s"
+        line = (
+            f"{signal.Signals(signum).name} is not a preemption ({why}): torchrun stops this rank; exiting "
+            f"{ENDED_EXIT} (the newest committed step stays the resume point)\n"
         )
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
         os._exit(ENDED_EXIT)  # now: the main thread may be inside a collective that never returns
 
     def _watch(self, read_fd: int) -> None:
         """The signal numbers the C handler writes to the wakeup fd, read while the main thread may
         be blocked in C++ (where Python handlers wait); ends when ``uninstall`` wakes it to stop."""
-        while (data := _read(read_fd)) and not self._stopping:
+        while data := _read(read_fd):
             if signal.SIGTERM in data and not self.asks_to_save(signal.SIGTERM):
                 self._end_now(signal.SIGTERM)
+            if self._stopping:
+                return
 
     def _start_watcher(self) -> None:
         self._stopping = False
@@ -173,6 +186,8 @@ class PreemptWatch:
         self._wakeup = (read_fd, write_fd, previous)
         self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="preempt-watch", daemon=True)
         self._watcher.start()
+        _WATCHES.add(self)
+        _forget_watches_in_children()
 
     def _stop_watcher(self) -> None:
         if self._wakeup is None:
@@ -183,10 +198,27 @@ class PreemptWatch:
         self._stopping = True
         with contextlib.suppress(OSError):
             os.write(write_fd, b"\0")
+        _WATCHES.discard(self)
         if self._watcher is not None:
-            self._watcher.join(timeout=5.0)
+            self._watcher.join(timeout=WATCHER_JOIN_S)
+            if self._watcher.is_alive():  # its fds may not be closed under it: a socket may reuse them
+                log.warning("the preemption watcher did not stop in %.0f s; leaving its pipe open", WATCHER_JOIN_S)
+                self._wakeup = self._watcher = None
+                return
         os.close(write_fd)
         os.close(read_fd)
+        self._wakeup = self._watcher = None
+
+    def forget_in_child(self) -> None:
+        """In a process forked from this one: the wakeup fd and the pipe are the parent's (a SIGTERM
+        to the child would otherwise wake the parent's watcher as its own)."""
+        if self._wakeup is None:
+            return
+        read_fd, write_fd, _ = self._wakeup
+        signal.set_wakeup_fd(-1)
+        for fd in (read_fd, write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._wakeup = self._watcher = None
 
     def deadline(self, grace_s: float) -> float:
@@ -199,6 +231,7 @@ class PreemptWatch:
         self._previous = {sig: signal.signal(sig, self._record) for sig in self.signals}
         if self._mark:
             self._lineage = _lineage()
+            self._siblings = _siblings()
             self._start_watcher()
 
     def uninstall(self) -> None:
@@ -228,6 +261,41 @@ class PreemptWatch:
         """This rank's flags as they stand, combined (MAX) over ``group`` in the background: the
         ranks of ``group`` must all put the same flags in sums they do not reduce among themselves."""
         return StopFlags(self.flags(), group)
+
+
+_WATCHES: set[PreemptWatch] = set()
+_AT_FORK_REGISTERED = False
+
+
+def _forget_watches_in_children() -> None:
+    """Once per process: a forked child (a loader worker, a user's pool) drops the watches' wakeup
+    fd and pipes (``PreemptWatch.forget_in_child``); an at-fork hook cannot be unregistered."""
+    global _AT_FORK_REGISTERED
+    if not _AT_FORK_REGISTERED:
+        os.register_at_fork(after_in_child=lambda: [watch.forget_in_child() for watch in list(_WATCHES)])
+        _AT_FORK_REGISTERED = True
+
+
+def _siblings() -> list[int]:
+    """The other processes torchrun (this process's parent) runs: the ranks of this node."""
+    parent, me = os.getppid(), os.getpid()
+    children: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{parent}/task"):  # each thread's children: any may have started a rank
+            with open(f"/proc/{parent}/task/{task}/children") as f:
+                children += [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []  # no children lists (a kernel without them): the mark's wait decides alone
+    return [pid for pid in children if pid != me]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (not gone, not a zombie waiting for torchrun to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _read(fd: int) -> bytes:

@@ -63,6 +63,7 @@ def test_under_a_marking_launcher_only_a_marked_sigterm_or_a_dead_parent_asks_to
     mark = PreemptMark()
     try:
         monkeypatch.setenv(PREEMPT_MARK_ENV, mark.path)
+        monkeypatch.setattr(preempt, "MARK_WAIT_S", 1.0)
         watch = PreemptWatch(preempt_signals("SIGUSR1"))
         with watch:
             assert watch._watcher is not None and watch._watcher.is_alive()  # woken through set_wakeup_fd
@@ -110,6 +111,59 @@ def test_uninstall_is_prompt_while_a_forked_child_holds_the_wakeup_pipe(monkeypa
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+@pytest.mark.timeout(20)
+def test_an_unmarked_sigterm_after_a_rank_of_the_node_exited_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun stops the survivors once a rank exited: no wait for a mark that will not come. Until
+    # one has, an unmarked SIGTERM waits the whole MARK_WAIT_S (the launcher may be slow to mark).
+    monkeypatch.setenv(PREEMPT_MARK_ENV, "/nonexistent/mark")
+    monkeypatch.setattr(preempt, "MARK_WAIT_S", 1.5)
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    watch = PreemptWatch([signal.SIGTERM])
+    watch._lineage, watch._siblings = preempt._lineage(), [sibling.pid]
+    try:
+        start = time.monotonic()
+        assert not watch.asks_to_save(signal.SIGTERM)
+        assert time.monotonic() - start >= 1.5  # alive: the full wait
+        sibling.kill()
+        sibling.wait(timeout=10)
+        start = time.monotonic()
+        assert not watch.asks_to_save(signal.SIGTERM)
+        assert time.monotonic() - start < 0.5  # gone: at once
+    finally:
+        sibling.kill()
+        sibling.wait(timeout=10)
+
+
+_CHILD_SIGTERM = """
+import os, signal, sys, time
+from resilient.trainer import preempt
+preempt.MARK_WAIT_S = 0.3
+watch = preempt.PreemptWatch([signal.SIGTERM])
+watch.install()
+ready_r, ready_w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.write(ready_w, b"1")  # past fork: the at-fork hooks ran
+    time.sleep(5.0)
+    os._exit(0)
+os.read(ready_r, 1)
+os.kill(child, signal.SIGTERM)
+os.waitpid(child, 0)
+time.sleep(1.5)  # the parent's watcher would have ended it by now
+watch.uninstall()
+print("alive")
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_sigterm_to_a_forked_child_does_not_end_the_rank() -> None:
+    # A loader worker forked after install inherits the wakeup fd: its SIGTERM must not reach the
+    # rank's watcher as the rank's own.
+    env = {**os.environ, PREEMPT_MARK_ENV: "/nonexistent/mark"}
+    done = subprocess.run([sys.executable, "-c", _CHILD_SIGTERM], env=env, capture_output=True, text=True, timeout=20)
+    assert (done.returncode, done.stdout.strip()) == (0, "alive"), done.stderr[-2000:]
 
 
 @pytest.mark.timeout(10)
