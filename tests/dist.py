@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import signal
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -100,8 +99,8 @@ def collect(procs: list[mp.Process], out: mp.Queue, timeout_s: float) -> list[An
 
 def kill_all(procs: list[mp.Process]) -> None:
     for p in procs:
-        if p.is_alive() and p.pid:
-            os.kill(p.pid, signal.SIGKILL)
+        if p.is_alive():
+            p.kill()  # SIGKILL; a rank that ended since is no error (ProcessLookupError suppressed)
         p.join(timeout=10)
 
 
