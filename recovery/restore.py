@@ -250,11 +250,9 @@ def _from_tiers(
 
 def _put_back_initial(reinit: Callable[[], None], touched: bool) -> None:
     """Collective: when a RAM decision wrote into any rank's state (``touched`` may differ across
-    ranks), ``reinit`` on every rank, the same error on every rank if one fails after it. Every
-    rank, not the touched ones alone: rebuilding the initial state may run collectives of its own (a
-    tensor-parallel model's build broadcasts its replicated parameters), which a rank left out would
-    never join; for the same reason a rank whose reinit fails before such a collective leaves its
-    peers waiting in it until the process group's timeout, as a failed model build at start does."""
+    ranks), ``reinit`` on every rank: its model build may run collectives (tensor parallelism
+    broadcasts), so a rank whose reinit fails before one leaves its peers waiting in it until the
+    process group's timeout, as a failed build at start does; after, every rank raises its error."""
     if not any(rdist.agree(lambda: touched, what="whether a RAM restore wrote into the state")):
         return
 
