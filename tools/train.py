@@ -52,15 +52,16 @@ from resilient.trainer.launching.multinode import (
     rendezvous_of,
     split_ranks,
 )
-from resilient.trainer.launching.torchrun import check_nproc, run, torchrun_command, trainer_args
-from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
-from resilient.trainer.preempt import (
+from resilient.trainer.launching.preemption import (
+    MarkError,
     forwarded_signals,
     launcher_grace_s,
     preempt_flags,
     preempted_events,
     preempted_exit,
 )
+from resilient.trainer.launching.torchrun import check_nproc, run, torchrun_command, trainer_args
+from resilient.trainer.observing.quiet import DEBUG_ENV, ERROR_EXIT, RUNTIME_EXIT, final_claim_since, reported_since
 
 PROG = "resilient-train"
 
@@ -249,7 +250,10 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         return 2
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
-    code = run_replicated(launch, forwarded_signals(config))
+    try:
+        code = run_replicated(launch, forwarded_signals(config))
+    except MarkError as e:  # raised before anything started
+        return _cannot_start(e)
     stopped = preempted_events(config.run.dir, started, launch.groups_here())
     line = _failure_line(config.run.dir, started, code, stopped)
     # The groups stopped for a preemption: 143 (resumable from the stop step) only if every group
@@ -269,6 +273,11 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             return code
         return RUNTIME_EXIT if disk_full(ResilientError(line)) else ERROR_EXIT  # a full disk is no bad input
     return code
+
+
+def _cannot_start(error: MarkError) -> int:
+    print(f"error: {error}", file=sys.stderr)
+    return RUNTIME_EXIT if disk_full(error) else ERROR_EXIT  # a full disk is the machine's, not the input's
 
 
 def _failure_line(run_dir: str, started: float, code: int, stopped: list[dict]) -> str | None:
@@ -306,7 +315,10 @@ def run_one_group(args: argparse.Namespace) -> int:
         stop = final_claim_since(config.run.dir, started) is not None
         return (waiting(torchrun_pid) if waiting else False) or stop
 
-    code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), watch)
+    try:
+        code = run(command, launcher_grace_s(config, args.grace_s), env, forwarded_signals(config), watch)
+    except MarkError as e:  # raised before torchrun started
+        return _cannot_start(e)
     final = final_claim_since(config.run.dir, started)
     if final:  # the rank printed the line
         return RUNTIME_EXIT if disk_full(ResilientError(final)) else ERROR_EXIT

@@ -37,8 +37,9 @@ group, or to give up) and kills them 30 s later (a constant in torchrun). Saving
 (the failed rank's part of the step is gone) and waiting costs the whole group's recovery those
 30 s, since a survivor blocked in a collective with the dead rank never reaches its stop step. So
 under our launcher a SIGTERM is a preemption only when the launcher says so: it creates the file
-that ``RESILIENT_PREEMPT_MARK`` names (``PreemptMark``) before it passes a signal on, and a rank
-whose torchrun or launcher died (their death signal, no one left to mark) saves as well. Any other
+that ``RESILIENT_PREEMPT_MARK`` names (``PreemptMark``, in ``resilient.trainer.launching.preemption``
+with the rest of the launcher's side) before it passes a signal on, and a rank whose torchrun or
+launcher died (their death signal, no one left to mark) saves as well. Any other
 SIGTERM ends the rank at once with exit 1 (``PreemptWatch``: a thread woken through
 ``signal.set_wakeup_fd`` decides, since a Python handler cannot run while the main thread is inside
 a collective); what is committed stays the resume point. Without the variable (plain torchrun under
@@ -50,12 +51,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -63,10 +61,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from resilient.errors import CommitError
-from resilient.runfiles import group_id, read_events, write_event
+from resilient.runfiles import group_id, write_event
+from resilient.trainer.observing.quiet import RUNTIME_EXIT
 
 if TYPE_CHECKING:
-    from resilient.trainer.config import TrainConfig
     from resilient.trainer.loop import Trainer
 
 log = logging.getLogger(__name__)
@@ -87,8 +85,6 @@ shutdown) reaches the launcher in the same instant, and the launcher marks befor
 anything on; the wait covers a launcher whose main thread is slow to run its handler."""
 WATCHER_JOIN_S = 5.0
 """How long ``uninstall`` waits for the watcher thread to see its stop byte."""
-ENDED_EXIT = 1
-"""Exit status of a rank that torchrun stopped because another rank failed: not finished, not saved."""
 
 
 class Preempted(Exception):  # noqa: N818 - a stop, not an error: nothing may catch it as a ResilientError
@@ -114,7 +110,7 @@ class PreemptWatch:
     """Records the preemption signals this process receives (``install`` / ``uninstall``, or as a
     context manager); ``flags`` and ``agreed_signal`` turn them into what a step's sums carry.
     Under a launcher that marks its preemptions (``PREEMPT_MARK_ENV``) an unmarked SIGTERM ends the
-    process at once instead (exit ``ENDED_EXIT``), even while the main thread waits in a collective."""
+    process at once instead (exit ``RUNTIME_EXIT``), even while the main thread waits in a collective."""
 
     def __init__(self, signals: list[signal.Signals]) -> None:
         self.signals = signals
@@ -160,14 +156,14 @@ class PreemptWatch:
         why = f"rank pid(s) {gone} of this node exited" if gone else f"no mark within {MARK_WAIT_S:.0f} s"
         line = (
             f"{signal.Signals(signum).name} is not a preemption ({why}): torchrun stops this rank; exiting "
-            f"{ENDED_EXIT} (the newest committed step stays the resume point)\n"
+            f"{RUNTIME_EXIT} (the newest committed step stays the resume point)\n"
         )
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         with contextlib.suppress(OSError):
             os.write(2, line.encode())
-        os._exit(ENDED_EXIT)  # now: the main thread may be inside a collective that never returns
+        os._exit(RUNTIME_EXIT)  # now: the main thread may be inside a collective that never returns
 
     def _watch(self, read_fd: int) -> None:
         """The signal numbers the C handler writes to the wakeup fd, read while the main thread may
@@ -421,75 +417,3 @@ def stop_trainer(trainer: Trainer, signum: int) -> Preempted:
 
     settled = functools.partial(trainer.settled_steps, trainer.preemption.deadline(grace))
     return stop_preempted(step, signum, save=save, committed=steps, settled=settled, record=record)
-
-
-# -- the launcher's side ---------------------------------------------------------------------
-
-
-def preempt_flags(config: TrainConfig) -> list[str]:
-    """torchrun's flags for a preemption (``resilient.trainer.preempt``): pass ``run.preempt_signal``
-    on to the workers as it does SIGTERM, and give them ``run.preempt_grace_s`` plus a margin to save
-    before it kills them (its default is 30 s)."""
-    signals = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
-    if config.run.preempt_signal and config.run.preempt_signal not in signals:
-        signals.append(config.run.preempt_signal)
-    timeout = math.ceil(config.run.preempt_grace_s + SHUTDOWN_MARGIN_S)
-    return ["--shutdown-timeout", str(timeout), "--signals-to-handle", ",".join(signals)]
-
-
-class PreemptMark:
-    """The launcher's side of ``PREEMPT_MARK_ENV``: ``env`` goes to torchrun (its ranks inherit it),
-    ``set`` before the launcher sends a signal that asks the ranks to save and stop, ``close`` when
-    the launch is over. The file lives in a private temporary folder: one per launcher, on its node."""
-
-    def __init__(self) -> None:
-        self._folder = tempfile.mkdtemp(prefix="resilient-preempt-")
-        self.path = os.path.join(self._folder, "preempting")
-
-    def env(self) -> dict[str, str]:
-        return {PREEMPT_MARK_ENV: self.path}
-
-    def set(self) -> None:
-        with open(self.path, "w"):
-            pass
-
-    def close(self) -> None:
-        shutil.rmtree(self._folder, ignore_errors=True)
-
-
-def launcher_grace_s(config: TrainConfig, grace_s: float) -> float:
-    """How long the launcher waits for a torchrun it signalled before killing it: never less than
-    the time torchrun gives its workers to save (``preempt_flags``), and a margin for torchrun."""
-    return max(grace_s, config.run.preempt_grace_s + SHUTDOWN_MARGIN_S) + 10.0
-
-
-def forwarded_signals(config: TrainConfig | None) -> tuple[signal.Signals, ...]:
-    """The signals a launcher passes on: Ctrl-C, SIGTERM and ``run.preempt_signal``."""
-    extra = [getattr(signal, config.run.preempt_signal)] if config and config.run.preempt_signal else []
-    return (signal.SIGINT, signal.SIGTERM, *extra)
-
-
-def preempted_events(run_dir: str, since: float, groups: list[int] | None = None) -> list[dict]:
-    """The ``preempted`` events written at or after ``since``, of ``groups`` only when given."""
-    return [
-        e
-        for e in read_events(run_dir)
-        if e.get("event") == PREEMPTED_EVENT and e["t"] >= since and (groups is None or e.get("group") in groups)
-    ]
-
-
-def preempted_exit(events: list[dict]) -> tuple[int, str]:
-    """What a replica-group launcher exits with after its groups stopped for a preemption
-    (``events``: their ``preempted`` events, at least one): 143 when every group that stopped saw
-    one and the same step committed; else 1 and the line that says why the run is not resumable
-    from the stop step."""
-    steps = sorted({int(e["step"]) for e in events})
-    late = sorted(e.get("group", 0) for e in events if not e.get("committed"))
-    if len(steps) == 1 and not late:
-        return PREEMPTED_EXIT, ""
-    if len(steps) > 1:
-        return 1, f"error: the replica groups stopped at different steps {steps} when preempted (a bug)"
-    return 1, (
-        f"error: preempted at step {steps[0]} but group(s) {late} did not see it committed within "
-        "run.preempt_grace_s: the next start resumes from the newest committed step"
-    )

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,18 +16,11 @@ import pytest
 
 from resilient import Checkpointer
 from resilient.runfiles import read_events, read_jsonl_by_step
+from resilient.tools import train as train_cli
 from resilient.trainer import preempt
 from resilient.trainer.config import load_config
-from resilient.trainer.preempt import (
-    PREEMPT_MARK_ENV,
-    PREEMPTED_EXIT,
-    PreemptMark,
-    PreemptWatch,
-    forwarded_signals,
-    launcher_grace_s,
-    preempt_flags,
-    preempt_signals,
-)
+from resilient.trainer.launching.preemption import PreemptMark, forwarded_signals, launcher_grace_s, preempt_flags
+from resilient.trainer.preempt import PREEMPT_MARK_ENV, PREEMPTED_EXIT, PreemptWatch, preempt_signals
 from tests.procs import communicate_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,6 +168,24 @@ def test_torchrun_waits_out_the_grace_and_passes_the_preempt_signal_on() -> None
     assert flags[flags.index("--signals-to-handle") + 1].split(",")[-1] == "SIGUSR1"
     assert launcher_grace_s(config, 30.0) >= 230
     assert forwarded_signals(config) == (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("groups", [[], ["--replica-groups", "2", "--nproc-per-group", "4"]])
+def test_a_launcher_that_cannot_create_its_preemption_mark_says_so_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], groups: list[str]
+) -> None:
+    """The mark's folder cannot be made (here: TMPDIR names no folder): one line, exit 2, before
+    torchrun or a replica group starts (before: an OSError traceback)."""
+    missing = tmp_path / "no-such-tmp"
+    monkeypatch.setattr(tempfile, "tempdir", str(missing))
+    run_dir = tmp_path / "run"
+    code = train_cli.main(["--config", TINY, "--set", f"run.dir={run_dir}", *groups])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [err[0]] and err[0].startswith("error: cannot create the preemption mark's folder in ")
+    assert str(missing) in err[0] and "TMPDIR" in err[0]
+    assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())  # no group started
 
 
 def _launch(run_dir: Path, steps: int, *sets: str) -> subprocess.Popen:

@@ -59,9 +59,9 @@ from resilient.trainer.launching.lighthouse import (
     signal_group,
     start_lighthouse,
 )
+from resilient.trainer.launching.preemption import PreemptMark
 from resilient.trainer.launching.torchrun import shell_code
 from resilient.trainer.observing.quiet import ERROR_EXIT, RUNTIME_EXIT, final_claim_since
-from resilient.trainer.preempt import PreemptMark
 from resilient.validate import check_int
 
 FINAL_STOP_S = 15.0

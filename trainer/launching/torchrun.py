@@ -23,7 +23,7 @@ from resilient.errors import ConfigError
 from resilient.trainer.config import TrainConfig
 from resilient.trainer.launching.lighthouse import die_with_parent
 from resilient.trainer.launching.multinode import MULTINODE_RESTARTS, rendezvous_of
-from resilient.trainer.preempt import PreemptMark, preempt_flags
+from resilient.trainer.launching.preemption import PreemptMark, preempt_flags
 
 
 def trainer_args(args: argparse.Namespace) -> list[str]:
