@@ -39,9 +39,9 @@ from resilient.trainer.launching.emit import (
     check_k8s_root,
     check_slurm_run_dir,
     emit_flag_error,
-    k8s_manifest,
-    slurm_script,
 )
+from resilient.trainer.launching.emit_k8s import k8s_manifest
+from resilient.trainer.launching.emit_slurm import slurm_script
 from resilient.trainer.launching.launch import ReplicaLaunch, run_replicated
 from resilient.trainer.launching.multinode import (
     MULTINODE_RESTARTS,

@@ -14,7 +14,9 @@ import yaml
 
 from resilient.errors import ConfigError
 from resilient.tools.train import main
-from resilient.trainer.launching.emit import EmitSpec, k8s_manifest, slurm_script
+from resilient.trainer.launching.emit import EmitSpec
+from resilient.trainer.launching.emit_k8s import k8s_manifest
+from resilient.trainer.launching.emit_slurm import slurm_script
 from tests.trainer.emit_helpers import REPO, SPEC, TINY, stub, stubs, trainer_container
 
 pytestmark = pytest.mark.timeout(60)

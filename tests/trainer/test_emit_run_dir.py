@@ -14,7 +14,8 @@ import yaml
 
 from resilient.errors import ConfigError
 from resilient.tools.train import main
-from resilient.trainer.launching.emit import EmitSpec, slurm_script
+from resilient.trainer.launching.emit import EmitSpec
+from resilient.trainer.launching.emit_slurm import slurm_script
 from tests.trainer.emit_helpers import SPEC, TINY, stub, stubs, trainer_container
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resilient.trainer.launching.emit import EmitSpec, k8s_manifest, slurm_script
+from resilient.trainer.launching.emit import EmitSpec
+from resilient.trainer.launching.emit_k8s import k8s_manifest
+from resilient.trainer.launching.emit_slurm import slurm_script
 
 pytestmark = pytest.mark.timeout(30)
 SPEC = {
