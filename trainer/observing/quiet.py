@@ -13,6 +13,7 @@ it exits with the first failed rank's code, so the launcher can pass exit 2 on.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 
@@ -117,14 +118,17 @@ def report_failure(run_dir: str, rank: int, error: BaseException) -> int | None:
 
 
 def run_torchrun(argv: list[str]) -> int:
+    # The agent's "failed (exitcode: 2)", "Received 15 death signal" and "closing signal" lines
+    # repeat what the ranks and the launcher say; its loggers take their level from LOGLEVEL when
+    # they are created, on import: so before the imports below.
+    if not debug_enabled():
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    # The agent's "failed (exitcode: 2)" and "closing signal" lines repeat what the rank said; its
-    # loggers take their level from LOGLEVEL when they are created (on import).
-    if not debug_enabled():
-        os.environ.setdefault("LOGLEVEL", "CRITICAL")
+    if not debug_enabled():  # these take the level of the "torch" logger instead (its closing-signal lines)
+        logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(os.environ["LOGLEVEL"])
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
