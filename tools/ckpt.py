@@ -20,6 +20,7 @@ Thin by design: all logic lives in resilient.storage.offline (catalog, verify, d
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 
@@ -35,6 +36,16 @@ def _size(text: str) -> int:
         return out.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _tolerance(text: str) -> float:
+    try:
+        atol = float(text)
+    except ValueError:
+        atol = math.nan
+    if not atol >= 0 or math.isinf(atol):  # NaN fails every comparison: no pair would be "equal"
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, e.g. 1e-6, got {text!r}")
+    return atol
 
 
 def _quiet(args: argparse.Namespace) -> bool:
@@ -258,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="keys, shapes, dtypes, values and max |a-b| per tensor")
     p.add_argument("a", help="checkpoint root or step directory")
     p.add_argument("b", help="checkpoint root or step directory")
-    p.add_argument("--atol", type=float, default=0.0, help="differences up to this are equal (default 0)")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="differences up to this are equal (default 0)")
     _common(p, tensors=True, memory=True)
     p.set_defaults(handler=cmd_diff)
 
