@@ -80,7 +80,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import DamagedStep, open_newest_readable, summarize
+    from resilient.storage.offline.catalog import DamagedStep, check_patterns_match, open_newest_readable, summarize
 
     opened, skipped = open_newest_readable(args.url, args.step)
     if isinstance(opened, DamagedStep):  # the step asked for (or every committed one) is damaged
@@ -89,18 +89,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             sys.stderr.write(f"{PROG}: {opened.message} (resilient-ckpt verify --all checks every step)\n")
         return 1
+    check_patterns_match([opened], args.tensors)
     summary = {**summarize(opened, args.tensors), "status": "ok", "damaged": [d.to_json() for d in skipped]}
     out.emit_json(summary) if args.json else out.render_inspect(summary)
     return 1 if skipped else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import CheckpointRef, open_every_step, open_step
+    from resilient.storage.offline.catalog import CheckpointRef, check_patterns_match, open_every_step, open_step
     from resilient.storage.offline.convert import StreamConfig
     from resilient.storage.offline.verify import verify_steps
 
     opened = open_every_step(args.url) if args.all else [open_step(args.url, args.step)]
     refs = [o for o in opened if isinstance(o, CheckpointRef)]
+    check_patterns_match(refs, args.tensors)
     bar = _bar(args, "verify", sum(_selected_bytes(r.manifest, args.tensors) for r in refs))
     memory = StreamConfig(max_memory=args.max_memory)
     try:
@@ -121,11 +123,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import open_checkpoint
+    from resilient.storage.offline.catalog import check_patterns_match, open_checkpoint
     from resilient.storage.offline.convert import StreamConfig
     from resilient.storage.offline.diff import diff_steps
 
     a, b = open_checkpoint(args.a), open_checkpoint(args.b)
+    check_patterns_match([a, b], args.tensors)
     bar = _bar(args, "diff", _selected_bytes(a.manifest, args.tensors) + _selected_bytes(b.manifest, args.tensors))
     memory = StreamConfig(max_memory=args.max_memory)
     result = diff_steps(

@@ -206,6 +206,17 @@ def select(names: list[str], patterns: list[str] | None) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+def check_patterns_match(refs: list[CheckpointRef], patterns: list[str] | None) -> None:
+    """ConfigError when ``--tensors`` globs match no tensor or value of any step read: a typo in a
+    glob would otherwise verify (or diff) nothing and report the step OK."""
+    names = sorted({n for r in refs for n in (*r.manifest.arrays, *r.manifest.values)})
+    if patterns and refs and not select(names, patterns):
+        raise ConfigError(
+            f"--tensors {' '.join(patterns)} matches no tensor or value of {refs[0].url} "
+            f"(it has e.g. {', '.join(names[:3])}); fix the glob, e.g. 'model.*'"
+        )
+
+
 # -- ls ---------------------------------------------------------------------------------------
 
 

@@ -109,6 +109,12 @@ def test_more_bad_input_says_what_to_do(tmp_path, saved, cli):
     for atol in ("-1", "nan", "inf", "abc"):
         err = _one_line_error(cli, "diff", root, root, "--atol", atol)
         assert f"argument --atol: must be a finite number >= 0, e.g. 1e-6, got '{atol}'" in err
+    # A glob with a typo matched nothing, and verify said "OK (0 tensors)", diff "identical", exit 0.
+    for argv in (("inspect", root), ("verify", root), ("diff", root, root)):
+        err = _one_line_error(cli, *argv, "--tensors", "modle.*")
+        assert "--tensors modle.* matches no tensor or value of" in err and "model.embed.weight" in err
+    rc, out, _ = cli("verify", root, "--tensors", "model.*")
+    assert rc == 0 and "OK (3 tensors" in out
 
 
 def test_a_damaged_newest_step_names_the_older_one_that_reads(tmp_path, cli):
