@@ -26,7 +26,7 @@ import traceback
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.tools import ckpt_output as out
-from resilient.tools.cli import OneLineParser
+from resilient.tools.cli import OneLineParser, stdout_closed
 
 PROG = "resilient-ckpt"
 
@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     _return_big_buffers_to_os()
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        return stdout_closed()
     except IntegrityError as e:  # the checkpoint itself is damaged: a finding
         sys.stderr.write(f"{PROG}: {_one_line(e)}\n")
         return 1

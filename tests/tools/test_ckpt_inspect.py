@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +133,13 @@ def test_a_damaged_newest_step_names_the_older_one_that_reads(tmp_path, cli):
         assert err.rstrip().endswith(f"the newest older step that reads is 5: use it ({root}/step-000000005)")
     rc, _, err = cli("diff", root, os.path.join(root, "step-000000005"))
     assert rc == 1 and "is not valid JSON" in err
+
+
+@pytest.mark.e2e  # a CLI process whose reader is gone before it writes
+def test_a_reader_that_went_away_is_no_error(saved):
+    root, _ = saved
+    command = [sys.executable, "-m", "resilient.tools.ckpt", "inspect", root]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # `resilient-ckpt inspect ROOT | head -1`, head already done
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (141, b""), err  # as a shell reports a SIGPIPE death; no error line
