@@ -29,7 +29,7 @@ from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, l
 from resilient.chaos.report import write_report, write_timeline
 from resilient.chaos.s3_proxy import S3_ENV, FaultProxy, MotoServer
 from resilient.chaos.scenario import Scenario, scenario_summary
-from resilient.chaos.twin import default_cache_dir, get_twin
+from resilient.chaos.twin import check_cache_dir, default_cache_dir, get_twin
 from resilient.errors import ConfigError
 from resilient.runfiles import HOOK_EVENTS_FILE, chaos_dir, default_ckpt_url, read_events, read_jsonl
 
@@ -48,8 +48,13 @@ def _prepare_dir(report_dir: str) -> None:
                 f"--report {report_dir} exists and was not written by resilient-chaos: choose an empty or new directory"
             )
         shutil.rmtree(report_dir)
-    os.makedirs(report_dir, exist_ok=True)
-    open(os.path.join(report_dir, MARKER), "w").close()
+    try:
+        os.makedirs(report_dir, exist_ok=True)
+        open(os.path.join(report_dir, MARKER), "w").close()
+    except OSError as e:
+        raise ConfigError(
+            f"--report {report_dir} cannot be written ({e.strerror or e}); choose a writable directory"
+        ) from e
 
 
 class _Storage:
@@ -177,6 +182,8 @@ def run_scenario(
     ``passed: false`` and ``harness_error`` (type, message, traceback), and is returned; a
     ConfigError (a bad recipe override) is re-raised after the report is written."""
     report_dir = os.path.abspath(report_dir)
+    if scenario.check.twin:
+        check_cache_dir(cache_dir or default_cache_dir())
     _prepare_dir(report_dir)
     path = os.path.join(report_dir, "report.json")
     try:

@@ -450,6 +450,10 @@ def load_scenario(path: str, *, seed: int | None = None) -> Scenario:
         data = tomllib.loads(file.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{file}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file}: not UTF-8 text (TOML must be): {e.reason}") from e
+    except OSError as e:  # no permission, an I/O error
+        raise ConfigError(f"cannot read scenario {file}: {e.strerror or e}") from e
     return parse_scenario(data, name=file.stem, path=str(file.resolve()), seed=seed, base=file.resolve().parent)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, load_job_config
 from resilient.chaos.scenario import REPO_ROOT, Scenario, stable_hash
+from resilient.errors import ConfigError
 from resilient.runfiles import default_ckpt_url
 
 CACHE_ENV = "RESILIENT_CHAOS_CACHE"
@@ -30,6 +31,21 @@ TWIN_DONE = "twin.json"
 
 def default_cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "resilient-chaos")
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    """Create the twin cache and check it takes files: a bad ``--cache`` is known before the job
+    starts, not after it ran, as a failed twin_match."""
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(os.path.join(cache_dir, f".write-check-{os.getpid()}"), "w"):
+            pass
+        os.remove(os.path.join(cache_dir, f".write-check-{os.getpid()}"))
+    except OSError as e:
+        raise ConfigError(
+            f"twin cache {cache_dir} cannot be written ({e.strerror or e}); pass --cache DIR (or set "
+            f"${CACHE_ENV}) with a writable directory"
+        ) from e
 
 
 def code_hash() -> str:

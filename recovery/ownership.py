@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from resilient.errors import ConfigError, StorageError
+from resilient.errors import ConfigError, StorageError, disk_full
 from resilient.runfiles import read_json, write_json
 
 JOB_ID_ENV = "RESILIENT_JOB_ID"
@@ -165,11 +165,25 @@ def claim_run_dir(
         )
     claim = RunDirClaim(path, job, ttl_s)
     if write:
-        claim.beat()
+        _first_beat(claim, run_dir)
         time.sleep(settle_s)
         claim.check_record()
         claim.start()
     return claim
+
+
+def _first_beat(claim: RunDirClaim, run_dir: str) -> None:
+    """The first write into run.dir: one that cannot be made there at all (a file in its path, no
+    permission, a read-only mount) is a setting to change, said in one line; a full disk is not."""
+    try:
+        claim.beat()
+    except OSError as e:
+        if disk_full(e):
+            raise
+        raise ConfigError(
+            f"run.dir {os.path.abspath(run_dir)} cannot be written ({e.strerror or e}: {e.filename or run_dir}); "
+            "set run.dir to a directory this user can create and write"
+        ) from e
 
 
 def _taken(path: str, record: dict[str, Any]) -> ConfigError:

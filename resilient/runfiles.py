@@ -219,7 +219,8 @@ def append_jsonl(path: str, record: dict[str, Any]) -> None:
 def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
     """Every complete record of ``path`` in file order (nothing when it does not exist); a torn or
     otherwise unparsable line is skipped."""
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
+    # NotADirectoryError: a file where a directory of the path should be; nothing there either.
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), open(path) as f:
         for line in f:
             with contextlib.suppress(json.JSONDecodeError):
                 record = json.loads(line)

@@ -6,6 +6,7 @@ URLs stay strings end to end (a ``pathlib.Path`` would collapse ``s3://`` into `
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -37,6 +38,21 @@ class Location:
         return Location(self.scheme, self.bucket, self.join(*parts), self.endpoint, self.region, self.options)
 
 
+_SCHEMES = ("file", "s3", "memory")
+_SCHEME_PREFIX = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
+
+
+def _refuse_scheme_typo(url: str) -> None:
+    """A URL missing a slash (``s3:/bucket/x``, ``file:/x``) would otherwise be a local directory
+    named ``s3:`` in the cwd: a run that "saves to S3" while writing next to the code."""
+    head = _SCHEME_PREFIX.match(url)
+    if head and (head.group(1).lower() in _SCHEMES or url[head.end() :].startswith("/")):
+        raise ConfigError(
+            f"{url!r} looks like a URL without '://': write {head.group(1)}://..., e.g. "
+            "s3://bucket/prefix or file:///abs/path (a local path must not start with 'scheme:')"
+        )
+
+
 def parse_url(url: str, storage_options: dict | None = None) -> Location:
     """Parse a checkpoint root. S3 endpoint and region come from ``storage_options``
     (``endpoint_url``, ``region``) or the standard ``AWS_ENDPOINT_URL[_S3]`` / ``AWS_REGION`` env."""
@@ -44,6 +60,7 @@ def parse_url(url: str, storage_options: dict | None = None) -> Location:
     if not isinstance(url, str) or not url:
         raise ConfigError(f"checkpoint URL must be a non-empty string, got {url!r}")
     if "://" not in url:
+        _refuse_scheme_typo(url)
         return Location("file", "", os.path.abspath(url).strip("/"), options=opts)
     parsed = urlparse(url)
     if parsed.scheme == "file":

@@ -1,6 +1,6 @@
 """``resilient-chaos``: prove a job survives faults.
 
-    resilient-chaos run chaos/scenarios/smoke.toml [--report DIR] [--seed N] [--cache DIR]
+    resilient-chaos run chaos/scenarios/smoke.toml [--report DIR] [--seed N] [--cache DIR] [--debug]
     resilient-chaos run smoke                      # a scenario under chaos/scenarios/ by name
     resilient-chaos list
 
@@ -16,7 +16,9 @@ import os
 import sys
 import traceback
 
-from resilient.tools.cli import OneLineParser
+from resilient.tools.cli import OneLineParser, one_line
+
+PROG = "resilient-chaos"
 
 EXIT_CODES = """exit codes of `run`:
   0  every invariant holds
@@ -29,11 +31,12 @@ EXIT_PASSED, EXIT_FAILED, EXIT_CONFIG, EXIT_CRASH = 0, 1, 2, 3
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineParser(
-        prog="resilient-chaos",
+        prog=PROG,
         description=__doc__.split("\n\n")[0],
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a crash of the harness")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
@@ -47,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument(
         "--cache", default="", help="twin cache (default: $RESILIENT_CHAOS_CACHE or ~/.cache/resilient-chaos)"
     )
+    # SUPPRESS: the subcommand's default must not overwrite a --debug given before it.
+    run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub.add_parser("list", help="the scenarios under chaos/scenarios/")
     return parser.parse_args(argv)
 
@@ -67,18 +72,24 @@ def main(argv: list[str] | None = None) -> int:
         report_dir = args.report or os.path.join("runs", "chaos", scenario.name)
         report = run_scenario(scenario, report_dir, cache_dir=args.cache or None)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
-    except Exception:  # noqa: BLE001 (a crash must not exit 1, which means "an invariant failed")
-        traceback.print_exc()
-        print("error: the harness crashed before it could write a report", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 (a crash must not exit 1, which means "an invariant failed")
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"{PROG}: error: the harness crashed before it could write a report: {type(e).__name__}: "
+            f"{one_line(e)} (rerun with --debug)",
+            file=sys.stderr,
+        )
         return EXIT_CRASH
     where = os.path.join(report_dir, "report.json")
     if "harness_error" in report:
-        print(report["harness_error"]["traceback"], file=sys.stderr)
+        if args.debug:
+            print(report["harness_error"]["traceback"], file=sys.stderr)
         print(
             f"{scenario.name}: HARNESS CRASHED ({report['harness_error']['type']}: "
-            f"{report['harness_error']['message']}); report in {where}",
+            f"{one_line(report['harness_error']['message'])}); report in {where} (its traceback too)",
             file=sys.stderr,
         )
         return EXIT_CRASH

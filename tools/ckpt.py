@@ -20,12 +20,13 @@ Thin by design: all logic lives in resilient.storage.offline (catalog, verify, d
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.tools import ckpt_output as out
-from resilient.tools.cli import OneLineParser
+from resilient.tools.cli import OneLineParser, stdout_closed
 
 PROG = "resilient-ckpt"
 
@@ -35,6 +36,16 @@ def _size(text: str) -> int:
         return out.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _tolerance(text: str) -> float:
+    try:
+        atol = float(text)
+    except ValueError:
+        atol = math.nan
+    if not atol >= 0 or math.isinf(atol):  # NaN fails every comparison: no pair would be "equal"
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, e.g. 1e-6, got {text!r}")
+    return atol
 
 
 def _quiet(args: argparse.Namespace) -> bool:
@@ -69,7 +80,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import DamagedStep, open_newest_readable, summarize
+    from resilient.storage.offline.catalog import DamagedStep, check_patterns_match, open_newest_readable, summarize
 
     opened, skipped = open_newest_readable(args.url, args.step)
     if isinstance(opened, DamagedStep):  # the step asked for (or every committed one) is damaged
@@ -78,18 +89,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             sys.stderr.write(f"{PROG}: {opened.message} (resilient-ckpt verify --all checks every step)\n")
         return 1
+    check_patterns_match([opened], args.tensors)
     summary = {**summarize(opened, args.tensors), "status": "ok", "damaged": [d.to_json() for d in skipped]}
     out.emit_json(summary) if args.json else out.render_inspect(summary)
     return 1 if skipped else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import CheckpointRef, open_every_step, open_step
+    from resilient.storage.offline.catalog import CheckpointRef, check_patterns_match, open_every_step, open_step
     from resilient.storage.offline.convert import StreamConfig
     from resilient.storage.offline.verify import verify_steps
 
     opened = open_every_step(args.url) if args.all else [open_step(args.url, args.step)]
     refs = [o for o in opened if isinstance(o, CheckpointRef)]
+    check_patterns_match(refs, args.tensors)
     bar = _bar(args, "verify", sum(_selected_bytes(r.manifest, args.tensors) for r in refs))
     memory = StreamConfig(max_memory=args.max_memory)
     try:
@@ -110,11 +123,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from resilient.storage.offline.catalog import open_checkpoint
+    from resilient.storage.offline.catalog import check_patterns_match, open_checkpoint
     from resilient.storage.offline.convert import StreamConfig
     from resilient.storage.offline.diff import diff_steps
 
     a, b = open_checkpoint(args.a), open_checkpoint(args.b)
+    check_patterns_match([a, b], args.tensors)
     bar = _bar(args, "diff", _selected_bytes(a.manifest, args.tensors) + _selected_bytes(b.manifest, args.tensors))
     memory = StreamConfig(max_memory=args.max_memory)
     result = diff_steps(
@@ -258,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="keys, shapes, dtypes, values and max |a-b| per tensor")
     p.add_argument("a", help="checkpoint root or step directory")
     p.add_argument("b", help="checkpoint root or step directory")
-    p.add_argument("--atol", type=float, default=0.0, help="differences up to this are equal (default 0)")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="differences up to this are equal (default 0)")
     _common(p, tensors=True, memory=True)
     p.set_defaults(handler=cmd_diff)
 
@@ -362,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     _return_big_buffers_to_os()
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        return stdout_closed()
     except IntegrityError as e:  # the checkpoint itself is damaged: a finding
         sys.stderr.write(f"{PROG}: {_one_line(e)}\n")
         return 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,11 +23,23 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def stdout_closed() -> int:
+    """The reader of stdout went away (``| head``): no error of ours, so no error line; the exit
+    code a shell shows for a SIGPIPE death, and stdout pointed at /dev/null so that the
+    interpreter's last flush does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def run_command(prog: str, command: Callable[[], int], *, debug: bool, expected: tuple[type, ...]) -> int:
     """``command()``'s exit code; an ``expected`` error (bad input, storage) is one line and 2,
     Ctrl-C 130, anything else one line naming its type and 2; tracebacks only with ``debug``."""
     try:
         return command()
+    except BrokenPipeError:
+        return stdout_closed()
     except expected as e:
         if debug:
             traceback.print_exc()

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 
+from resilient.errors import disk_full
 from resilient.tools.cli import OneLineParser, run_command
 
 PROG = "resilient-report"
@@ -31,19 +32,26 @@ def build_parser() -> OneLineParser:
 
 def write_report(run_dir: str, out_dir: str) -> dict:
     """Read ``run_dir``, write ``summary.json`` and ``report.html`` into ``out_dir``; returns the summary."""
-    from resilient.tools.report_data import load_run
+    from resilient.tools.report_data import ReportError, load_run
     from resilient.tools.report_html import render
     from resilient.tools.report_summary import summarize
 
     run = load_run(run_dir)
     summary = summarize(run)
     page = render(run, summary)
-    os.makedirs(out_dir, exist_ok=True)
-    for name, text in (("summary.json", json.dumps(summary, indent=1, default=str) + "\n"), ("report.html", page)):
-        tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(out_dir, name))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for name, text in (("summary.json", json.dumps(summary, indent=1, default=str) + "\n"), ("report.html", page)):
+            tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(out_dir, name))
+    except OSError as e:
+        if disk_full(e):
+            raise
+        raise ReportError(
+            f"cannot write the report into {out_dir} ({e.strerror or e}); pass --out DIR, a writable one"
+        ) from e
     return summary
 
 

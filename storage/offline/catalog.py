@@ -81,8 +81,19 @@ def read_manifest(location: Location, store: ObjectStore, step: int) -> Manifest
 
 def open_checkpoint(url: str, step: int | None = None) -> CheckpointRef:
     """The committed step ``step`` (or the one the URL names, or the newest) of a checkpoint."""
-    location, store, wanted, _ = _resolve(url, step)
-    return CheckpointRef(location, store, wanted, read_manifest(location, store, wanted))
+    location, store, wanted, listing = _resolve(url, step)
+    try:
+        return CheckpointRef(location, store, wanted, read_manifest(location, store, wanted))
+    except IntegrityError as e:
+        raise IntegrityError(f"{e}; {_older_readable(location, store, listing, wanted)}") from e
+
+
+def _older_readable(location: Location, store: ObjectStore, listing: StepListing, damaged: int) -> str:
+    """What to use instead of a damaged step: the newest older step whose manifest reads."""
+    for older in reversed([s for s in listing.committed if s < damaged]):
+        if isinstance(_try_open(location, store, older), CheckpointRef):
+            return f"the newest older step that reads is {older}: use it ({location.url}/{step_dir(older)})"
+    return f"no older committed step reads either (resilient-ckpt ls {location.url} lists them)"
 
 
 def _resolve(url: str, step: int | None) -> tuple[Location, ObjectStore, int, StepListing]:
@@ -93,10 +104,7 @@ def _resolve(url: str, step: int | None) -> tuple[Location, ObjectStore, int, St
     wanted = url_step if url_step is not None else step
     listing = list_steps(store)
     if not listing.committed and not listing.uncommitted:
-        raise StorageError(
-            f"{location.url} is not a resilient checkpoint: no step-NNNNNNNNN directory in it; "
-            "check the URL (a root such as runs/x or s3://bucket/run, or one of its step directories)"
-        )
+        raise _not_a_checkpoint(location)
     if wanted is None:
         if not listing.committed:
             raise ConfigError(
@@ -109,6 +117,13 @@ def _resolve(url: str, step: int | None) -> tuple[Location, ObjectStore, int, St
             f"step {wanted} is not committed under {location.url}; committed steps: {listing.committed[-10:] or 'none'}"
         )
     return location, store, wanted, listing
+
+
+def _not_a_checkpoint(location: Location) -> StorageError:
+    return StorageError(
+        f"{location.url} is not a resilient checkpoint: no step-NNNNNNNNN directory in it; "
+        "check the URL (a root such as runs/x or s3://bucket/run, or one of its step directories)"
+    )
 
 
 @dataclass(slots=True)
@@ -191,6 +206,17 @@ def select(names: list[str], patterns: list[str] | None) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+def check_patterns_match(refs: list[CheckpointRef], patterns: list[str] | None) -> None:
+    """ConfigError when ``--tensors`` globs match no tensor or value of any step read: a typo in a
+    glob would otherwise verify (or diff) nothing and report the step OK."""
+    names = sorted({n for r in refs for n in (*r.manifest.arrays, *r.manifest.values)})
+    if patterns and refs and not select(names, patterns):
+        raise ConfigError(
+            f"--tensors {' '.join(patterns)} matches no tensor or value of {refs[0].url} "
+            f"(it has e.g. {', '.join(names[:3])}); fix the glob, e.g. 'model.*'"
+        )
+
+
 # -- ls ---------------------------------------------------------------------------------------
 
 
@@ -215,7 +241,7 @@ def list_checkpoint(url: str) -> dict:
     location, store, _ = open_root(url)
     listing = list_steps(store)
     if not listing.committed and not listing.uncommitted:
-        raise StorageError(f"{location.url} is not a resilient checkpoint: no step-NNNNNNNNN directory in it")
+        raise _not_a_checkpoint(location)
     steps = [_step_info(location, store, s, True) for s in listing.committed]
     steps += [_step_info(location, store, s, False) for s in listing.uncommitted]
     steps.sort(key=lambda s: s.step)

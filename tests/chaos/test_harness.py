@@ -79,7 +79,31 @@ def test_a_crash_of_the_harness_writes_the_report_and_exits_3(tmp_path: Path, mo
     report = json.loads((report_dir / "report.json").read_text())
     assert report["passed"] is False and report["scenario"]["name"] == "smoke"
     assert report["harness_error"]["type"] == "KeyError" and "KeyError: 'step'" in report["harness_error"]["traceback"]
-    assert "HARNESS CRASHED" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "HARNESS CRASHED" in err and "Traceback" not in err  # the traceback is in report.json
+    assert cli.main(["run", "smoke", "--report", str(report_dir), "--debug"]) == cli.EXIT_CRASH
+    assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mistake", ["scenario-not-utf8", "report-under-a-file", "cache-under-a-file"])
+def test_bad_input_is_one_line_and_exit_2_before_the_job_starts(tmp_path: Path, monkeypatch, capsys, mistake) -> None:
+    monkeypatch.setattr(harness, "_run", _crash(AssertionError("the job must not start")))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    scenario, report, cache = "smoke", str(tmp_path / "report"), str(tmp_path / "cache")
+    if mistake == "scenario-not-utf8":
+        scenario = str(tmp_path / "latin1.toml")
+        Path(scenario).write_bytes("description = 'größer'\n".encode("latin-1"))
+    elif mistake == "report-under-a-file":
+        report = str(blocker / "report")
+    else:
+        cache = str(blocker / "cache")
+    code = cli.main(["run", scenario, "--report", report, "--cache", cache])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_CONFIG and len(lines) == 1, lines
+    says = {"scenario-not-utf8": "not UTF-8 text", "report-under-a-file": f"--report {report} cannot be written"}
+    assert lines[0].startswith("resilient-chaos: error: ")
+    assert says.get(mistake, f"twin cache {cache} cannot be written (Not a directory); pass --cache DIR") in lines[0]
 
 
 def test_a_config_error_inside_the_run_writes_the_report_and_exits_2(tmp_path: Path, monkeypatch) -> None:

@@ -144,3 +144,23 @@ def test_the_heartbeat_turns_a_foreign_record_into_an_error(tmp_path):
         assert read_json(os.path.join(run, "job.json"))["job"] == "job-b"  # not overwritten back
     finally:
         claim.close()
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_config_error_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run = str(blocker / "run")
+    with pytest.raises(ConfigError) as refused:
+        claim_run_dir(run, "job-a", settle_s=0.0)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"run.dir {run} cannot be written (Not a directory")
+    assert message.endswith("set run.dir to a directory this user can create and write")
+
+
+def test_a_full_disk_at_the_first_claim_stays_a_disk_error(tmp_path, monkeypatch):
+    def full(path, record):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(ownership, "write_json", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        claim_run_dir(str(tmp_path / "run"), "job-a", settle_s=0.0)

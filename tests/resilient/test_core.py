@@ -36,6 +36,12 @@ def test_validators_name_the_key_and_the_range() -> None:
     assert type(check_int("staging_bytes", np.int64(4096), 1)) is int
 
 
+def test_jsonl_under_a_file_reads_as_missing(tmp_path) -> None:
+    # run.dir=/etc/passwd/x: the launcher reads the run's events after its ranks failed to start.
+    (tmp_path / "a-file").write_text("")
+    assert runfiles.read_jsonl(str(tmp_path / "a-file" / "run" / "events.jsonl")) == []
+
+
 def test_jsonl_append_and_torn_last_line(tmp_path) -> None:
     path = str(tmp_path / "group0" / runfiles.METRICS_FILE)
     runfiles.append_jsonl(path, {"step": 1, "loss": 2.0})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -100,3 +102,44 @@ def test_bad_input_is_exit_2_with_one_line(tmp_path, saved, cli):
     assert "invalid choice: 'xyz'" in _one_line_error(cli, "convert", root, str(tmp_path / "out"), "--to", "xyz")
     assert "the following arguments are required" in _one_line_error(cli, "prune", root)
     assert "not an empty directory" in _one_line_error(cli, "convert", root, str(tmp_path), "--to", "safetensors")
+
+
+def test_more_bad_input_says_what_to_do(tmp_path, saved, cli):
+    root, _ = saved
+    (tmp_path / "empty").mkdir()
+    assert "check the URL" in _one_line_error(cli, "ls", str(tmp_path / "empty"))
+    for atol in ("-1", "nan", "inf", "abc"):
+        err = _one_line_error(cli, "diff", root, root, "--atol", atol)
+        assert f"argument --atol: must be a finite number >= 0, e.g. 1e-6, got '{atol}'" in err
+    # A glob with a typo matched nothing, and verify said "OK (0 tensors)", diff "identical", exit 0.
+    for argv in (("inspect", root), ("verify", root), ("diff", root, root)):
+        err = _one_line_error(cli, *argv, "--tensors", "modle.*")
+        assert "--tensors modle.* matches no tensor or value of" in err and "model.embed.weight" in err
+    rc, out, _ = cli("verify", root, "--tensors", "model.*")
+    assert rc == 0 and "OK (3 tensors" in out
+
+
+def test_a_damaged_newest_step_names_the_older_one_that_reads(tmp_path, cli):
+    root = str(tmp_path / "ckpt")
+    ckpt = Checkpointer(root)
+    for step in (5, 10):
+        ckpt.save(step, mixed_state()).wait()
+    manifest = tmp_path / "ckpt" / "step-000000010" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:100])
+    for argv in (("convert", root, str(tmp_path / "out"), "--to", "safetensors"), ("diff", root, root)):
+        rc, _, err = cli(*argv)
+        assert rc == 1 and err.count("\n") == 1, err  # a damaged step is a finding
+        assert "step-000000010/manifest.json is not valid JSON" in err
+        assert err.rstrip().endswith(f"the newest older step that reads is 5: use it ({root}/step-000000005)")
+    rc, _, err = cli("diff", root, os.path.join(root, "step-000000005"))
+    assert rc == 1 and "is not valid JSON" in err
+
+
+@pytest.mark.e2e  # a CLI process whose reader is gone before it writes
+def test_a_reader_that_went_away_is_no_error(saved):
+    root, _ = saved
+    command = [sys.executable, "-m", "resilient.tools.ckpt", "inspect", root]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # `resilient-ckpt inspect ROOT | head -1`, head already done
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (141, b""), err  # as a shell reports a SIGPIPE death; no error line

@@ -79,3 +79,19 @@ def test_write_corpus_makes_the_promised_mix(tmp_path) -> None:
     assert timed["text"] == "" and [s["start"] for s in timed["segments"]] == sorted(
         s["start"] for s in timed["segments"]
     )
+
+
+def test_an_out_that_cannot_be_created_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    from resilient.tools.data import main
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.wav").write_bytes(b"")
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "shards"
+    assert main(["build", str(tmp_path / "src"), "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0] == (
+        f"resilient-data: error: --out {str(out)!r} cannot be created (Not a directory); "
+        "give a folder this user can write"
+    )

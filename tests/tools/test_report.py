@@ -290,3 +290,15 @@ def test_straggler_episodes_are_paired_listed_with_evidence_and_plotted(tmp_path
     page = (out / "report.html").read_text()
     assert len(re.findall(r'src="data:image/png;base64,', page)) == 5, "the lateness plot joins the four"
     assert 'alt="per-rank stalled time and lateness"' in page and "<td>stalled_s</td>" in page
+
+
+@pytest.mark.timeout(60)
+def test_cli_unwritable_out_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = old_style_run(tmp_path, True)
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"
+    assert main([str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"resilient-report: error: cannot write the report into {out} (Not a directory)")
+    assert err.rstrip().endswith("pass --out DIR, a writable one")

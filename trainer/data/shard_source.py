@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from resilient.errors import ConfigError, IntegrityError, ResilientError
+from resilient.storage.url import parse_url
 from resilient.trainer.data.config import FRAMES_PER_SECOND, DataConfig
 from resilient.trainer.data.tokens import TimedText, TokenizedSample, assemble, audio_features, video_patches
 
@@ -92,6 +93,10 @@ def open_build(dest: str) -> ShardSet:
 def resolve_build(config: DataConfig, *, vocab_given: bool) -> DataConfig:
     """``config`` with the build's fingerprint and vocabulary filled in (the model's vocab_size
     follows from it), after checking the recipe agrees with the build."""
+    try:  # open_build's own errors name the build; a malformed URL's names only its text
+        parse_url(config.shards)
+    except ConfigError as e:
+        raise ConfigError(f"data.shards: {e}") from e
     build = open_build(config.shards)
     if config.shards_fingerprint and config.shards_fingerprint != build.fingerprint:
         raise ConfigError(

@@ -131,6 +131,12 @@ def test_a_build_on_s3_streams_the_same_rows_as_the_folder_then_from_its_cache(b
     same_rows()  # the tars are gone from S3: every member comes from the node's cache
 
 
+@pytest.mark.parametrize("url", ["s3:/bucket/build", "ftp://host/build"])
+def test_a_malformed_shards_url_names_the_key(url: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^data.shards: (.*){url}"):
+        load_config(None, ['data.source="shards"', f"data.shards={url}"])
+
+
 def test_shard_settings_are_checked_when_the_config_loads(build, tmp_path) -> None:
     _, shards = build
     tiny = str(REPO / "configs" / "tiny.toml")

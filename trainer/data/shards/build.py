@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from resilient.errors import ConfigError, StorageError
+from resilient.errors import ConfigError, StorageError, disk_full
 from resilient.storage.url import parse_url
 from resilient.trainer.data.shards import format as fmt
 from resilient.trainer.data.shards.discover import Skip, discover
@@ -369,7 +369,14 @@ class _Destination:
             raise ConfigError(f"--out {self.dest!r} lies inside SRC {self.src!r}; write the shards elsewhere")
         if os.path.isdir(self.staging) and os.listdir(self.staging):
             raise ConfigError(f"--out {self.dest!r} is not empty; give a new folder or delete this one")
-        os.makedirs(self.staging, exist_ok=True)
+        try:
+            os.makedirs(self.staging, exist_ok=True)
+        except OSError as e:  # a file in the path, no permission (a full disk is no setting to change)
+            if disk_full(e):
+                raise
+            raise ConfigError(
+                f"--out {self.dest!r} cannot be created ({e.strerror or e}); give a folder this user can write"
+            ) from e
 
     def _open_s3(self) -> None:
         from resilient.storage.s3 import s3_client
