@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from resilient.errors import ConfigError, StorageError, disk_full
-from resilient.runfiles import read_json, write_json
+from resilient.runfiles import read_json, run_dir_error, write_json
 
 JOB_ID_ENV = "RESILIENT_JOB_ID"
 OWNER_LOCK = "owner.lock"
@@ -180,10 +180,7 @@ def _first_beat(claim: RunDirClaim, run_dir: str) -> None:
     except OSError as e:
         if disk_full(e):
             raise
-        raise ConfigError(
-            f"run.dir {os.path.abspath(run_dir)} cannot be written ({e.strerror or e}: {e.filename or run_dir}); "
-            "set run.dir to a directory this user can create and write"
-        ) from e
+        raise run_dir_error(run_dir, e) from e
 
 
 def _taken(path: str, record: dict[str, Any]) -> ConfigError:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,28 @@ def pid_path(run_dir: str, group: int, rank: int) -> str:
 
 def lighthouse_pid_path(run_dir: str) -> str:
     return os.path.join(pids_dir(run_dir), LIGHTHOUSE_PID)
+
+
+def make_run_dir(run_dir: str) -> None:
+    """Creates ``run_dir`` (and its parents) if need be. One that cannot be made or written at all
+    (a file in its path, no permission, a read-only mount) is a setting to change: a ConfigError in
+    one line; a full disk stays the OSError it is (a failure of the machine, not of the input)."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", run_dir)
+    except OSError as e:
+        if disk_full(e):
+            raise
+        raise run_dir_error(run_dir, e) from e
+
+
+def run_dir_error(run_dir: str, error: OSError) -> ConfigError:
+    """A first write into ``run_dir`` that failed for another reason than a full disk."""
+    return ConfigError(
+        f"run.dir {os.path.abspath(run_dir)} cannot be written ({error.strerror or error}: "
+        f"{error.filename or run_dir}); set run.dir to a directory this user can create and write"
+    )
 
 
 def logs_dir(run_dir: str) -> str:

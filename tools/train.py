@@ -26,9 +26,10 @@ import os
 import signal
 import sys
 import time
+import urllib.parse
 
 from resilient.errors import ConfigError, ResilientError, disk_full
-from resilient.runfiles import METRICS_FILE, group_file, group_id, logs_dir, read_jsonl_by_step
+from resilient.runfiles import METRICS_FILE, group_file, group_id, logs_dir, make_run_dir, read_jsonl_by_step
 from resilient.tools.cli import OneLineParser
 from resilient.trainer.config import TrainConfig, load_config
 from resilient.trainer.launching.emit import (
@@ -96,10 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_cluster_flags(parser)
     if not (sys.argv[1:] if argv is None else argv):
         # Nothing given: training a built-in default into ./runs/default would surprise; say how.
-        parser.print_usage(sys.stderr)
         parser.error("give a recipe, e.g. --config configs/tiny.toml")
     args = parser.parse_args(argv)
-    error = emit_flag_error(args) if args.emit else flag_error(args)
+    error = (emit_flag_error(args) if args.emit else flag_error(args)) or _launcher_flag_error(args)
     if error:
         parser.error(error)
     if args.replica_groups is None:
@@ -108,6 +108,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.nproc is not None or args.nproc_per_group is None:
         parser.error("--replica-groups takes --nproc-per-group N (ranks per group), not --nproc")
     return args
+
+
+def _launcher_flag_error(args: argparse.Namespace) -> str | None:
+    """The launcher's own flags that do not fit, in one line (None when they all do)."""
+    if not args.grace_s >= 0:  # (also NaN)
+        return f"--grace-s must be a number of seconds >= 0, got {args.grace_s}"
+    if args.lighthouse:
+        url = urllib.parse.urlsplit(args.lighthouse)
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
+            return (
+                f"--lighthouse takes the URL of a running torchft lighthouse, http://HOST:PORT, got "
+                f"{args.lighthouse!r} (or drop it: the launcher starts one)"
+            )
+    return None
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -229,6 +247,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         overrides = [*args.overrides, "replica.enabled=true", f"replica.groups={args.replica_groups}"]
         config = load_config(args.config, overrides)
         _check_group_ranks(config.parallel.world_size, args.nproc_per_group)  # before anything starts
+        make_run_dir(config.run.dir)
         launch = ReplicaLaunch(
             groups=args.replica_groups,
             nproc_per_group=args.nproc_per_group,
@@ -248,6 +267,8 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk where run.dir goes (make_run_dir)
+        return _cannot_start(e)
     # The ranks write to <run.dir>/logs/group<G>.log; what the operator needs from them is said here.
     started = time.time() - 1.0  # mtime granularity and clock skew between the ranks' writes and here
     try:
@@ -275,7 +296,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     return code
 
 
-def _cannot_start(error: MarkError) -> int:
+def _cannot_start(error: MarkError | OSError) -> int:
     print(f"error: {error}", file=sys.stderr)
     return RUNTIME_EXIT if disk_full(error) else ERROR_EXIT  # a full disk is the machine's, not the input's
 
@@ -303,9 +324,12 @@ def run_one_group(args: argparse.Namespace) -> int:
             args.nproc = split_ranks(config.parallel.world_size, high, args.nproc_per_node, args.nproc)
             env = rendezvous_of(args).env()
         group_id()
+        make_run_dir(config.run.dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk where run.dir goes (make_run_dir)
+        return _cannot_start(e)
     started = time.time() - 1.0  # as in run_replica_groups
     command = torchrun_command(args, quiet=not args.debug, config=config)
     waiting = RendezvousWait(rendezvous_of(args), config.run.dir) if args.nnodes else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,14 +20,52 @@ HEAVY_MODULES = ("torch", "tensorstore", "ml_dtypes", "zarr")
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_no_arguments_prints_the_usage_and_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_no_arguments_is_one_line_that_says_how_and_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exited:
         main([])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.startswith("usage: resilient-train"), err
-    assert "--config configs/tiny.toml" in err.splitlines()[-1]
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and line.startswith("resilient-train: error: give a recipe"), line
+    assert "--config configs/tiny.toml" in line and "--help" in line
     assert list(tmp_path.iterdir()) == []  # nothing trained into ./runs/default
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--grace-s", "-1"], "--grace-s must be a number of seconds >= 0, got -1.0"),
+        (["--grace-s", "nan"], "--grace-s must be a number of seconds >= 0"),
+        (["--replica-groups", "2", "--nproc-per-group", "4", "--lighthouse", "notaurl"], "--lighthouse takes the URL"),
+        (["--replica-groups", "2", "--nproc-per-group", "4", "--lighthouse", "http://host"], "http://HOST:PORT"),
+    ],
+)
+def test_launcher_flags_that_do_not_fit_are_one_line_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, flags: list[str], says: str
+) -> None:
+    """Before: a negative grace was taken, and a lighthouse that is no URL cost 3 group restarts
+    (71 s) and ended in "a replica group exited with 1"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", TINY, *flags])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and line.startswith("resilient-train: error: ") and says in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("groups", [[], ["--replica-groups", "2", "--nproc-per-group", "4"]])
+def test_a_run_dir_that_cannot_be_made_is_one_line_before_any_worker_starts(
+    tmp_path: Path, capsys, groups: list[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run_dir = blocker / "run"
+    started = time.monotonic()
+    assert main(["--config", TINY, "--set", f"run.dir={run_dir}", *groups]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: run.dir {run_dir} cannot be written (Not a directory"), line
+    assert time.monotonic() - started < 10  # no worker started (one takes seconds to import torch)
 
 
 def test_a_recipe_is_required(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
