@@ -198,7 +198,10 @@ def storage_faults_absorbed(run: RunData, fault_kinds: list[str]) -> dict[str, A
         why += [f"saves failed: {failed[:5]}"] if failed else []
         return result(False, f"no fault killed a process, yet {'; '.join(why)} (see logs/ in the run directory)")
     kinds = sorted(set(fault_kinds)) or "none"
-    return result(True, f"storage faults {kinds}: no group restarted, every save committed or was skipped")
+    # (A slowed rank stops no process either: "faults", not "storage faults".)
+    return result(
+        True, f"faults {kinds}, none stopping a process: no group restarted, every save committed or was skipped"
+    )
 
 
 def slowed_rank_named(run: RunData, slowed: list[tuple[int, int]]) -> dict[str, Any]:

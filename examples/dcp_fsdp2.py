@@ -72,7 +72,15 @@ def train(rank: int, world: int, args: argparse.Namespace, crash_at: int | None)
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, crash_at: int | None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    train(rank, world, args, crash_at)
+    try:
+        train(rank, world, args, crash_at)
+    except RuntimeError as e:
+        if crash_at is None:
+            raise
+        # The planned crash: a peer died in the middle of the save, so this rank's collective
+        # fails (gloo: "Connection reset by peer"); the launcher kills it next, as torchrun would.
+        print(f"rank {rank}: a peer died during the save of step {crash_at}, as planned ({type(e).__name__})")
+        sys.exit(1)
     dist.destroy_process_group()
 
 

@@ -130,7 +130,8 @@ def test_storage_faults_absorbed_fails_on_a_restart_or_a_failed_save_without_a_k
     _write_lines(run.group_file(0, "saves.jsonl"), [{"step": 4, "outcome": "committed"}])
     _write_lines(run.group_file(1, "saves.jsonl"), [{"step": 8, "outcome": "skipped"}])
     assert inv.storage_faults_absorbed(run, ["s3_ambiguous"]) == inv.result(
-        True, "storage faults ['s3_ambiguous']: no group restarted, every save committed or was skipped"
+        True,
+        "faults ['s3_ambiguous'], none stopping a process: no group restarted, every save committed or was skipped",
     )
     # What a 412 on our own manifest did: "already committed", the save failed, the group restarted.
     _write_lines(run.group_file(1, "saves.jsonl"), [{"step": 8, "outcome": "failed"}])
