@@ -21,5 +21,5 @@ def test_example_dies_mid_save_and_resumes(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "run 1 ended with exit codes" in done.stdout and "resumed at step 4" in done.stdout
-    assert "as planned" in done.stdout and "Traceback" not in done.stderr, done.stderr  # the planned crash is one line
+    assert "Traceback" not in done.stderr, done.stderr  # the planned crash: one line or none, never a traceback
     assert Checkpointer(str(root)).steps() == [4, 6, 8]
