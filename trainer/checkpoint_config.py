@@ -26,7 +26,8 @@ class CheckpointConfig:
     ``io_threads``, ``staging_bytes``, ``max_inflight``, ``commit_timeout_s``, ...)."""
 
     url: str = ""
-    """Checkpoint root: a path, file://, s3:// or memory:// URL. Empty: ``<run.dir>/ckpt``."""
+    """Checkpoint root: a path, file:// or s3:// URL (not memory://: each rank has its own and none
+    outlives the run). Empty: ``<run.dir>/ckpt``."""
     persist_every: int = 50
     """Save every this many steps, and always at the end; >= 1."""
     resume: bool = True

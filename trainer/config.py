@@ -227,9 +227,14 @@ class TrainConfig:
         if not self.checkpoint.url:
             self.checkpoint.url = default_ckpt_url(self.run.dir)
         try:  # a wrong scheme or bucket is known here, before any worker starts
-            parse_url(self.checkpoint.url)
+            location = parse_url(self.checkpoint.url)
         except ConfigError as e:
             raise ConfigError(f"checkpoint.url: {e}") from e
+        if location.scheme == "memory":  # a run would exit 0 with no step durable anywhere
+            raise ConfigError(
+                f"checkpoint.url={self.checkpoint.url}: memory:// keeps a checkpoint in one process's memory, "
+                "which every rank has its own of and none outlives the run: set a path or s3://BUCKET/PREFIX"
+            )
 
     def _check_pipeline_and_sequence(self) -> None:
         """The [parallel] keys that depend on the model and the data: a stage per block at least,

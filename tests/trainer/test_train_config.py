@@ -125,6 +125,9 @@ def test_to_dict_round_trips() -> None:
         ("optim.lr=0", r"optim.lr=0.0 is out of range: allowed \(0.0, 10.0\]"),
         ("checkpoint.persist_every=0", r"checkpoint.persist_every=0 is out of range"),
         ("checkpoint.url=3", r"checkpoint.url=3 must be a string"),
+        # Each rank's own memory, gone with the run: before, such a run exited 0 with nothing durable.
+        ("checkpoint.url='memory://x'", r"checkpoint.url=memory://x: memory:// keeps .* set a path or s3://"),
+        ("checkpoint.url='s3:/bucket/x'", r"checkpoint.url: 's3:/bucket/x' looks like a URL without '://'"),
         ("run.device='tpu'", r"run.device='tpu' must be one of"),
         ("steps=3", r"expected section.key=value"),
         ("run.steps", r"expected section.key=value"),
