@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from resilient.dist import agree, free_port
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, disk_full
 from resilient.recovery.ownership import claim_run_dir, job_identity
 from resilient.recovery.ram import RamTier
-from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, next_incarnation, write_pid
+from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, make_run_dir, next_incarnation, write_pid
 from resilient.storage.shared import check_shared_root
 from resilient.trainer.build import (
     build_checkpointer,
@@ -187,12 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
         group_id()
+        # Every rank: a run.dir none can write is one line from rank 0, not a traceback from the
+        # ranks that do not write the claim (plain torchrun; resilient-train checked it already).
+        make_run_dir(config.run.dir)
         # Every rank checks (the same outcome on each), rank 0 keeps the record's heartbeat fresh.
         claim = claim_run_dir(config.run.dir, job_identity(), write=rank == 0)
-    except ConfigError as e:
+    except (ConfigError, OSError) as e:
+        if not isinstance(e, ConfigError) and not disk_full(e):
+            raise
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return CONFIG_ERROR_EXIT if isinstance(e, ConfigError) else RUNTIME_EXIT
     _setup_logging(rank)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun gone (SIGKILLed, OOM-killed): stop as on a preemption rather than live on in a

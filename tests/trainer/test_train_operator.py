@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from resilient import Checkpointer
+from tests.dist import run_world
 from tests.procs import communicate_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,3 +220,19 @@ def test_a_final_claim_stops_the_launcher_with_its_exit_code(
     monkeypatch.setattr(cli, "run", fake_run)
     args = ["--config", TINY, "--set", f"run.dir={run_dir}", "--set", "parallel.dp_shard=1", "--set", "parallel.tp=1"]
     assert cli.main(["--nproc", "1", *args]) == exit_code
+
+
+def _trainer_main(rank: int, world: int, run_dir: str) -> int:
+    from resilient.trainer.train import main
+
+    return main(["--config", TINY, *TWO_RANKS, "--set", f"run.dir={run_dir}"])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_run_dir_no_rank_can_write_is_exit_2_on_every_rank_under_plain_torchrun(tmp_path: Path) -> None:
+    """Only rank 0 writes the run-dir claim: before, it gave the one line and exit 2 while rank 1
+    went on to write its pid file there and died with NotADirectoryError (a traceback, exit 1)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert run_world(_trainer_main, 2, str(blocker / "run")) == [2, 2]
