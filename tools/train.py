@@ -297,8 +297,10 @@ def run_replica_groups(args: argparse.Namespace) -> int:
 
 
 def _cannot_start(error: MarkError | OSError) -> int:
+    """The machine's failure before anything started (no usable temporary folder, a full disk
+    where run.dir goes): one line, and 1, not the usage code."""
     print(f"error: {error}", file=sys.stderr)
-    return RUNTIME_EXIT if disk_full(error) else ERROR_EXIT  # a full disk is the machine's, not the input's
+    return RUNTIME_EXIT
 
 
 def _failure_line(run_dir: str, started: float, code: int, stopped: list[dict]) -> str | None:

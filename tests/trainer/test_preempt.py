@@ -3,6 +3,7 @@ stop step, commit it, record a ``preempted`` event and exit 143; the next start 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -172,19 +173,26 @@ def test_torchrun_waits_out_the_grace_and_passes_the_preempt_signal_on() -> None
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("groups", [[], ["--replica-groups", "2", "--nproc-per-group", "4"]])
+@pytest.mark.parametrize("why", ["no folder", "full"])
 def test_a_launcher_that_cannot_create_its_preemption_mark_says_so_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], groups: list[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], groups: list[str], why: str
 ) -> None:
-    """The mark's folder cannot be made (here: TMPDIR names no folder): one line, exit 2, before
-    torchrun or a replica group starts (before: an OSError traceback)."""
+    """The mark's folder cannot be made (the temporary folder is gone, or full): one line and exit 1
+    (the machine's failure), before torchrun or a replica group starts (before: an OSError traceback)."""
     missing = tmp_path / "no-such-tmp"
     monkeypatch.setattr(tempfile, "tempdir", str(missing))
+    if why == "full":
+
+        def full(*args: object, **kwargs: object) -> str:
+            raise OSError(errno.ENOSPC, "No space left on device", str(missing))
+
+        monkeypatch.setattr(tempfile, "mkdtemp", full)
     run_dir = tmp_path / "run"
     code = train_cli.main(["--config", TINY, "--set", f"run.dir={run_dir}", *groups])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert err == [err[0]] and err[0].startswith("error: cannot create the preemption mark's folder in ")
-    assert str(missing) in err[0] and "TMPDIR" in err[0]
+    assert code == 1
+    assert err == [err[0]] and err[0].startswith(f"error: cannot create the preemption mark's folder in {missing}: ")
+    assert "TMPDIR" in err[0] and ("No space left" in err[0]) == (why == "full")
     assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())  # no group started
 
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 class MarkError(ResilientError):
-    """The launcher cannot create its preemption mark (a full or unwritable temporary folder)."""
+    """The launcher cannot create its preemption mark: the machine has no usable temporary folder
+    (full, or unwritable), a failure of the machine rather than of the input."""
 
 
 def preempt_flags(config: TrainConfig) -> list[str]:
@@ -46,9 +47,11 @@ class PreemptMark:
         try:
             self._folder = tempfile.mkdtemp(prefix="resilient-preempt-")
         except OSError as e:  # before anything starts: say so in one line, not a traceback
+            # (Not gettempdir() here: with no usable folder, it raises what mkdtemp just raised.)
+            where = tempfile.tempdir or os.environ.get("TMPDIR") or "the temporary folder (/tmp)"
             raise MarkError(
-                f"cannot create the preemption mark's folder in {tempfile.gettempdir()}: {e}; free space "
-                "there or point TMPDIR at a writable local folder"
+                f"cannot create the preemption mark's folder in {where}: {e}; free space there or point "
+                "TMPDIR at a writable local folder"
             ) from e
         self.path = os.path.join(self._folder, "preempting")
 
