@@ -22,6 +22,7 @@ shell: the launcher is ``resilient.trainer.launching.launch``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -112,20 +113,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _launcher_flag_error(args: argparse.Namespace) -> str | None:
     """The launcher's own flags that do not fit, in one line (None when they all do)."""
-    if not args.grace_s >= 0:  # (also NaN)
-        return f"--grace-s must be a number of seconds >= 0, got {args.grace_s}"
-    if args.lighthouse:
-        url = urllib.parse.urlsplit(args.lighthouse)
-        try:
-            port = url.port
-        except ValueError:
-            port = None
-        if url.scheme not in ("http", "https") or not url.hostname or port is None:
-            return (
-                f"--lighthouse takes the URL of a running torchft lighthouse, http://HOST:PORT, got "
-                f"{args.lighthouse!r} (or drop it: the launcher starts one)"
-            )
+    if not 0 <= args.grace_s < math.inf:  # (NaN too: every wait has a bound)
+        return f"--grace-s must be a finite number of seconds >= 0, got {args.grace_s}"
+    if args.lighthouse and not _is_http_url(args.lighthouse):
+        return (
+            f"--lighthouse takes the URL of a running torchft lighthouse, http://HOST:PORT, got "
+            f"{args.lighthouse!r} (or drop it: the launcher starts one)"
+        )
     return None
+
+
+def _is_http_url(text: str) -> bool:
+    """http(s)://HOST[:PORT][/...], HOST an IPv6 address in brackets too (no port: the scheme's)."""
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018 - raises ValueError for a port that is no number in range
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
