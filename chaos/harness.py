@@ -30,7 +30,7 @@ from resilient.chaos.report import write_report, write_timeline
 from resilient.chaos.s3_proxy import S3_ENV, FaultProxy, MotoServer
 from resilient.chaos.scenario import Scenario, scenario_summary
 from resilient.chaos.twin import check_cache_dir, default_cache_dir, get_twin
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, disk_full
 from resilient.runfiles import HOOK_EVENTS_FILE, chaos_dir, default_ckpt_url, read_events, read_jsonl
 
 POLL_S = 0.05
@@ -52,6 +52,8 @@ def _prepare_dir(report_dir: str) -> None:
         os.makedirs(report_dir, exist_ok=True)
         open(os.path.join(report_dir, MARKER), "w").close()
     except OSError as e:
+        if disk_full(e):  # the machine's failure: not a directory to choose
+            raise
         raise ConfigError(
             f"--report {report_dir} cannot be written ({e.strerror or e}); choose a writable directory"
         ) from e

@@ -22,7 +22,7 @@ from typing import Any
 
 from resilient.chaos.job import JobProcess, harness_overrides, job_store_root, load_job_config
 from resilient.chaos.scenario import REPO_ROOT, Scenario, stable_hash
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, disk_full
 from resilient.runfiles import default_ckpt_url
 
 CACHE_ENV = "RESILIENT_CHAOS_CACHE"
@@ -42,6 +42,8 @@ def check_cache_dir(cache_dir: str) -> None:
             pass
         os.remove(os.path.join(cache_dir, f".write-check-{os.getpid()}"))
     except OSError as e:
+        if disk_full(e):  # the machine's failure: not a directory to choose
+            raise
         raise ConfigError(
             f"twin cache {cache_dir} cannot be written ({e.strerror or e}); pass --cache DIR (or set "
             f"${CACHE_ENV}) with a writable directory"

@@ -10,7 +10,8 @@
 
 URLs are local paths, file:///..., or s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL); a URL may
 name a checkpoint root (its newest step) or one step directory. Exit codes: 0 ok; 1 a finding
-(corruption, a difference, a damaged manifest); 2 a usage or access error, one line on stderr.
+(corruption, a difference, a damaged manifest); 2 a usage, access or machine error (a full disk),
+one line on stderr; 141 when the reader of its output went away (``| head``), as for SIGPIPE.
 A damaged step is a finding, never the end of the command: ``ls`` and ``verify --all`` report it
 and go on to the other steps (``--json``: each step's ``status`` is "ok" or "damaged"), and
 ``inspect ROOT`` shows the newest step that reads, naming the newer damaged ones (exit 1).
@@ -26,7 +27,7 @@ import traceback
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.tools import ckpt_output as out
-from resilient.tools.cli import OneLineParser, stdout_closed
+from resilient.tools.cli import OneLineParser, reader_of_stdout_gone, stdout_closed
 
 PROG = "resilient-ckpt"
 
@@ -245,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Look inside, verify, compare, convert, reshard and prune resilient "
         "checkpoints, on local paths or s3:// URLs.",
-        epilog="exit codes: 0 ok, 1 a finding (corruption, difference), 2 usage or access error",
+        epilog="exit codes: 0 ok, 1 a finding (corruption, difference), 2 usage, access or machine error "
+        "(a full disk), 141 the reader of its output went away (| head)",
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -375,15 +377,18 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     _return_big_buffers_to_os()
     try:
-        return args.handler(args)
-    except BrokenPipeError:
-        return stdout_closed()
+        try:
+            return args.handler(args)
+        except BrokenPipeError:
+            if not reader_of_stdout_gone():
+                raise  # another pipe: handled below as the error it is
+            return stdout_closed()
     except IntegrityError as e:  # the checkpoint itself is damaged: a finding
         sys.stderr.write(f"{PROG}: {_one_line(e)}\n")
         return 1
     except (ResilientError, OSError) as e:
         sys.stderr.write(f"{PROG}: error: {_one_line(e)}\n")
-        return 2
+        return 2  # (a full disk too: 1 here means a finding in the checkpoint)
     except KeyboardInterrupt:
         return 130
     except Exception as e:

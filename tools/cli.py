@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import sys
 import traceback
 from collections.abc import Callable
+
+from resilient.errors import disk_full
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -23,6 +26,17 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def reader_of_stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end was closed (poll says POLLERR): a
+    broken pipe elsewhere (a child's pipe, a socket) is an error like any other."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real fd (a captured stdout)
+        return False
+
+
 def stdout_closed() -> int:
     """The reader of stdout went away (``| head``): no error of ours, so no error line; the exit
     code a shell shows for a SIGPIPE death, and stdout pointed at /dev/null so that the
@@ -34,17 +48,21 @@ def stdout_closed() -> int:
 
 
 def run_command(prog: str, command: Callable[[], int], *, debug: bool, expected: tuple[type, ...]) -> int:
-    """``command()``'s exit code; an ``expected`` error (bad input, storage) is one line and 2,
-    Ctrl-C 130, anything else one line naming its type and 2; tracebacks only with ``debug``."""
+    """``command()``'s exit code; an ``expected`` error (bad input, storage) is one line and 2 (1
+    for a full disk), Ctrl-C 130, the reader of stdout gone 141 (``stdout_closed``), anything else one
+    line naming its type and 2; tracebacks only with ``debug``."""
     try:
-        return command()
-    except BrokenPipeError:
-        return stdout_closed()
+        try:
+            return command()
+        except BrokenPipeError:
+            if not reader_of_stdout_gone():
+                raise  # another pipe: handled below as the error it is
+            return stdout_closed()
     except expected as e:
         if debug:
             traceback.print_exc()
         sys.stderr.write(f"{prog}: error: {one_line(e)}\n")
-        return 2
+        return 1 if disk_full(e) else 2  # a full disk is the machine's failure, not bad input
     except KeyboardInterrupt:
         return 130
     except Exception as e:
