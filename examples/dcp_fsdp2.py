@@ -64,7 +64,15 @@ def train(rank: int, world: int, args: argparse.Namespace, crash_at: int | None)
             os.environ["RESILIENT_FAULTS"] = "persist.first_region_issued=exit@rank1"
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "train": {"step": step}}
-        dcp.save(state, storage_writer=StorageWriter(args.root, step=step, keep_last=3), planner=SavePlanner())
+        try:
+            dcp.save(state, storage_writer=StorageWriter(args.root, step=step, keep_last=3), planner=SavePlanner())
+        except RuntimeError as e:
+            if step != crash_at:
+                raise
+            # The planned crash: a peer died in the middle of this save, so this rank's collective
+            # fails (gloo: "Connection reset by peer"); the launcher kills it next, as torchrun would.
+            print(f"rank {rank}: a peer died during the save of step {step}, as planned ({type(e).__name__})")
+            sys.exit(1)
         if rank == 0:
             print(f"step {step}: committed", flush=True)
 
@@ -72,15 +80,7 @@ def train(rank: int, world: int, args: argparse.Namespace, crash_at: int | None)
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, crash_at: int | None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        train(rank, world, args, crash_at)
-    except RuntimeError as e:
-        if crash_at is None:
-            raise
-        # The planned crash: a peer died in the middle of the save, so this rank's collective
-        # fails (gloo: "Connection reset by peer"); the launcher kills it next, as torchrun would.
-        print(f"rank {rank}: a peer died during the save of step {crash_at}, as planned ({type(e).__name__})")
-        sys.exit(1)
+    train(rank, world, args, crash_at)
     dist.destroy_process_group()
 
 

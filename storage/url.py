@@ -47,9 +47,11 @@ def _refuse_scheme_typo(url: str) -> None:
     named ``s3:`` in the cwd: a run that "saves to S3" while writing next to the code."""
     head = _SCHEME_PREFIX.match(url)
     if head and (head.group(1).lower() in _SCHEMES or url[head.end() :].startswith("/")):
+        known = head.group(1).lower() in _SCHEMES
+        write = f"write {head.group(1)}://..., e.g. " if known else "supported: "
         raise ConfigError(
-            f"{url!r} looks like a URL without '://': write {head.group(1)}://..., e.g. "
-            "s3://bucket/prefix or file:///abs/path (a local path must not start with 'scheme:')"
+            f"{url!r} looks like a URL without '://': {write}s3://bucket/prefix or file:///abs/path "
+            "(a local path must not start with 'scheme:')"
         )
 
 
