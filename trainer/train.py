@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from resilient.dist import agree, free_port
 from resilient.errors import ConfigError, disk_full
-from resilient.recovery.ownership import claim_run_dir, job_identity
+from resilient.recovery.ownership import RunDirClaim, claim_run_dir, job_identity
 from resilient.recovery.ram import RamTier
 from resilient.runfiles import RAM_FILE, SAVES_FILE, group_dir, group_id, make_run_dir, next_incarnation, write_pid
 from resilient.storage.shared import check_shared_root
@@ -177,6 +177,19 @@ def ram_fingerprint(config: TrainConfig) -> dict[str, int]:
     return layout
 
 
+def _config_and_claim(args: argparse.Namespace, rank: int) -> tuple[TrainConfig, RunDirClaim]:
+    """The recipe, checked, and this job's claim on its run.dir: every mistake known before the
+    process group is made (ConfigError; OSError for a full disk), with the same outcome on every rank."""
+    config = load_config(args.config, args.overrides)
+    check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+    group_id()
+    # Every rank: a run.dir none can write is one line from rank 0, not a traceback from the ranks
+    # that do not write the claim (plain torchrun; resilient-train checked it already).
+    make_run_dir(config.run.dir)
+    # Every rank checks (the same outcome on each), rank 0 keeps the record's heartbeat fresh.
+    return config, claim_run_dir(config.run.dir, job_identity(), write=rank == 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()  # torchrun, read first: set_parent_death_signal checks it is still there
     clock = StartupClock(process_start_time())
@@ -184,14 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        config = load_config(args.config, args.overrides)
-        check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
-        group_id()
-        # Every rank: a run.dir none can write is one line from rank 0, not a traceback from the
-        # ranks that do not write the claim (plain torchrun; resilient-train checked it already).
-        make_run_dir(config.run.dir)
-        # Every rank checks (the same outcome on each), rank 0 keeps the record's heartbeat fresh.
-        claim = claim_run_dir(config.run.dir, job_identity(), write=rank == 0)
+        config, claim = _config_and_claim(args, rank)
     except (ConfigError, OSError) as e:
         if not isinstance(e, ConfigError) and not disk_full(e):
             raise
