@@ -4,8 +4,9 @@ parts of it taken away, each alone in this process, and torchcodec's whole decod
 
     .venv/bin/python benchmarks/aac_floor.py [--seconds 10] [--rounds 41] [--torchcodec-python /tmp/tcvenv/bin/python]
 
-One 48 kHz mono AAC clip in M4A (data_bench's), decoded to 16 kHz mono. The variants run in turn,
-round by round (A B C ... A B C ...), CPU time; one JSON line each with the median in ms:
+One 48 kHz mono AAC clip in M4A (data_bench's), decoded to 16 kHz mono. The variants run in turn
+in this process, round by round (A B C ... A B C ...), CPU time; one JSON line each with the
+median in ms. The bare loops feed on at our FIFO's drain threshold, as ours does:
 
 - ``ours``: ``decode_audio``;
 - ``ours_no_resampler``: the same with a resampler that only counts what it is fed (what our own
@@ -13,6 +14,8 @@ round by round (A B C ... A B C ...), CPU time; one JSON line each with the medi
 - ``bare_decode``: open (headers only, as ours) + demux + decode, nothing done with the frames;
 - ``bare_fifo``: the same, every frame written to an FFmpeg FIFO and read back in 28k pieces;
 - ``bare_fifo_soxr``: the same, the pieces resampled by libsoxr as ours does (none of our code);
+- ``bare_fifo_converter``: the same through our rate converter (``_RateConverter``: libsoxr, its
+  output written into one array), so ``ours`` - this is what our placement, checks and window cost;
 - ``soxr_alone``: libsoxr on as many samples of noise, in the same pieces;
 - ``torchcodec`` (with ``--torchcodec-python``): its whole decode to 16 kHz mono, ``--rounds``
   times in a row in its own process (``torchcodec_floor.py``), after one untimed call.
@@ -68,7 +71,7 @@ def variants(data: bytes, native: int, seconds: float) -> dict[str, Callable[[],
         finally:
             media_audio._RateConverter = real
 
-    def bare(fifo: bool, resample: bool) -> None:
+    def bare(fifo: bool, feed: Callable[[np.ndarray], object] | None = None) -> None:
         with av.open(io.BytesIO(data), options=media_audio.PROBE_HEADERS_ONLY) as container:
             stream = container.streams.audio[0]
             decoded = map(stream.codec_context.decode, container.demux(stream))
@@ -76,14 +79,23 @@ def variants(data: bytes, native: int, seconds: float) -> dict[str, Callable[[],
                 collections.deque(decoded, 0)
                 return
             queue = av.AudioFifo()
-            resampler = soxr.ResampleStream(native, 16000, 1, dtype="float32", quality=media_audio.RESAMPLE_QUALITY)
             for frames in decoded:
                 for frame in frames:
                     frame.pts = None
                     queue.write(frame)
                     if queue.samples >= PIECE:
-                        _drain(queue, resampler if resample else None)
-            _drain(queue, resampler if resample else None)
+                        _drain(queue, feed)
+            _drain(queue, feed)
+
+    def bare_soxr() -> None:
+        resampler = soxr.ResampleStream(native, 16000, 1, dtype="float32", quality=media_audio.RESAMPLE_QUALITY)
+        bare(True, resampler.resample_chunk)
+        resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
+
+    def bare_converter() -> None:
+        converter = media_audio._RateConverter(native, 16000, expected=round(native * seconds))
+        bare(True, converter.feed)
+        converter.result()
 
     noise = np.random.default_rng(0).standard_normal(round(native * seconds)).astype(np.float32)
 
@@ -96,18 +108,19 @@ def variants(data: bytes, native: int, seconds: float) -> dict[str, Callable[[],
     return {
         "ours": lambda: decode_audio(data, "m4a"),
         "ours_no_resampler": ours_no_resampler,
-        "bare_decode": lambda: bare(False, False),
-        "bare_fifo": lambda: bare(True, False),
-        "bare_fifo_soxr": lambda: bare(True, True),
+        "bare_decode": lambda: bare(False),
+        "bare_fifo": lambda: bare(True),
+        "bare_fifo_soxr": bare_soxr,
+        "bare_fifo_converter": bare_converter,
         "soxr_alone": soxr_alone,
     }
 
 
-def _drain(queue: av.AudioFifo, resampler: soxr.ResampleStream | None) -> None:
+def _drain(queue: av.AudioFifo, feed: Callable[[np.ndarray], object] | None) -> None:
     while queue.samples:
         piece = queue.read(min(media_audio.RESAMPLE_CHUNK, queue.samples))
-        if resampler is not None:
-            resampler.resample_chunk(np.frombuffer(piece.planes[0], np.float32, piece.samples))
+        if feed is not None:
+            feed(np.frombuffer(piece.planes[0], np.float32, piece.samples))
 
 
 def main() -> None:

@@ -48,10 +48,10 @@ def _refuse_scheme_typo(url: str) -> None:
     head = _SCHEME_PREFIX.match(url)
     if head and (head.group(1).lower() in _SCHEMES or url[head.end() :].startswith("/")):
         known = head.group(1).lower() in _SCHEMES
-        write = f"write {head.group(1)}://..., e.g. " if known else "supported: "
+        write = f"write {head.group(1)}://... " if known else ""
         raise ConfigError(
-            f"{url!r} looks like a URL without '://': {write}s3://bucket/prefix or file:///abs/path "
-            "(a local path must not start with 'scheme:')"
+            f"{url!r} looks like a URL without '://': {write}(supported: s3://bucket/prefix, file:///abs/path, "
+            "memory://name or a local path, which must not start with 'scheme:')"
         )
 
 

@@ -25,8 +25,19 @@ EXIT_CODES = """exit codes of `run`:
   1  an invariant failed (report.json names it, with its reason)
   2  bad scenario, recipe override or arguments
   3  the harness itself crashed (report.json has "harness_error" with the traceback, when the report
-     directory could be written)"""
+     directory could be written), or the disk is full"""
 EXIT_PASSED, EXIT_FAILED, EXIT_CONFIG, EXIT_CRASH = 0, 1, 2, 3
+
+
+def _crashed(error: BaseException, *, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print(
+        f"{PROG}: error: the harness crashed before it could write a report: {type(error).__name__}: "
+        f"{one_line(error)} (rerun with --debug)",
+        file=sys.stderr,
+    )
+    return EXIT_CRASH
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from resilient.chaos.scenario import list_scenarios, load_scenario
-    from resilient.errors import ConfigError
+    from resilient.errors import ConfigError, disk_full
 
     if args.command == "list":
         for name in list_scenarios():
@@ -74,15 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
+    except OSError as e:
+        if not disk_full(e):
+            return _crashed(e, debug=args.debug)
+        print(f"{PROG}: error: the disk is full: {one_line(e)}; free space and run again", file=sys.stderr)
+        return EXIT_CRASH  # not 1 (an invariant failed) nor 2 (bad input): the machine's
     except Exception as e:  # noqa: BLE001 (a crash must not exit 1, which means "an invariant failed")
-        if args.debug:
-            traceback.print_exc()
-        print(
-            f"{PROG}: error: the harness crashed before it could write a report: {type(e).__name__}: "
-            f"{one_line(e)} (rerun with --debug)",
-            file=sys.stderr,
-        )
-        return EXIT_CRASH
+        return _crashed(e, debug=args.debug)
     where = os.path.join(report_dir, "report.json")
     if "harness_error" in report:
         if args.debug:

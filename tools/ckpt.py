@@ -27,7 +27,7 @@ import traceback
 
 from resilient.errors import IntegrityError, ResilientError
 from resilient.tools import ckpt_output as out
-from resilient.tools.cli import OneLineParser, reader_of_stdout_gone, stdout_closed
+from resilient.tools.cli import OneLineParser, call_or_stdout_closed
 
 PROG = "resilient-ckpt"
 
@@ -377,12 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     _return_big_buffers_to_os()
     try:
-        try:
-            return args.handler(args)
-        except BrokenPipeError:
-            if not reader_of_stdout_gone():
-                raise  # another pipe: handled below as the error it is
-            return stdout_closed()
+        return call_or_stdout_closed(lambda: args.handler(args))
     except IntegrityError as e:  # the checkpoint itself is damaged: a finding
         sys.stderr.write(f"{PROG}: {_one_line(e)}\n")
         return 1

@@ -47,17 +47,23 @@ def stdout_closed() -> int:
     return 128 + signal.SIGPIPE
 
 
+def call_or_stdout_closed(command: Callable[[], int]) -> int:
+    """``command()``, or 141 with no line when it failed because the reader of stdout went away;
+    a broken pipe elsewhere is raised as the error it is."""
+    try:
+        return command()
+    except BrokenPipeError:
+        if not reader_of_stdout_gone():
+            raise
+        return stdout_closed()
+
+
 def run_command(prog: str, command: Callable[[], int], *, debug: bool, expected: tuple[type, ...]) -> int:
     """``command()``'s exit code; an ``expected`` error (bad input, storage) is one line and 2 (1
     for a full disk), Ctrl-C 130, the reader of stdout gone 141 (``stdout_closed``), anything else one
     line naming its type and 2; tracebacks only with ``debug``."""
     try:
-        try:
-            return command()
-        except BrokenPipeError:
-            if not reader_of_stdout_gone():
-                raise  # another pipe: handled below as the error it is
-            return stdout_closed()
+        return call_or_stdout_closed(command)
     except expected as e:
         if debug:
             traceback.print_exc()

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=PROG,
         description="Build WebDataset media shards (tars + per-shard index + tokenizer) for the trainer.",
-        epilog="exit codes: 0 ok (skipped inputs are listed in DEST/skipped.jsonl), 2 usage, input or access error",
+        epilog="exit codes: 0 ok (skipped inputs are listed in DEST/skipped.jsonl), 1 a full disk, 2 usage, input "
+        "or access error, 141 the reader of its output went away (| head)",
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

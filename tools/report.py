@@ -23,7 +23,11 @@ PROG = "resilient-report"
 
 
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog="exit codes: 0 ok, 1 a full disk, 2 usage, input or access error, 141 its reader went away (| head)",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a training run")
     parser.add_argument("--out", default="", metavar="DIR", help="where to write report.html and summary.json")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")

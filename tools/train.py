@@ -302,10 +302,10 @@ def run_replica_groups(args: argparse.Namespace) -> int:
 
 
 def _cannot_start(error: MarkError | OSError) -> int:
-    """The machine's failure before anything started (no usable temporary folder, a full disk
-    where run.dir goes): one line, and 1, not the usage code."""
+    """One line for what stopped the launch before anything started: 1 for the machine's failure
+    (no usable temporary folder, a full disk where run.dir goes), else 2."""
     print(f"error: {error}", file=sys.stderr)
-    return RUNTIME_EXIT
+    return RUNTIME_EXIT if isinstance(error, MarkError) or disk_full(error) else ERROR_EXIT
 
 
 def _failure_line(run_dir: str, started: float, code: int, stopped: list[dict]) -> str | None:

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         if not isinstance(e, ConfigError) and not disk_full(e):
             raise
-        if rank == 0:
+        if rank == 0 or os.environ.get("LOCAL_RANK") == "0":  # one line per node: a node's own mistake too
             print(f"error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT if isinstance(e, ConfigError) else RUNTIME_EXIT
     _setup_logging(rank)

@@ -4,7 +4,9 @@ twin_match. No job is run."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,6 +106,24 @@ def test_bad_input_is_one_line_and_exit_2_before_the_job_starts(tmp_path: Path, 
     says = {"scenario-not-utf8": "not UTF-8 text", "report-under-a-file": f"--report {report} cannot be written"}
     assert lines[0].startswith("resilient-chaos: error: ")
     assert says.get(mistake, f"twin cache {cache} cannot be written (Not a directory); pass --cache DIR") in lines[0]
+
+
+@pytest.mark.parametrize("where", ["report", "cache"])
+def test_a_full_disk_is_one_line_that_says_so_not_bad_input(tmp_path: Path, monkeypatch, capsys, where: str) -> None:
+    """ENOSPC making the --report or --cache folder: not "choose a writable directory" (exit 2)."""
+    monkeypatch.setattr(harness, "_run", _crash(AssertionError("the job must not start")))
+    real_makedirs = os.makedirs
+
+    def makedirs(path: str, *args: object, **kwargs: object) -> None:
+        if str(path).startswith(str(tmp_path / where)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    code = cli.main(["run", "smoke", "--report", str(tmp_path / "report"), "--cache", str(tmp_path / "cache")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_CRASH and line.startswith("resilient-chaos: error: the disk is full: "), line
+    assert "No space left on device" in line and "--debug" not in line
 
 
 def test_a_config_error_inside_the_run_writes_the_report_and_exits_2(tmp_path: Path, monkeypatch) -> None:

@@ -173,7 +173,7 @@ def test_torchrun_waits_out_the_grace_and_passes_the_preempt_signal_on() -> None
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("groups", [[], ["--replica-groups", "2", "--nproc-per-group", "4"]])
-@pytest.mark.parametrize("why", ["no folder", "full"])
+@pytest.mark.parametrize("why", ["no folder", "full", "no usable folder at all"])
 def test_a_launcher_that_cannot_create_its_preemption_mark_says_so_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], groups: list[str], why: str
 ) -> None:
@@ -181,6 +181,12 @@ def test_a_launcher_that_cannot_create_its_preemption_mark_says_so_in_one_line(
     (the machine's failure), before torchrun or a replica group starts (before: an OSError traceback)."""
     missing = tmp_path / "no-such-tmp"
     monkeypatch.setattr(tempfile, "tempdir", str(missing))
+    where = str(missing)
+    if why == "no usable folder at all":  # gettempdir() itself raises: the handler must not call it
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        monkeypatch.delenv("TMPDIR", raising=False)
+        monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(missing)])
+        where = "the temporary folder (/tmp)"
     if why == "full":
 
         def full(*args: object, **kwargs: object) -> str:
@@ -191,7 +197,7 @@ def test_a_launcher_that_cannot_create_its_preemption_mark_says_so_in_one_line(
     code = train_cli.main(["--config", TINY, "--set", f"run.dir={run_dir}", *groups])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
-    assert err == [err[0]] and err[0].startswith(f"error: cannot create the preemption mark's folder in {missing}: ")
+    assert err == [err[0]] and err[0].startswith(f"error: cannot create the preemption mark's folder in {where}: ")
     assert "TMPDIR" in err[0] and ("No space left" in err[0]) == (why == "full")
     assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())  # no group started
 

@@ -90,7 +90,11 @@ def run(
         # prints above the one line the operator should read.
         env.setdefault("OMP_NUM_THREADS", "1")
     # SIGTERM when this launcher dies however it dies: torchrun then stops its workers (they save).
-    proc = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
+    try:
+        proc = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
+    except BaseException:
+        mark.close()
+        raise
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if proc.poll() is None:
